@@ -1,0 +1,73 @@
+"""Engine configuration: one dataclass, validated in the user process, shipped to the children as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import msgspec
+
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the three processes need to agree on. Defaults suit the embedded model on a small CPU."""
+
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
+    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32
+    device: str = "auto"
+    attention_backend: str = "auto"
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: derived from mem_fraction
+    mem_fraction: float = 0.10  # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None
+    max_running_requests: int = 256  # rows of the req_to_token table
+    max_prefill_tokens: int = 8192  # prompt tokens admitted into one prefill step
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = None  # torch threads in the scheduler; None: all cores
+    startup_timeout: float = 600.0  # seconds to wait for the children to report ready
+    show_progress: bool = False  # progress bar while the model loads
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if self.model_path is not None and not isinstance(self.model_path, (str, os.PathLike)):
+            raise ValueError(f"model_path must be a path string, got {type(self.model_path).__name__}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("max_total_tokens", "context_length", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("max_running_requests", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (0.0 < float(self.mem_fraction) < 1.0):
+            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction!r}")
+        if not self.startup_timeout > 0:
+            raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout!r}")
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "EngineConfig":
+        return cls(**msgspec.json.decode(data))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        config = cls(**kwargs)
+        if config.model_path is not None:
+            config.model_path = os.fspath(config.model_path)
+        config.validate()
+        return config

@@ -1,0 +1,55 @@
+"""Incremental detokenization for a batch of requests with a single batch_decode call.
+
+Each request keeps its ids and two offsets. Text is emitted for ids[read:] only when decoding the
+window ids[prefix:] yields more than decoding ids[prefix:read] and does not end in U+FFFD (a UTF-8
+character whose bytes are still split across tokens). Decoding a window, not the whole sequence,
+keeps the cost per step constant; starting the window a few tokens back keeps tokenizers that strip
+or merge leading spaces honest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class DecodeState:
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+        self.states: dict[str, DecodeState] = {}
+
+    def step(self, rids: list[str], new_ids: list[list[int]], finished: list[bool]) -> list[str]:
+        """Append each request's new ids; return each request's new text. Forget finished requests."""
+        states = []
+        for rid, ids in zip(rids, new_ids):
+            state = self.states.get(rid)
+            if state is None:
+                state = self.states[rid] = DecodeState()
+            state.ids.extend(ids)
+            states.append(state)
+        windows = [s.ids[s.prefix_offset : s.read_offset] for s in states]
+        windows += [s.ids[s.prefix_offset :] for s in states]
+        texts = self.decoder.decode_batch(windows)
+        n = len(states)
+        deltas = []
+        for i, state in enumerate(states):
+            prefix_text, full_text = texts[i], texts[n + i]
+            if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
+                deltas.append(full_text[len(prefix_text) :])
+                state.prefix_offset = state.read_offset
+                state.read_offset = len(state.ids)
+            elif finished[i]:
+                deltas.append(full_text[len(prefix_text) :])  # flush what is left, even a broken tail
+            else:
+                deltas.append("")
+            if finished[i]:
+                del self.states[rids[i]]
+        return deltas

@@ -1,0 +1,163 @@
+"""Engine: the user-facing object. Builds the TokenizerManager here and spawns scheduler and detokenizer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+from engine.config import EngineConfig
+from engine.detokenizer.process import run_detokenizer_process
+from engine.errors import EngineDeadError
+from engine.ipc.channels import Endpoints
+from engine.model.resolve import resolve_model_dir
+from engine.processes.launch import Child, spawn_child, stop_children, wait_ready
+from engine.scheduler.process import run_scheduler_process
+from engine.tokenizer import load_hf_tokenizer
+from engine.tokenizer_manager import TokenizerManager
+
+
+class _Resources:
+    """Everything that must be released at shutdown, kept apart from Engine so a finalizer can own it."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.endpoints: Endpoints | None = None
+        self.tokenizer_manager: TokenizerManager | None = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def kill_children(self, reason: str = "") -> None:
+        stop_children(self.children, timeout=2.0)
+        if self.endpoints is not None:
+            self.endpoints.remove()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        if self.tokenizer_manager is not None:
+            self.tokenizer_manager.close()
+        stop_children(self.children)
+        if self.endpoints is not None:
+            self.endpoints.remove()
+
+
+class Engine:
+    """engine = Engine(); engine.generate("prompt", {"max_new_tokens": 32})["text"]
+
+    Keyword options are the fields of EngineConfig. Scripts that create an Engine must guard their
+    top level with `if __name__ == "__main__":` (children are spawned, which re-imports the main module).
+    """
+
+    def __init__(self, model_path: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        res = self._resources = _Resources()
+        self._finalizer = weakref.finalize(self, res.close)
+        try:
+            announce = print if self.config.show_progress else None
+            self.model_dir = resolve_model_dir(self.config.model_path, announce)
+            tokenizer = load_hf_tokenizer(self.model_dir)
+            res.endpoints = Endpoints.create()
+            res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
+            ends, parent = res.endpoints.to_dict(), os.getpid()
+            res.children.append(
+                spawn_child("scheduler", run_scheduler_process, (self.config.to_json(), self.model_dir, ends, parent))
+            )
+            res.children.append(spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent)))
+            with _LoadProgress(self.config.show_progress) as bar:
+                wait_ready(res.children, self.config.startup_timeout, bar.update)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.server_info = dict(res.children[0].info)
+        self.tokenizer = tokenizer
+        sentinels = {c.process.sentinel: c.role for c in res.children}
+        res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
+
+    # ------------------------------------------------------------------ API
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, progress=False):
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts, in order).
+
+        Exactly one of prompt (str or list of str), input_ids (list of ids or list of lists) or messages
+        (a chat: list of {"role", "content"}, or a list of chats) is given. sampling_params is a dict or
+        a list of dicts, one per prompt. Raises ValueError before anything is queued if any input is bad.
+        """
+        tm = self._tm()
+        bar = None
+        on_finish = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc="generating", unit="req", total=0)
+            on_finish = lambda state: bar.update(1)  # noqa: E731
+        try:
+            states, is_batch = tm.submit(prompt, sampling_params, input_ids, messages, rid, on_finish)
+            if bar is not None:
+                bar.total = len(states)
+                bar.refresh()
+            results = tm.wait(states)
+        finally:
+            if bar is not None:
+                bar.close()
+        return results if is_batch else results[0]
+
+    def get_stats(self) -> dict:
+        """Scheduler counters: KV pool use (max_total_tokens, free_tokens), slots, queue lengths, totals."""
+        return self._tm().get_stats()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process ids by role: user, scheduler, detokenizer."""
+        out = {"user": os.getpid()}
+        out.update({c.role: c.pid for c in self._resources.children})
+        return out
+
+    @property
+    def runtime_dir(self) -> str | None:
+        return self._resources.endpoints.runtime_dir if self._resources.endpoints else None
+
+    def shutdown(self) -> None:
+        """Stop both children and remove the runtime directory. Safe to call twice."""
+        self._finalizer()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _tm(self) -> TokenizerManager:
+        tm = self._resources.tokenizer_manager
+        if self._resources.closed or tm is None:
+            raise EngineDeadError("the engine was shut down")
+        if tm.dead is not None:
+            raise EngineDeadError(tm.dead)
+        return tm
+
+
+class _LoadProgress:
+    """A tqdm bar fed by the scheduler's weight-loading progress messages."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+
+    def __enter__(self) -> "_LoadProgress":
+        return self
+
+    def update(self, role: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="loading weights", unit="tensor")
+        self.bar.n = done
+        self.bar.refresh()
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()

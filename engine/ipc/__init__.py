@@ -1,0 +1,1 @@
+"""Typed messages and ZeroMQ channels between the three processes. No pickle anywhere."""

@@ -1,0 +1,51 @@
+"""The private runtime directory and the ZeroMQ PUSH/PULL sockets that live in it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import zmq
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """ipc:// addresses of the three PULL sockets, inside one private directory."""
+
+    runtime_dir: str
+    scheduler: str  # the scheduler pulls requests here
+    detokenizer: str  # the detokenizer pulls token outputs here
+    tokenizer: str  # the tokenizer manager pulls text outputs here
+
+    @classmethod
+    def create(cls) -> "Endpoints":
+        runtime_dir = tempfile.mkdtemp(prefix="engine-")  # mode 0700: only this user can reach the sockets
+        os.chmod(runtime_dir, 0o700)
+        return cls(
+            runtime_dir=runtime_dir,
+            scheduler=f"ipc://{runtime_dir}/scheduler",
+            detokenizer=f"ipc://{runtime_dir}/detokenizer",
+            tokenizer=f"ipc://{runtime_dir}/tokenizer",
+        )
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("runtime_dir", "scheduler", "detokenizer", "tokenizer")}
+
+    def remove(self) -> None:
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def pull_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    return sock
+
+
+def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock

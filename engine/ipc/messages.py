@@ -1,0 +1,121 @@
+"""Wire types. Every message is a msgspec struct, tagged, so each channel decodes into a checked union.
+
+Channels (all PUSH/PULL over ipc://):
+    tokenizer manager --ToScheduler-->   scheduler
+    scheduler         --ToDetokenizer--> detokenizer
+    detokenizer       --ToTokenizer-->   tokenizer manager
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class TokenizedRequest(msgspec.Struct, array_like=True):
+    """One request after tokenization. `traceparent` is reserved for W3C trace context (a plain string)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    traceparent: str = ""
+
+
+class GenerateBatch(msgspec.Struct, tag="generate", array_like=True):
+    """All requests of one generate() call, sent in one message (SGLang sends one message per prompt)."""
+
+    reqs: list[TokenizedRequest]
+
+
+class StatsRequest(msgspec.Struct, tag="stats_req", array_like=True):
+    """Ask the scheduler for its counters; the answer travels back through the detokenizer."""
+
+    req_id: str
+
+
+class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Why a request stopped: 'stop' (matched: a token id), 'length' (length: the token count) or 'abort'."""
+
+    type: str
+    matched: int | None = None
+    length: int | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        out: dict = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        elif self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+class RequestMeta(msgspec.Struct, array_like=True):
+    """Per-request counters attached to a request's last output."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class BatchTokenOut(msgspec.Struct, tag="tokens", array_like=True):
+    """One scheduler step's new tokens: exactly one new token per listed request.
+
+    `finished[i]` is None while request i runs; `meta[i]` is set on its last output only.
+    """
+
+    rids: list[str]
+    token_ids: list[int]
+    finished: list[Union[FinishReason, None]]
+    meta: list[Union[RequestMeta, None]]
+
+
+class BatchTextOut(msgspec.Struct, tag="text", array_like=True):
+    """The detokenizer's answer to one BatchTokenOut: text and ids since the previous output per request."""
+
+    rids: list[str]
+    text_deltas: list[str]
+    token_ids: list[int]
+    finished: list[Union[FinishReason, None]]
+    meta: list[Union[RequestMeta, None]]
+
+
+class Stats(msgspec.Struct, tag="stats", array_like=True):
+    """Scheduler counters: pool and table occupancy, queue lengths, totals since start."""
+
+    req_id: str
+    max_total_tokens: int
+    free_tokens: int
+    max_running_requests: int
+    free_slots: int
+    running: int
+    waiting: int
+    prefill_steps: int
+    decode_steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    finished_requests: int
+
+
+ToScheduler = Union[GenerateBatch, StatsRequest]
+ToDetokenizer = Union[BatchTokenOut, Stats]
+ToTokenizer = Union[BatchTextOut, Stats]
+
+
+class Codec:
+    """Encoder plus a decoder bound to one channel's union type: anything else fails to decode."""
+
+    def __init__(self, union_type) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(union_type)
+
+    def encode(self, message) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes):
+        return self._decoder.decode(data)

@@ -1,0 +1,1 @@
+"""The model: configuration, finding and converting weights, and the Llama-family decoder."""

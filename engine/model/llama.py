@@ -1,0 +1,132 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2, Mistral without sliding window) over the token KV pool.
+
+Fused projections (qkv, gate_up) cut the matmul count per layer from seven to four. The final norm and
+lm_head run only on the rows that need logits (one per request), not on every prompt token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.config import ModelConfig
+from kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
+from kernels.ops import apply_rotary, rms_norm, silu_and_mul
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, backend, batch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Logits [B, vocab] in float32 for each request's last new token."""
+        backend.init_forward_metadata(batch)
+        cos = self.rope_cos[batch.positions]
+        sin = self.rope_sin[batch.positions]
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, backend, batch)
+        if batch.mode is ForwardMode.EXTEND:
+            h = h[batch.logits_indices]
+        return self.lm_head(self.norm(h)).float()
+
+
+def remap_hf_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours, fusing q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {}
+    get = tensors.pop
+    out["embed_tokens.weight"] = get("model.embed_tokens.weight")
+    out["norm.weight"] = get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        q = p + "self_attn."
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [get(q + "q_proj.weight"), get(q + "k_proj.weight"), get(q + "v_proj.weight")]
+        )
+        if cfg.qkv_bias:
+            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                [get(q + "q_proj.bias"), get(q + "k_proj.bias"), get(q + "v_proj.bias")]
+            )
+        out[f"layers.{i}.self_attn.o_proj.weight"] = get(q + "o_proj.weight")
+        if cfg.o_bias:
+            out[f"layers.{i}.self_attn.o_proj.bias"] = get(q + "o_proj.bias")
+        m = p + "mlp."
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        out[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            out[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
+            out[f"layers.{i}.mlp.down_proj.bias"] = get(m + "down_proj.bias")
+        out[f"layers.{i}.input_layernorm.weight"] = get(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_attention_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
+    tensors.pop("lm_head.weight", None)  # tied copies some exporters write anyway
+    if tensors:
+        raise ValueError(f"unexpected weights in checkpoint: {sorted(tensors)[:8]}")
+    return out

@@ -1,0 +1,90 @@
+"""Child-side life cycle: title, readiness report, and exit when the parent stops or dies.
+
+The readiness pipe doubles as a lifeline: the parent holds the only other end, so EOF on it means the
+parent is gone (even after SIGKILL) and the child exits at once. Messages on it are JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from typing import Callable, Protocol
+
+import msgspec
+
+_cleanups: list[Callable[[], None]] = []
+
+
+class Serving(Protocol):
+    info: dict
+
+    def serve_forever(self) -> None: ...
+
+
+def send_status(conn, **payload) -> None:
+    conn.send_bytes(msgspec.json.encode(payload))
+
+
+def at_exit(fn: Callable[[], None]) -> None:
+    """Run fn (best effort) when the child is told to stop or finds its parent gone."""
+    _cleanups.append(fn)
+
+
+def _exit_now(code: int) -> None:
+    for fn in reversed(_cleanups):
+        try:
+            fn()
+        except BaseException:
+            pass
+    os._exit(code)
+
+
+def _watch_parent(conn, parent_pid: int) -> None:
+    while True:
+        try:
+            if conn.poll(1.0):
+                message = conn.recv_bytes()
+                if message == b"shutdown":
+                    _exit_now(0)
+        except (EOFError, OSError):
+            _exit_now(0)  # the parent closed its end or died
+        if os.getppid() != parent_pid:
+            _exit_now(0)
+
+
+def run_child(role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving]) -> None:
+    """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"engine::{role}")
+    except Exception:
+        pass
+    threading.Thread(target=_watch_parent, args=(conn, parent_pid), name="parent-watch", daemon=True).start()
+
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - last[0] > 0.05:
+            last[0] = now
+            send_status(conn, status="progress", role=role, done=done, total=total)
+
+    try:
+        server = build(progress)
+    except BaseException as exc:  # report anything, even MemoryError, then exit non-zero
+        text = "".join(traceback.format_exception(exc)).rstrip()
+        try:
+            send_status(conn, status="failed", role=role, error=f"{type(exc).__name__}: {exc}", traceback=text)
+        finally:
+            _exit_now(1)
+        return
+    send_status(conn, status="ready", role=role, pid=os.getpid(), info=server.info)
+    try:
+        server.serve_forever()
+    except BaseException:
+        traceback.print_exc()
+        _exit_now(1)
+    _exit_now(0)

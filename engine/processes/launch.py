@@ -1,0 +1,112 @@
+"""Parent-side process management: spawn, wait for ready (never hang), stop."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from engine.errors import EngineStartError
+
+
+@dataclass
+class Child:
+    role: str
+    process: mp.Process
+    conn: multiprocessing.connection.Connection
+    info: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+
+def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | None = None) -> Child:
+    """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe)."""
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=target, args=(*args, child_conn), name=f"engine::{role}", daemon=True)
+    process.start()
+    child_conn.close()  # the child holds the only other end: EOF there means we are gone
+    return Child(role=role, process=process, conn=parent_conn)
+
+
+def _read_status(child: Child) -> dict | None:
+    try:
+        if child.conn.poll(0):
+            return msgspec.json.decode(child.conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+    return None
+
+
+def wait_ready(
+    children: list[Child], timeout: float, on_progress: Callable[[str, int, int], None] | None = None
+) -> None:
+    """Block until every child reports ready; raise EngineStartError with the child's error otherwise."""
+    deadline = time.monotonic() + timeout
+    pending = {c.role: c for c in children}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise EngineStartError(f"{', '.join(pending)} not ready after {timeout:.0f}s (startup_timeout)")
+        handles = [c.conn for c in pending.values()] + [c.process.sentinel for c in pending.values()]
+        for handle in multiprocessing.connection.wait(handles, timeout=remaining):
+            for child in list(pending.values()):
+                if handle is child.conn:
+                    try:
+                        status = msgspec.json.decode(child.conn.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # the sentinel reports the death
+                    _handle_status(child, status, pending, on_progress)
+                elif handle == child.process.sentinel and child.role in pending:
+                    status = _read_status(child)
+                    while status is not None and status.get("status") == "progress":
+                        status = _read_status(child)
+                    if status is not None:
+                        _handle_status(child, status, pending, on_progress)
+                    if child.role in pending:
+                        child.process.join(1)
+                        raise EngineStartError(
+                            f"{child.role} process exited with code {child.process.exitcode} before it was ready"
+                        )
+
+
+def _handle_status(child: Child, status: dict, pending: dict, on_progress) -> None:
+    kind = status.get("status")
+    if kind == "progress":
+        if on_progress is not None:
+            on_progress(child.role, int(status["done"]), int(status["total"]))
+    elif kind == "ready":
+        child.info = status.get("info", {})
+        pending.pop(child.role, None)
+    elif kind == "failed":
+        raise EngineStartError(f"{child.role} process failed to start: {status.get('error')}\n{status.get('traceback', '')}")
+
+
+def stop_children(children: list[Child], timeout: float = 5.0) -> None:
+    """Ask politely over the pipe, then SIGTERM, then SIGKILL; always reap."""
+    for child in children:
+        if child.process.is_alive():
+            try:
+                child.conn.send_bytes(b"shutdown")
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.process.is_alive():
+            child.process.terminate()
+            child.process.join(2)
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join(2)
+        try:
+            child.conn.close()
+        except OSError:
+            pass

@@ -1,0 +1,59 @@
+"""The running (decoding) batch: requests plus per-row tensors that persist across steps.
+
+Tensors change only when requests join (merge) or leave (filter), so a decode step builds its inputs
+from them without touching each request in Python.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.scheduler.request import Req
+from engine.scheduler.sampler import SamplingTensors
+
+
+class RunningBatch:
+    def __init__(self, reqs: list[Req], vocab_size: int, device) -> None:
+        self.reqs = reqs
+        self.device = device
+        self.slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)
+        self.kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+        self.last_ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in reqs], dtype=torch.int64, device=device)
+        self.out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device)
+        self.max_new = torch.tensor([r.sampling.max_new_tokens for r in reqs], dtype=torch.int64, device=device)
+        width = max([len(r.stop_ids) for r in reqs] + [1])
+        stop = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs]
+        self.stop_table = torch.tensor(stop, dtype=torch.int64, device=device).reshape(len(reqs), width)
+        self.sampling = SamplingTensors.from_params([r.sampling for r in reqs], vocab_size, device)
+        self.rids = [r.rid for r in reqs]
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def remaining_kv(self) -> int:
+        """Pool tokens the batch may still need before every request reaches max_new_tokens."""
+        return int((self.max_new - self.out_lens).sum()) if self.reqs else 0
+
+    def filter(self, keep: torch.Tensor, keep_list: list[bool]) -> None:
+        self.reqs = [r for r, k in zip(self.reqs, keep_list) if k]
+        self.rids = [r.rid for r in self.reqs]
+        for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new", "stop_table"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.sampling = self.sampling.filter(keep)
+
+    def merge(self, other: "RunningBatch") -> None:
+        if not self.reqs:
+            self.__dict__.update(other.__dict__)
+            return
+        self.reqs = self.reqs + other.reqs
+        self.rids = self.rids + other.rids
+        for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        w = max(self.stop_table.shape[1], other.stop_table.shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, w - t.shape[1]), value=-1)  # noqa: E731
+        self.stop_table = torch.cat([pad(self.stop_table), pad(other.stop_table)])
+        self.sampling = self.sampling.merge(other.sampling)
+
+    @classmethod
+    def empty(cls, vocab_size: int, device) -> "RunningBatch":
+        return cls([], vocab_size, device)

@@ -1,0 +1,15 @@
+"""Entry point of the spawned scheduler process."""
+
+from __future__ import annotations
+
+from engine.processes.child import run_child
+
+
+def run_scheduler_process(config_json: bytes, model_dir: str, endpoints: dict, parent_pid: int, conn) -> None:
+    def build(progress):
+        from engine.config import EngineConfig
+        from engine.scheduler.scheduler import Scheduler
+
+        return Scheduler(EngineConfig.from_json(config_json), model_dir, endpoints, progress)
+
+    run_child("scheduler", conn, parent_pid, build)
