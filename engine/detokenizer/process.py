@@ -11,4 +11,4 @@ def run_detokenizer_process(model_dir: str, endpoints: dict, parent_pid: int, co
 
         return DetokenizerManager(model_dir, endpoints)
 
-    run_child("detokenizer", conn, parent_pid, build)
+    run_child("detokenizer", conn, parent_pid, build, endpoints["runtime_dir"])

@@ -7,6 +7,7 @@ parent is gone (even after SIGKILL) and the child exits at once. Messages on it 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import traceback
@@ -41,20 +42,27 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _watch_parent(conn, parent_pid: int) -> None:
+def _watch_parent(conn, parent_pid: int, runtime_dir: str | None) -> None:
     while True:
         try:
             if conn.poll(1.0):
                 message = conn.recv_bytes()
                 if message == b"shutdown":
                     _exit_now(0)
+                continue
         except (EOFError, OSError):
-            _exit_now(0)  # the parent closed its end or died
-        if os.getppid() != parent_pid:
-            _exit_now(0)
+            pass  # the parent closed its end or died
+        else:
+            if os.getppid() == parent_pid:
+                continue
+        if runtime_dir:  # the parent cannot clean up any more: its sockets' directory goes with us
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        _exit_now(0)
 
 
-def run_child(role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving]) -> None:
+def run_child(
+    role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving], runtime_dir: str | None = None
+) -> None:
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
     try:
         import setproctitle
@@ -62,7 +70,7 @@ def run_child(role: str, conn, parent_pid: int, build: Callable[[Callable[[int, 
         setproctitle.setproctitle(f"engine::{role}")
     except Exception:
         pass
-    threading.Thread(target=_watch_parent, args=(conn, parent_pid), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(conn, parent_pid, runtime_dir), name="parent-watch", daemon=True).start()
 
     last = [0.0]
 

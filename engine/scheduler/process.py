@@ -12,4 +12,4 @@ def run_scheduler_process(config_json: bytes, model_dir: str, endpoints: dict, p
 
         return Scheduler(EngineConfig.from_json(config_json), model_dir, endpoints, progress)
 
-    run_child("scheduler", conn, parent_pid, build)
+    run_child("scheduler", conn, parent_pid, build, endpoints["runtime_dir"])

@@ -1,0 +1,149 @@
+"""Start-up failures, shutdown, and death of a child or the parent: no hang, no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineDeadError, EngineStartError
+from helpers import pid_alive, wait_gone, wait_path_gone
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"dtype": "float32", "max_total_tokens": 4096, "max_running_requests": 8}
+
+
+def test_runtime_dir_private_and_removed_at_shutdown():
+    with Engine(**SMALL) as eng:
+        runtime_dir = eng.runtime_dir
+        assert oct(os.stat(runtime_dir).st_mode & 0o777) == "0o700"
+        assert sorted(os.listdir(runtime_dir)) == ["detokenizer", "scheduler", "tokenizer"]
+        children = [eng.pids["scheduler"], eng.pids["detokenizer"]]
+        assert all(pid_alive(p) for p in children)
+        assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
+    assert not os.path.exists(runtime_dir)
+    assert wait_gone(children, 5) == []
+    with pytest.raises(EngineDeadError):
+        eng.generate("Hi")
+
+
+def test_process_titles():
+    with Engine(**SMALL) as eng:
+        for role in ("scheduler", "detokenizer"):
+            cmdline = Path(f"/proc/{eng.pids[role]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            assert cmdline.startswith(f"engine::{role}")
+
+
+def test_scheduler_sigkill_mid_generation_raises_engine_dead():
+    eng = Engine(**SMALL)
+    runtime_dir = eng.runtime_dir
+    sched, detok = eng.pids["scheduler"], eng.pids["detokenizer"]
+    caught: list[BaseException] = []
+
+    def run():
+        try:
+            eng.generate("Count to one thousand:", {"max_new_tokens": 3000, "ignore_eos": True})
+        except BaseException as exc:  # noqa: BLE001
+            caught.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    os.kill(sched, signal.SIGKILL)
+    worker.join(10)
+    assert not worker.is_alive(), "the caller still waits on a dead engine"
+    assert time.monotonic() - t0 < 10
+    assert caught and isinstance(caught[0], EngineDeadError), caught
+    assert "scheduler" in str(caught[0])
+    with pytest.raises(EngineDeadError):
+        eng.generate("again")
+    assert wait_gone([sched, detok], 10) == []
+    assert wait_path_gone(runtime_dir, 5)
+    eng.shutdown()
+
+
+def _run_script(body: str) -> subprocess.Popen:
+    header = "import json, os, sys, time\nfrom engine import Engine\nif __name__ == '__main__':\n"
+    script = header + textwrap.indent(textwrap.dedent(body).strip() + "\n", "    ")
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def test_parent_sigkill_takes_children_down():
+    proc = _run_script(
+        """
+        eng = Engine(dtype="float32", max_total_tokens=2048, max_running_requests=4)
+        print(json.dumps({"pids": eng.pids, "dir": eng.runtime_dir}), flush=True)
+        time.sleep(600)
+        """
+    )
+    info = json.loads(proc.stdout.readline())
+    children = [info["pids"]["scheduler"], info["pids"]["detokenizer"]]
+    assert all(pid_alive(p) for p in children)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert wait_gone(children, 10) == [], "children outlived a SIGKILLed parent"
+    assert wait_path_gone(info["dir"], 5), "runtime directory left behind"
+
+
+def test_atexit_stops_children_without_shutdown_call():
+    proc = _run_script(
+        """
+        eng = Engine(dtype="float32", max_total_tokens=2048, max_running_requests=4)
+        print(json.dumps({"pids": eng.pids, "dir": eng.runtime_dir}), flush=True)
+        """
+    )
+    info = json.loads(proc.stdout.readline())
+    assert proc.wait(60) == 0
+    assert wait_gone([info["pids"]["scheduler"], info["pids"]["detokenizer"]], 10) == []
+    assert not os.path.exists(info["dir"])
+
+
+def test_corrupt_weights_report_child_error_promptly(tmp_path, model_dir):
+    for name in os.listdir(model_dir):
+        if name != "model.safetensors" and not name.startswith("."):
+            (tmp_path / name).write_bytes((Path(model_dir) / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    before = set(_children_of(os.getpid()))
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024)
+    assert time.monotonic() - t0 < 60
+    assert "scheduler" in str(info.value) and "safetensors" in str(info.value).lower()
+    assert wait_gone(set(_children_of(os.getpid())) - before, 10) == []
+
+
+def test_bad_model_path_raises_before_spawning(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine(model_path=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="unknown engine option"):
+        Engine(not_an_option=1)
+    with pytest.raises(ValueError, match="dtype"):
+        Engine(dtype="float16x")
+
+
+def test_scheduler_blocks_when_idle():
+    import psutil
+
+    with Engine(**SMALL) as eng:
+        eng.generate("Hi", {"max_new_tokens": 2})
+        proc = psutil.Process(eng.pids["scheduler"])
+        time.sleep(0.5)
+        before = sum(proc.cpu_times()[:2])
+        time.sleep(2.0)
+        used = sum(proc.cpu_times()[:2]) - before
+    assert used < 0.2, f"idle scheduler used {used:.2f}s of CPU in 2s: it spins"
+
+
+def _children_of(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
