@@ -1,0 +1,50 @@
+"""KV pool accounting: back to idle after a batch; a pool too small for all requests queues them."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPTS
+from engine import Engine
+
+
+def _idle(stats: dict) -> bool:
+    return (
+        stats["free_tokens"] == stats["max_total_tokens"]
+        and stats["free_slots"] == stats["max_running_requests"]
+        and stats["running"] == 0
+        and stats["waiting"] == 0
+    )
+
+
+def test_pool_empty_after_batch(engine):
+    outs = engine.generate(PROMPTS, {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9})
+    assert len(outs) == len(PROMPTS)
+    assert _idle(engine.get_stats())
+
+
+def test_small_pool_queues_and_completes_all(engine, tokenizer):
+    prompts = [tokenizer.encode(p * 3) for p in PROMPTS]
+    params = {"max_new_tokens": 48, "temperature": 0}
+    expected = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    need = max(len(p) for p in prompts) + 48
+    # room for about two requests at a time, so the rest must wait their turn
+    with Engine(dtype="float32", max_total_tokens=2 * need + 10, max_running_requests=8) as small:
+        outs = small.generate(input_ids=prompts, sampling_params=params)
+        stats = small.get_stats()
+        with pytest.raises(ValueError, match="max_total_tokens"):  # could never fit: refused, not queued forever
+            small.generate(input_ids=[5] * (stats["max_total_tokens"] - 10), sampling_params={"max_new_tokens": 64})
+        assert small.get_stats()["prompt_tokens"] == stats["prompt_tokens"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert len({o["meta_info"]["id"] for o in outs}) == len(prompts)
+    assert _idle(stats)
+    assert stats["prefill_steps"] >= len(prompts) // 2, "requests were not queued behind each other"
+    assert stats["finished_requests"] == len(prompts)
+
+
+def test_prompt_longer_than_context_is_refused_up_front(engine):
+    before = engine.get_stats()
+    with pytest.raises(ValueError, match="context_length"):
+        engine.generate(input_ids=[5] * engine.server_info["context_length"])
+    after = engine.get_stats()
+    assert after["prompt_tokens"] == before["prompt_tokens"]
