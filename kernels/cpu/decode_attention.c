@@ -1,0 +1,134 @@
+/* Decode attention straight from the token-level KV pool, for the CPU.
+ *
+ * One query token per request attends over that request's whole sequence, whose K/V rows are
+ * found through req_to_token. Reading the pool in place (no gathered copy, no padding) makes this
+ * bandwidth-bound on the K/V bytes themselves. GQA: the G query heads that share a KV head are
+ * computed together so each K/V row is read once. Two passes per request:
+ * scores and their max, then exp-weighted V sums. Float32 or bfloat16 storage; float32 math.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x;
+    x.u = ((uint32_t)h) << 16;
+    return x.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    uint32_t u = x.u;
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* Rows are scattered through the pool, so fetch a few ahead: the loop is latency-bound otherwise. */
+#define PREFETCH 8
+static inline void prefetch_row(const void *base, int64_t byte_off, int64_t bytes) {
+    const char *p = (const char *)base + byte_off;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
+}
+
+#define MAX_H 64
+#define MAX_D 256
+
+/* One request, all heads: each token's K (then V) row holds every KV head contiguously, so one pass reads
+ * the request's rows front to back instead of striding through them once per head. */
+static void attend_one(const void *q, const void *k, const void *v, void *out, const int64_t *rows, int64_t len,
+                       int b, int H, int Hkv, int D, float scale, int is_bf16, float *scores) {
+    const int G = H / Hkv;
+    const int W = Hkv * D; /* elements per token row */
+    const int64_t elem = is_bf16 ? 2 : 4;
+    static __thread float qf[MAX_H * MAX_D];
+    static __thread float acc[MAX_H * MAX_D];
+    static __thread float row[MAX_H * MAX_D];
+    float mx[MAX_H], sum[MAX_H];
+    for (int h = 0; h < H; h++) {
+        int64_t base = ((int64_t)b * H + h) * D;
+        for (int d = 0; d < D; d++)
+            qf[h * D + d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[base + d]) : ((const float *)q)[base + d]) * scale;
+        mx[h] = -INFINITY;
+    }
+    memset(acc, 0, sizeof(float) * H * D);
+    for (int64_t t = 0; t < len; t++) {
+        if (t + PREFETCH < len) prefetch_row(k, rows[t + PREFETCH] * W * elem, W * elem);
+        int64_t off = rows[t] * W;
+        if (is_bf16) {
+            const uint16_t *src = (const uint16_t *)k + off;
+            for (int i = 0; i < W; i++) row[i] = bf16_to_f32(src[i]);
+        } else {
+            memcpy(row, (const float *)k + off, sizeof(float) * W);
+        }
+        for (int h = 0; h < H; h++) {
+            const float *kr = row + (h / G) * D;
+            const float *qh = qf + h * D;
+            float s = 0.0f;
+            for (int d = 0; d < D; d++) s += qh[d] * kr[d];
+            scores[h * len + t] = s;
+            if (s > mx[h]) mx[h] = s;
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        float *sh = scores + h * len;
+        float m = mx[h], total = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            float e = expf(sh[t] - m);
+            sh[t] = e;
+            total += e;
+        }
+        sum[h] = total;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        if (t + PREFETCH < len) prefetch_row(v, rows[t + PREFETCH] * W * elem, W * elem);
+        int64_t off = rows[t] * W;
+        if (is_bf16) {
+            const uint16_t *src = (const uint16_t *)v + off;
+            for (int i = 0; i < W; i++) row[i] = bf16_to_f32(src[i]);
+        } else {
+            memcpy(row, (const float *)v + off, sizeof(float) * W);
+        }
+        for (int h = 0; h < H; h++) {
+            const float *vr = row + (h / G) * D;
+            float *ah = acc + h * D;
+            float p = scores[h * len + t];
+            for (int d = 0; d < D; d++) ah[d] += p * vr[d];
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        int64_t base = ((int64_t)b * H + h) * D;
+        float inv = 1.0f / sum[h];
+        for (int d = 0; d < D; d++) {
+            float o = acc[h * D + d] * inv;
+            if (is_bf16) ((uint16_t *)out)[base + d] = f32_to_bf16(o);
+            else ((float *)out)[base + d] = o;
+        }
+    }
+}
+
+/* q, out: [B, H, D]; k, v: [N, Hkv, D]; req_to_token: [R, stride]; slots, lens: [B]. Returns 0 or an error code. */
+int decode_attention(const void *q, const void *k, const void *v, void *out, const int64_t *req_to_token,
+                     int64_t stride, const int64_t *slots, const int64_t *lens, int B, int H, int Hkv, int D,
+                     float scale, int is_bf16, int num_threads) {
+    if (H % Hkv != 0 || H > MAX_H || D > MAX_D) return 1;
+    int64_t max_len = 0;
+    for (int b = 0; b < B; b++) if (lens[b] > max_len) max_len = lens[b];
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * H * (max_len > 0 ? max_len : 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int b = 0; b < B; b++)
+                attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, D, scale, is_bf16,
+                           scores);
+            free(scores);
+        }
+    }
+    return failed;
+}
