@@ -100,6 +100,7 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     prompt_tokens: int
     generated_tokens: int
     finished_requests: int
+    stage_seconds: dict[str, float] = {}  # scheduler wall time per stage (schedule, forward_extend, ...)
 
 
 ToScheduler = Union[GenerateBatch, StatsRequest]

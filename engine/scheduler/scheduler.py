@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,7 @@ class Scheduler:
         self.waiting: collections.deque[Req] = collections.deque()
         self.running = RunningBatch.empty(mc.vocab_size, self.device)
         self.counters = collections.Counter()
+        self.busy_seconds: collections.Counter = collections.Counter()  # wall time per stage, since start
         self.info = {
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -101,14 +103,26 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
 
     def serve_forever(self) -> None:
+        clock = time.perf_counter
+        busy = self.busy_seconds
         while True:
             self.recv_requests(block=not (self.waiting or len(self.running)))
+            t0 = clock()
             step = self.schedule()
             if step is None:
                 continue
+            t1 = clock()
             logits = self.forward(step)
+            t2 = clock()
             next_ids = self.sample(step, logits)
+            t3 = clock()
             self.process_results(step, next_ids)
+            t4 = clock()
+            mode = step.mode.value
+            busy["schedule"] += t1 - t0
+            busy[f"forward_{mode}"] += t2 - t1
+            busy["sample"] += t3 - t2
+            busy["process_results"] += t4 - t3
 
     # ------------------------------------------------------------------ stages
 
@@ -266,4 +280,5 @@ class Scheduler:
             prompt_tokens=c["prompt_tokens"],
             generated_tokens=c["generated_tokens"],
             finished_requests=c["finished_requests"],
+            stage_seconds=dict(self.busy_seconds),
         )
