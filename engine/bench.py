@@ -13,6 +13,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -214,12 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                      "hf_batch_size": args.hf_batch_size},
         "results": results,
     }  # fmt: skip
-    try:
+    with contextlib.suppress(ImportError):
         import transformers
 
         report["transformers"] = transformers.__version__
-    except ImportError:
-        pass
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -164,7 +164,8 @@ class TokenizerManager:
                 continue
             if delta:
                 state.text_parts.append(delta)
-            state.output_ids.append(token)
+            if token >= 0:
+                state.output_ids.append(token)
             if finish is not None:
                 state.finish_reason, state.meta, state.finished_at = finish, meta, now
                 with self.states_lock:

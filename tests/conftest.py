@@ -59,3 +59,55 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=model.generation_config.eos_token_id,
         )
     return out[0, len(ids):].tolist()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _tiny_config(kind: str):
+    if kind == "qwen2":  # q/k/v bias, GQA, untied embeddings
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.2,
+            eos_token_id=2, bos_token_id=1, rope_theta=10000.0,
+        )
+    from transformers import LlamaConfig  # llama3 RoPE scaling, MQA, tied embeddings
+
+    return LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
+        eos_token_id=2, bos_token_id=1,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    )
+
+
+def save_tiny_model(kind: str, folder, tokenizer_dir: str):
+    """A tiny random model saved as a Hugging Face directory, with the SmolLM2 tokenizer beside it."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32, attn_implementation="sdpa")
+    if kind == "qwen2":  # random biases, so the bias path is really exercised
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    model.eval()
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, Path(folder) / name)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, model_dir) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model("llama3-rope", folder, model_dir)
+    return str(folder)

@@ -30,5 +30,5 @@ class DetokenizerManager:
     def detokenize(self, out: BatchTokenOut) -> BatchTextOut:
         """The detokenize stage: one batch decode for every request in the message."""
         finished = [f is not None for f in out.finished]
-        deltas = self.incremental.step(out.rids, [[t] for t in out.token_ids], finished)
+        deltas = self.incremental.step(out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished)
         return BatchTextOut(out.rids, deltas, out.token_ids, out.finished, out.meta)

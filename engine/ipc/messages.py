@@ -63,8 +63,11 @@ class RequestMeta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0
 
 
+NO_TOKEN = -1  # in token_ids: this output carries no new token (a request aborted before producing one)
+
+
 class BatchTokenOut(msgspec.Struct, tag="tokens", array_like=True):
-    """One scheduler step's new tokens: exactly one new token per listed request.
+    """One scheduler step's new tokens: exactly one new token (or NO_TOKEN) per listed request.
 
     `finished[i]` is None while request i runs; `meta[i]` is set on its last output only.
     """
@@ -100,6 +103,7 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     prompt_tokens: int
     generated_tokens: int
     finished_requests: int
+    aborted_requests: int = 0
     stage_seconds: dict[str, float] = {}  # scheduler wall time per stage (schedule, forward_extend, ...)
 
 

@@ -6,6 +6,7 @@ parent is gone (even after SIGKILL) and the child exits at once. Messages on it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -14,8 +15,6 @@ import traceback
 from typing import Callable, Protocol
 
 import msgspec
-
-_cleanups: list[Callable[[], None]] = []
 
 
 class Serving(Protocol):
@@ -28,33 +27,22 @@ def send_status(conn, **payload) -> None:
     conn.send_bytes(msgspec.json.encode(payload))
 
 
-def at_exit(fn: Callable[[], None]) -> None:
-    """Run fn (best effort) when the child is told to stop or finds its parent gone."""
-    _cleanups.append(fn)
-
-
 def _exit_now(code: int) -> None:
-    for fn in reversed(_cleanups):
-        try:
-            fn()
-        except BaseException:
-            pass
-    os._exit(code)
+    os._exit(code)  # skip interpreter teardown: torch and zmq threads may still be busy
 
 
 def _watch_parent(conn, parent_pid: int, runtime_dir: str | None) -> None:
     while True:
+        parent_gone = False
         try:
             if conn.poll(1.0):
-                message = conn.recv_bytes()
-                if message == b"shutdown":
+                if conn.recv_bytes() == b"shutdown":
                     _exit_now(0)
                 continue
         except (EOFError, OSError):
-            pass  # the parent closed its end or died
-        else:
-            if os.getppid() == parent_pid:
-                continue
+            parent_gone = True  # the parent closed its end or died
+        if not parent_gone and os.getppid() == parent_pid:
+            continue
         if runtime_dir:  # the parent cannot clean up any more: its sockets' directory goes with us
             shutil.rmtree(runtime_dir, ignore_errors=True)
         _exit_now(0)
@@ -64,12 +52,10 @@ def run_child(
     role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving], runtime_dir: str | None = None
 ) -> None:
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
-    try:
+    with contextlib.suppress(ImportError):
         import setproctitle
 
         setproctitle.setproctitle(f"engine::{role}")
-    except Exception:
-        pass
     threading.Thread(target=_watch_parent, args=(conn, parent_pid, runtime_dir), name="parent-watch", daemon=True).start()
 
     last = [0.0]

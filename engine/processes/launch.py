@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import time
@@ -92,10 +93,8 @@ def stop_children(children: list[Child], timeout: float = 5.0) -> None:
     """Ask politely over the pipe, then SIGTERM, then SIGKILL; always reap."""
     for child in children:
         if child.process.is_alive():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 child.conn.send_bytes(b"shutdown")
-            except (OSError, ValueError):
-                pass
     deadline = time.monotonic() + timeout
     for child in children:
         child.process.join(max(0.0, deadline - time.monotonic()))
@@ -106,7 +105,5 @@ def stop_children(children: list[Child], timeout: float = 5.0) -> None:
         if child.process.is_alive():
             child.process.kill()
             child.process.join(2)
-        try:
+        with contextlib.suppress(OSError):
             child.conn.close()
-        except OSError:
-            pass

@@ -24,6 +24,7 @@ from engine.ipc.messages import (
     BatchTokenOut,
     Codec,
     FinishReason,
+    NO_TOKEN,
     GenerateBatch,
     RequestMeta,
     Stats,
@@ -103,26 +104,45 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
 
     def serve_forever(self) -> None:
+        while True:
+            self.run_once()
+
+    def run_once(self, block: bool = True) -> bool:
+        """One turn of the loop: receive (blocking only if idle and `block`), then at most one step.
+        Returns whether a step ran.
+
+        A step that raises fails only the requests in it (finish reason "abort" with the error);
+        the engine keeps serving the rest.
+        """
         clock = time.perf_counter
         busy = self.busy_seconds
-        while True:
-            self.recv_requests(block=not (self.waiting or len(self.running)))
-            t0 = clock()
-            step = self.schedule()
-            if step is None:
-                continue
-            t1 = clock()
+        self.recv_requests(block=block and not (self.waiting or len(self.running)))
+        t0 = clock()
+        step = self.schedule()
+        if step is None:
+            return False
+        t1 = clock()
+        try:
             logits = self.forward(step)
             t2 = clock()
             next_ids = self.sample(step, logits)
             t3 = clock()
             self.process_results(step, next_ids)
-            t4 = clock()
-            mode = step.mode.value
-            busy["schedule"] += t1 - t0
-            busy[f"forward_{mode}"] += t2 - t1
-            busy["sample"] += t3 - t2
-            busy["process_results"] += t4 - t3
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+            self._abort_step(step, f"{type(exc).__name__}: {exc}")
+            return True
+        t4 = clock()
+        busy["schedule"] += t1 - t0
+        busy[f"forward_{step.mode.value}"] += t2 - t1
+        busy["sample"] += t3 - t2
+        busy["process_results"] += t4 - t3
+        return True
+
+    def close(self) -> None:
+        """Close the sockets (the process exits without this; in-process users such as tests need it)."""
+        self.recv_sock.close(linger=0)
+        self.send_sock.close(linger=0)
+        self.zmq_ctx.term()
 
     # ------------------------------------------------------------------ stages
 
@@ -261,6 +281,22 @@ class Scheduler:
         )
         return Step(batch, rows)
 
+    def _abort_step(self, step: Step, message: str) -> None:
+        rows = step.rows
+        kv_lens = rows.kv_lens.tolist()
+        reason = FinishReason("abort", message=message)
+        meta = []
+        for req, kv_len in zip(rows.reqs, kv_lens):
+            req.finished = reason
+            meta.append(RequestMeta(prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids)))
+            self._release(req.slot, kv_len)
+        n = len(rows.reqs)
+        out = BatchTokenOut(list(rows.rids), [NO_TOKEN] * n, [reason] * n, meta)
+        self.send_sock.send(self.send_codec.encode(out))
+        self.counters["aborted_requests"] += n
+        if step.mode is ForwardMode.DECODE:
+            self.running = RunningBatch.empty(self.model_config.vocab_size, self.device)
+
     def _release(self, slot: int, kv_len: int) -> None:
         self.kv_pool.free(self.req_to_token.table[slot, :kv_len].clone())
         self.req_to_token.free(slot)
@@ -280,5 +316,6 @@ class Scheduler:
             prompt_tokens=c["prompt_tokens"],
             generated_tokens=c["generated_tokens"],
             finished_requests=c["finished_requests"],
+            aborted_requests=c["aborted_requests"],
             stage_seconds=dict(self.busy_seconds),
         )

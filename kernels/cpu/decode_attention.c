@@ -64,6 +64,76 @@ static inline void axpy_f32(float *acc, float p, const float *v, int D) {
 #define HAVE_SIMD 0
 #endif
 
+#if HAVE_SIMD
+/* D == 64, register-blocked: for each KV head, its (up to 4 at a time) query heads keep their V
+ * accumulators in registers across the whole sequence, and each K/V row segment is converted from
+ * bfloat16 once per KV head instead of once per query head. */
+static inline void load_row64(const void *base, int64_t off, int is_bf16, __m512 r[4]) {
+    if (is_bf16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int c = 0; c < 4; c++) r[c] = load_bf16x16(p + 16 * c);
+    } else {
+        const float *p = (const float *)base + off;
+        for (int c = 0; c < 4; c++) r[c] = _mm512_loadu_ps(p + 16 * c);
+    }
+}
+
+static void attend_one_d64(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
+                           int64_t len, int H, int Hkv, int is_bf16, float *scores, float *mx, float *sum) {
+    const int G = H / Hkv;
+    const int D = 64, W = Hkv * 64;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    for (int hk = 0; hk < Hkv; hk++) {
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int n = G - g0 < 4 ? G - g0 : 4;
+            const int h0 = hk * G + g0;
+            __m512 qv[4][4];
+            float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < 4; c++) qv[j][c] = _mm512_loadu_ps(qf + (h0 + j) * D + 16 * c);
+            for (int64_t t = 0; t < len; t++) {
+                if (t + PREFETCH < len) prefetch_row(k, (rows[t + PREFETCH] * W + hk * D) * elem, D * elem);
+                __m512 kr[4];
+                load_row64(k, rows[t] * W + hk * D, is_bf16, kr);
+                for (int j = 0; j < n; j++) {
+                    __m512 a = _mm512_mul_ps(qv[j][0], kr[0]);
+                    a = _mm512_fmadd_ps(qv[j][1], kr[1], a);
+                    a = _mm512_fmadd_ps(qv[j][2], kr[2], a);
+                    a = _mm512_fmadd_ps(qv[j][3], kr[3], a);
+                    float s = _mm512_reduce_add_ps(a);
+                    scores[(h0 + j) * len + t] = s;
+                    if (s > m[j]) m[j] = s;
+                }
+            }
+            for (int j = 0; j < n; j++) {
+                float *sh = scores + (h0 + j) * len, total = 0.0f;
+                for (int64_t t = 0; t < len; t++) {
+                    float e = expf(sh[t] - m[j]);
+                    sh[t] = e;
+                    total += e;
+                }
+                mx[h0 + j] = m[j];
+                sum[h0 + j] = total;
+            }
+            __m512 acc[4][4];
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; t++) {
+                if (t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, D * elem);
+                __m512 vr[4];
+                load_row64(v, rows[t] * W + hk * D, is_bf16, vr);
+                for (int j = 0; j < n; j++) {
+                    __m512 p = _mm512_set1_ps(scores[(h0 + j) * len + t]);
+                    for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(p, vr[c], acc[j][c]);
+                }
+            }
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_out + (h0 + j) * D + 16 * c, acc[j][c]);
+        }
+    }
+}
+#endif
+
 #define MAX_H 64
 #define MAX_D 256
 
@@ -85,6 +155,12 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
         mx[h] = -INFINITY;
     }
     memset(acc, 0, sizeof(float) * H * D);
+#if HAVE_SIMD
+    if (D == 64) {
+        attend_one_d64(qf, k, v, acc, rows, len, H, Hkv, is_bf16, scores, mx, sum);
+        goto write_out;
+    }
+#endif
     const int simd = HAVE_SIMD && (D % 16 == 0);
     for (int64_t t = 0; t < len; t++) {
         if (t + PREFETCH < len) prefetch_row(k, rows[t + PREFETCH] * W * elem, W * elem);
@@ -153,6 +229,9 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
             for (int d = 0; d < D; d++) ah[d] += p * vr[d];
         }
     }
+#if HAVE_SIMD
+write_out:
+#endif
     for (int h = 0; h < H; h++) {
         int64_t base = ((int64_t)b * H + h) * D;
         float inv = 1.0f / sum[h];
