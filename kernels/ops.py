@@ -6,12 +6,19 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back before the weight multiply (as transformers does)."""
+    """RMSNorm computed in float32.
+
+    float32 input: exactly transformers' order of operations (greedy parity depends on it). Lower
+    precision: the weight multiply also happens in float32 with a single cast at the end, which on the
+    CPU is about twice as fast as transformers' cast-then-multiply in bfloat16 (and no less accurate).
+    """
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(input_dtype)
+    if input_dtype == torch.float32:
+        return weight * h
+    return (h * weight.to(torch.float32)).to(input_dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
