@@ -31,6 +31,9 @@ def test_failed_step_aborts_only_its_requests(tiny_llama_dir):
         sched = Scheduler(config, tiny_llama_dir, endpoints.to_dict())
         closers.append(sched.close)
         send = Codec(ToScheduler)
+        requests.send(b"\x93not a message")  # malformed bytes are dropped, not fatal
+        assert sched.recv_sock.poll(5000)
+        assert not sched.run_once(block=False)
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
         requests.send(send.encode(GenerateBatch([TokenizedRequest("doomed", [1, 5, 9, 13], params)])))
         assert sched.recv_sock.poll(5000)  # arrived

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
@@ -155,7 +157,11 @@ class Scheduler:
                 data = self.recv_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = self.recv_codec.decode(data)
+            try:
+                message = self.recv_codec.decode(data)
+            except msgspec.DecodeError as exc:  # not ours: drop it rather than die
+                print(f"engine::scheduler: dropped a malformed message ({exc})", file=sys.stderr)
+                continue
             if isinstance(message, GenerateBatch):
                 eos = self.model_config.eos_token_ids
                 self.waiting.extend(Req(r.rid, r.input_ids, r.sampling, eos) for r in message.reqs)
