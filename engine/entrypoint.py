@@ -27,7 +27,8 @@ class _Resources:
         self.lock = threading.Lock()
         self.closed = False
 
-    def kill_children(self, reason: str = "") -> None:
+    def kill_children(self, reason: str) -> None:
+        """Called by the tokenizer manager when a child died: the rest must not linger."""
         stop_children(self.children, timeout=2.0)
         if self.endpoints is not None:
             self.endpoints.remove()

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0: dividing logits by it would overflow
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
@@ -22,7 +23,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 FIELDS = {name for name in SamplingParams.__struct_fields__}

@@ -6,6 +6,7 @@ so a child's death is noticed at once and every waiting caller gets EngineDeadEr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -139,16 +140,23 @@ class TokenizerManager:
                     self._on_dead(reason)
                     return
             if self.recv_sock in events:
-                while True:
-                    try:
-                        data = self.recv_sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._dispatch(self.recv_codec.decode(data))
+                try:
+                    while True:
+                        try:
+                            data = self.recv_sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._dispatch(self.recv_codec.decode(data))
+                except Exception as exc:  # noqa: BLE001 - a dead receiver would leave every caller waiting
+                    reason = f"the tokenizer manager's receiver failed ({type(exc).__name__}: {exc})"
+                    self._mark_dead(reason)
+                    self._on_dead(reason)
+                    return
 
     def _dispatch(self, message) -> None:
         if isinstance(message, Stats):
-            holder = self.pending_stats.pop(message.req_id, None)
+            with self.states_lock:
+                holder = self.pending_stats.pop(message.req_id, None)
             if holder is not None:
                 holder[1] = msgspec.structs.asdict(message)
                 holder[0].set()
@@ -170,9 +178,10 @@ class TokenizerManager:
                 state.finish_reason, state.meta, state.finished_at = finish, meta, now
                 with self.states_lock:
                     states.pop(rid, None)
-                if state.on_finish is not None:
-                    state.on_finish(state)
                 state.done.set()
+                if state.on_finish is not None:
+                    with contextlib.suppress(Exception):  # a progress callback must not stop the receiver
+                        state.on_finish(state)
 
     # ------------------------------------------------------------------ stages
 
@@ -213,9 +222,9 @@ class TokenizerManager:
         where = f"request {index}: " if index else ""
         if not ids:
             raise ValueError(f"{where}the prompt is empty (0 tokens)")
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
-        if bad is not None or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise ValueError(f"{where}input_ids holds {bad!r}, not a token id in [0, {self.vocab_size})")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{where}input_ids holds {t!r}, not a token id in [0, {self.vocab_size})")
         if len(ids) >= self.context_length:
             raise ValueError(
                 f"{where}the prompt has {len(ids)} tokens but context_length is {self.context_length} "
@@ -249,6 +258,8 @@ class TokenizerManager:
         states = [ReqState(r, len(ids), on_finish=on_finish) for r, ids in zip(rids, id_lists)]
         message = GenerateBatch([TokenizedRequest(r, ids, p) for r, ids, p in zip(rids, id_lists, params)])
         with self.states_lock:
+            if self.dead is not None:  # checked under the lock that _mark_dead takes: no state is orphaned
+                raise EngineDeadError(self.dead)
             clash = [r for r in rids if r in self.states]
             if clash:
                 raise ValueError(f"request id(s) already running: {clash}")
@@ -277,11 +288,15 @@ class TokenizerManager:
             raise EngineDeadError(self.dead)
         req_id = uuid.uuid4().hex
         holder: list = [threading.Event(), None]
-        self.pending_stats[req_id] = holder
+        with self.states_lock:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
+            self.pending_stats[req_id] = holder
         with self.send_lock:
             self.send_sock.send(self.send_codec.encode(StatsRequest(req_id)))
         if not holder[0].wait(timeout):
-            self.pending_stats.pop(req_id, None)
+            with self.states_lock:
+                self.pending_stats.pop(req_id, None)
             raise TimeoutError("the scheduler did not answer a stats request")
         if isinstance(holder[1], BaseException):
             raise holder[1]

@@ -79,3 +79,13 @@ def test_extend_with_prefix_matches_reference():
         idx = table[1, : prefix + i + 1]
         expected = _reference(q[i], pool.k_buffers[0][idx], pool.v_buffers[0][idx], d**-0.5)
         assert torch.allclose(out[i].double(), expected, atol=1e-5)
+
+
+def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle():
+    from kernels.attention.torch_backend import TorchAttentionBackend
+
+    shape = dict(num_heads=80, num_kv_heads=8, head_dim=64, scale=0.125, kv_pool=Pool(4, 8, 64, torch.float32),
+                 req_to_token=torch.zeros(1, 4, dtype=torch.int64))
+    assert type(create_backend("auto", "cpu", **shape)) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="cpu_native"):
+        create_backend("cpu_native", "cpu", **shape)

@@ -35,11 +35,14 @@ def test_runtime_dir_private_and_removed_at_shutdown():
         eng.generate("Hi")
 
 
-def test_process_titles():
+def test_process_titles_and_ctrl_c_does_not_kill_children():
     with Engine(**SMALL) as eng:
         for role in ("scheduler", "detokenizer"):
             cmdline = Path(f"/proc/{eng.pids[role]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             assert cmdline.startswith(f"engine::{role}")
+            os.kill(eng.pids[role], signal.SIGINT)  # what a terminal's Ctrl-C sends to the whole group
+        time.sleep(0.5)
+        assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
 
 
 def test_scheduler_sigkill_mid_generation_raises_engine_dead():

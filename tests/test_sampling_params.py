@@ -96,3 +96,13 @@ def test_top_k_restricts_choices(engine):
         for _ in range(12)
     }
     assert 1 <= len(firsts) <= 2
+
+
+def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):
+    """A temperature too small to divide by must not turn logits into NaN for the whole batch."""
+    prompt = "The capital of Italy is"
+    greedy = engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0})["output_ids"]
+    outs = engine.generate([prompt, prompt], [{"max_new_tokens": 12, "temperature": 1e-50},
+                                              {"max_new_tokens": 12, "temperature": 0.8}])
+    assert outs[0]["output_ids"] == greedy
+    assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)

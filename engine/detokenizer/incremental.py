@@ -2,9 +2,10 @@
 
 Each request keeps its ids and two offsets. Text is emitted for ids[read:] only when decoding the
 window ids[prefix:] yields more than decoding ids[prefix:read] and does not end in U+FFFD (a UTF-8
-character whose bytes are still split across tokens). Decoding a window, not the whole sequence,
-keeps the cost per step constant; starting the window a few tokens back keeps tokenizers that strip
-or merge leading spaces honest.
+character whose bytes are still split across tokens). The window starts at the previous emission
+boundary, not at the beginning, so the cost per step stays small; decoding the already-emitted
+tokens with the new ones (rather than the new ones alone) keeps tokenizers that strip or merge
+leading spaces honest.
 """
 
 from __future__ import annotations

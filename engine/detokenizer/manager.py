@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import msgspec
 import zmq
 
 from engine.detokenizer.incremental import IncrementalDetokenizer
@@ -22,7 +25,11 @@ class DetokenizerManager:
 
     def serve_forever(self) -> None:
         while True:
-            message = self.recv_codec.decode(self.recv_sock.recv())
+            try:
+                message = self.recv_codec.decode(self.recv_sock.recv())
+            except msgspec.DecodeError as exc:  # not ours: drop it rather than die
+                print(f"engine::detokenizer: dropped a malformed message ({exc})", file=sys.stderr)
+                continue
             if isinstance(message, BatchTokenOut):
                 message = self.detokenize(message)
             self.send_sock.send(self.send_codec.encode(message))

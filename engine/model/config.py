@@ -27,11 +27,6 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across layers, per byte of dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _eos_ids(*values) -> tuple[int, ...]:
     out: list[int] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 import traceback
@@ -52,6 +53,8 @@ def run_child(
     role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving], runtime_dir: str | None = None
 ) -> None:
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
+    # Ctrl-C reaches the whole process group; the parent decides when children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(ImportError):
         import setproctitle
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 from engine.ipc.messages import FinishReason
 from engine.sampling_params import SamplingParams
 
 
 class Req:
-    __slots__ = ("rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished", "arrival")
+    __slots__ = ("rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished")
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...]) -> None:
         self.rid = rid
@@ -21,9 +19,8 @@ class Req:
         self.stop_ids = tuple(stop)
         self.output_ids: list[int] = []
         self.slot: int | None = None
-        self.kv_len = 0  # tokens of this request whose K/V sit in the pool
+        self.kv_len = 0  # K/V tokens in the pool when it joins the running batch (the batch tracks it after)
         self.finished: FinishReason | None = None
-        self.arrival = time.monotonic()
 
     @property
     def prompt_len(self) -> int:

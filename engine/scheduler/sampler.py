@@ -55,7 +55,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy_ids
-    temperature = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)
+    temperature = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)  # greedy rows: unused
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     if st.any_filter:
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)

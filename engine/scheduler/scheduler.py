@@ -57,7 +57,7 @@ class Step:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, model_dir: str, endpoints: dict, progress=None) -> None:
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -201,6 +201,7 @@ class Scheduler:
             done_list = done.tolist()
             stop_list = hit_stop.tolist()
             kv_lens = rows.kv_lens.tolist()
+            released = []
             for i, is_done in enumerate(done_list):
                 if not is_done:
                     continue
@@ -209,8 +210,9 @@ class Scheduler:
                 reason = FinishReason("stop", matched=ids[i]) if stop_list[i] else FinishReason("length", length=n_out)
                 finished[i] = req.finished = reason
                 meta[i] = RequestMeta(prompt_tokens=req.prompt_len, completion_tokens=n_out)
-                self._release(req.slot, kv_lens[i])
+                released.append((req.slot, kv_lens[i]))
                 self.counters["finished_requests"] += 1
+            self._release(released)
             rows.filter(~done, [not d for d in done_list])
         self.send_sock.send(self.send_codec.encode(BatchTokenOut(rids, ids, finished, meta)))
         if step.mode is ForwardMode.EXTEND and len(rows):
@@ -292,10 +294,10 @@ class Scheduler:
         kv_lens = rows.kv_lens.tolist()
         reason = FinishReason("abort", message=message)
         meta = []
-        for req, kv_len in zip(rows.reqs, kv_lens):
+        for req in rows.reqs:
             req.finished = reason
             meta.append(RequestMeta(prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids)))
-            self._release(req.slot, kv_len)
+        self._release([(req.slot, kv_len) for req, kv_len in zip(rows.reqs, kv_lens)])
         n = len(rows.reqs)
         out = BatchTokenOut(list(rows.rids), [NO_TOKEN] * n, [reason] * n, meta)
         self.send_sock.send(self.send_codec.encode(out))
@@ -303,9 +305,14 @@ class Scheduler:
         if step.mode is ForwardMode.DECODE:
             self.running = RunningBatch.empty(self.model_config.vocab_size, self.device)
 
-    def _release(self, slot: int, kv_len: int) -> None:
-        self.kv_pool.free(self.req_to_token.table[slot, :kv_len].clone())
-        self.req_to_token.free(slot)
+    def _release(self, finished: list[tuple[int, int]]) -> None:
+        """Return (slot, kv_len) pairs' pool tokens in one free-list update, and their slots."""
+        if not finished:
+            return
+        table = self.req_to_token.table
+        self.kv_pool.free(torch.cat([table[slot, :kv_len] for slot, kv_len in finished]))
+        for slot, _ in finished:
+            self.req_to_token.free(slot)
 
     def stats(self, req_id: str) -> Stats:
         c = self.counters

@@ -11,9 +11,16 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     if name in ("auto", "cpu_native") and device == "cpu":
-        from kernels.cpu import load_native
+        from kernels.cpu import NATIVE_MAX_HEADS, NATIVE_MAX_HEAD_DIM, load_native
 
-        lib = load_native()
+        heads, kv_heads, head_dim = kwargs["num_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
+        fits = heads <= NATIVE_MAX_HEADS and head_dim <= NATIVE_MAX_HEAD_DIM and kv_heads > 0 and heads % kv_heads == 0
+        if not fits and name == "cpu_native":
+            raise ValueError(
+                f"attention_backend='cpu_native' supports up to {NATIVE_MAX_HEADS} heads and head_dim "
+                f"{NATIVE_MAX_HEAD_DIM}; this model has {heads} heads of {head_dim}"
+            )
+        lib = load_native() if fits else None
         if lib is not None:
             from kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
 

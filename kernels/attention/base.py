@@ -34,10 +34,6 @@ class ForwardBatch:
     extend_lens: list[int] = field(default_factory=list)  # EXTEND only: new tokens per request
     prefix_lens: list[int] = field(default_factory=list)  # EXTEND only: tokens already in the pool
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.req_slots.shape[0])
-
 
 class AttentionBackend(ABC):
     """Per-step metadata is built once (init_forward_metadata) and reused by every layer."""

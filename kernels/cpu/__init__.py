@@ -3,4 +3,7 @@ ctypes (no torch headers, so the build takes about a second). Missing compiler -
 
 from kernels.cpu.build import load_native
 
-__all__ = ["load_native"]
+NATIVE_MAX_HEADS = 64  # MAX_H in decode_attention.c
+NATIVE_MAX_HEAD_DIM = 256  # MAX_D in decode_attention.c
+
+__all__ = ["NATIVE_MAX_HEADS", "NATIVE_MAX_HEAD_DIM", "load_native"]

@@ -257,13 +257,14 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 2;
-        } else {
+        }
+        /* every thread must reach the worksharing loop, even one whose allocation failed */
 #pragma omp for schedule(dynamic, 1)
-            for (int b = 0; b < B; b++)
+        for (int b = 0; b < B; b++)
+            if (scores != NULL)
                 attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, D, scale, is_bf16,
                            scores);
-            free(scores);
-        }
+        free(scores);
     }
     return failed;
 }
