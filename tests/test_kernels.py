@@ -58,27 +58,41 @@ def test_decode_matches_reference(backend_name, dtype, tol):
     assert torch.equal(pool.k_buffers[0][loc], new_k)
 
 
-def test_extend_with_prefix_matches_reference():
+@pytest.mark.parametrize("backend_name", ["torch", "cpu_native"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_extend_with_prefix_matches_reference(backend_name, dtype, tol):
+    """Two requests in one extend batch: one continues after a 21-token cached prefix, one starts fresh."""
+    if backend_name == "cpu_native" and load_native() is None:
+        pytest.fail("no C compiler: the native kernel could not be built on this machine")
     torch.manual_seed(1)
-    h, hkv, d = 4, 2, 16
-    pool = Pool(64, hkv, d, torch.float32)
-    table = torch.zeros(2, 32, dtype=torch.int64)
-    prefix, ext = 5, 4
-    table[1, : prefix + ext] = torch.arange(10, 10 + prefix + ext)
-    backend = create_backend("torch", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
+    h, hkv, d = 6, 2, 32
+    pool = Pool(200, hkv, d, dtype)
+    table = torch.zeros(3, 64, dtype=torch.int64)
+    prefix_lens, ext_lens, slots = [21, 0], [19, 37], [2, 0]
+    rows = (torch.randperm(199) + 1).tolist()
+    for slot, n in zip(slots, (21 + 19, 37)):
+        table[slot, :n] = torch.tensor(rows[:n])
+        rows = rows[n:]
+    backend = create_backend(backend_name, "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
                              kv_pool=pool, req_to_token=table)
-    q = torch.randn(ext, h, d)
-    k, v = torch.randn(ext, hkv, d), torch.randn(ext, hkv, d)
-    loc = table[1, prefix : prefix + ext]
-    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(ext, dtype=torch.long), torch.arange(prefix, prefix + ext),
-                         loc, torch.tensor([1]), torch.tensor([prefix + ext]), prefix + ext, torch.tensor([ext - 1]),
-                         extend_lens=[ext], prefix_lens=[prefix])
+    total = sum(ext_lens)
+    q = torch.randn(total, h, d).to(dtype)
+    k, v = torch.randn(total, hkv, d).to(dtype), torch.randn(total, hkv, d).to(dtype)
+    loc = torch.cat([table[s, p : p + e] for s, p, e in zip(slots, prefix_lens, ext_lens)])
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, ext_lens)])
+    seq_lens = torch.tensor([p + e for p, e in zip(prefix_lens, ext_lens)])
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(total, dtype=torch.long), positions, loc,
+                         torch.tensor(slots), seq_lens, int(seq_lens.max()), torch.cumsum(torch.tensor(ext_lens), 0) - 1,
+                         extend_lens=ext_lens, prefix_lens=prefix_lens)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch)
-    for i in range(ext):
-        idx = table[1, : prefix + i + 1]
-        expected = _reference(q[i], pool.k_buffers[0][idx], pool.v_buffers[0][idx], d**-0.5)
-        assert torch.allclose(out[i].double(), expected, atol=1e-5)
+    start = 0
+    for slot, prefix, ext in zip(slots, prefix_lens, ext_lens):
+        for i in range(ext):
+            idx = table[slot, : prefix + i + 1]
+            expected = _reference(q[start + i], pool.k_buffers[0][idx], pool.v_buffers[0][idx], d**-0.5)
+            assert torch.allclose(out[start + i].double(), expected, atol=tol, rtol=tol), (slot, i)
+        start += ext
 
 
 def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle():

@@ -268,3 +268,160 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
     }
     return failed;
 }
+
+#if HAVE_SIMD
+/* exp for 16 lanes: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (rel. error
+ * about 2e-7); lanes below -87 flush to 0, which is all attention needs (x <= 0 here). */
+static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 result = _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(~tiny, result);
+}
+
+/* Causal extend (prefill) attention for one request and one KV head, flash-style on the CPU.
+ *
+ * K is first transposed into 16-key blocks [D][16] (float32), V converted to float32 rows, both
+ * small enough to stay in L2 for a prompt of a few hundred tokens. Each query vector then walks the
+ * key blocks up to its own position: scores for 16 keys come from D broadcast-FMAs (no horizontal
+ * sums), an online softmax rescales the running output, and P.V adds 16 rows. */
+static void extend_one(const void *q, const void *k, const void *v, void *out, const int64_t *rows,
+                       int64_t prefix, int64_t ext, int64_t q_start, int hk, int H, int Hkv, int D, float scale,
+                       int is_bf16, float *kt, float *vf) {
+    const int G = H / Hkv, W = Hkv * D, C = D / 16;
+    const int64_t total = prefix + ext, nblocks = (total + 15) / 16;
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        float *dst = kt + blk * 16 * D;
+        for (int j = 0; j < 16; j++) {
+            int64_t t = blk * 16 + j;
+            for (int d = 0; d < D; d++) {
+                float x = 0.0f;
+                if (t < total) {
+                    int64_t off = rows[t] * W + (int64_t)hk * D + d;
+                    x = is_bf16 ? bf16_to_f32(((const uint16_t *)k)[off]) : ((const float *)k)[off];
+                }
+                dst[d * 16 + j] = x;
+            }
+        }
+    }
+    for (int64_t t = 0; t < total; t++) {
+        int64_t off = rows[t] * W + (int64_t)hk * D;
+        for (int d = 0; d < D; d++)
+            vf[t * D + d] = is_bf16 ? bf16_to_f32(((const uint16_t *)v)[off + d]) : ((const float *)v)[off + d];
+    }
+    for (int64_t i = 0; i < ext; i++) {
+        const int64_t pos = prefix + i; /* attends keys 0..pos */
+        const int64_t last = pos / 16;
+        for (int g0 = 0; g0 < G; g0 += 4) { /* up to 4 query heads share each key block */
+            const int n = G - g0 < 4 ? G - g0 : 4;
+            float qv[4][MAX_D];
+            __m512 acc[4][MAX_D / 16];
+            float m[4], l[4];
+            for (int j = 0; j < n; j++) {
+                const int64_t qoff = ((q_start + i) * H + hk * G + g0 + j) * D;
+                for (int d = 0; d < D; d++)
+                    qv[j][d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[qoff + d]) : ((const float *)q)[qoff + d]) * scale;
+                for (int c = 0; c < C; c++) acc[j][c] = _mm512_setzero_ps();
+                m[j] = -INFINITY;
+                l[j] = 0.0f;
+            }
+            for (int64_t blk = 0; blk <= last; blk++) {
+                const float *kb = kt + blk * 16 * D;
+                __m512 s[4], s2[4];
+                for (int j = 0; j < n; j++) s[j] = s2[j] = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 2) { /* two chains per head hide FMA latency */
+                    __m512 k0 = _mm512_loadu_ps(kb + d * 16), k1 = _mm512_loadu_ps(kb + (d + 1) * 16);
+                    for (int j = 0; j < n; j++) {
+                        s[j] = _mm512_fmadd_ps(_mm512_set1_ps(qv[j][d]), k0, s[j]);
+                        s2[j] = _mm512_fmadd_ps(_mm512_set1_ps(qv[j][d + 1]), k1, s2[j]);
+                    }
+                }
+                const int64_t base = blk * 16;
+                const int nk = blk == last ? (int)(pos - base + 1) : 16;
+                const __mmask16 keep = (__mmask16)((1u << nk) - 1u);
+                for (int j = 0; j < n; j++) {
+                    __m512 sj = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), _mm512_add_ps(s[j], s2[j]));
+                    float bm = _mm512_reduce_max_ps(sj);
+                    float m_new = bm > m[j] ? bm : m[j];
+                    float alpha = expf(m[j] - m_new);
+                    __m512 pj = exp512(_mm512_sub_ps(sj, _mm512_set1_ps(m_new)));
+                    pj = _mm512_maskz_mov_ps(keep, pj);
+                    l[j] = l[j] * alpha + _mm512_reduce_add_ps(pj);
+                    m[j] = m_new;
+                    __m512 va = _mm512_set1_ps(alpha);
+                    for (int c = 0; c < C; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], va);
+                    s[j] = pj; /* reuse as the probabilities */
+                }
+                float p[4][16];
+                for (int j = 0; j < n; j++) _mm512_storeu_ps(p[j], s[j]);
+                for (int t = 0; t < nk; t++) {
+                    const float *vr = vf + (base + t) * D;
+                    for (int c = 0; c < C; c++) {
+                        __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+                        for (int j = 0; j < n; j++) acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t]), vv, acc[j][c]);
+                    }
+                }
+            }
+            for (int j = 0; j < n; j++) {
+                const int64_t qoff = ((q_start + i) * H + hk * G + g0 + j) * D;
+                const __m512 inv = _mm512_set1_ps(1.0f / l[j]);
+                float o[MAX_D];
+                for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[j][c], inv));
+                for (int d = 0; d < D; d++) {
+                    if (is_bf16) ((uint16_t *)out)[qoff + d] = f32_to_bf16(o[d]);
+                    else ((float *)out)[qoff + d] = o[d];
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* Extend attention for a batch: request b's ext[b] new queries (rows q_start[b].. of q/out, [T, H, D])
+ * attend its prefix[b] cached tokens plus themselves, causally, through req_to_token. K/V of the new
+ * tokens must already be in the pool. Returns 0, or non-zero when this build or shape is unsupported. */
+int extend_attention(const void *q, const void *k, const void *v, void *out, const int64_t *req_to_token,
+                     int64_t stride, const int64_t *slots, const int64_t *prefix, const int64_t *ext,
+                     const int64_t *q_start, int B, int H, int Hkv, int D, float scale, int is_bf16,
+                     int num_threads) {
+#if HAVE_SIMD
+    if (H % Hkv != 0 || D % 16 != 0 || D > MAX_D) return 1;
+    int64_t max_total = 1;
+    for (int b = 0; b < B; b++) if (prefix[b] + ext[b] > max_total) max_total = prefix[b] + ext[b];
+    const int64_t padded = (max_total + 15) / 16 * 16;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *kt = (float *)malloc(sizeof(float) * padded * D);
+        float *vf = (float *)malloc(sizeof(float) * padded * D);
+        if (kt == NULL || vf == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int b = 0; b < B; b++)
+            for (int hk = 0; hk < Hkv; hk++)
+                if (kt != NULL && vf != NULL)
+                    extend_one(q, k, v, out, req_to_token + slots[b] * stride, prefix[b], ext[b], q_start[b], hk,
+                               H, Hkv, D, scale, is_bf16, kt, vf);
+        free(kt);
+        free(vf);
+    }
+    return failed;
+#else
+    (void)q; (void)k; (void)v; (void)out; (void)req_to_token; (void)stride; (void)slots; (void)prefix;
+    (void)ext; (void)q_start; (void)B; (void)H; (void)Hkv; (void)D; (void)scale; (void)is_bf16; (void)num_threads;
+    return 3;
+#endif
+}
