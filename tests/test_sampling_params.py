@@ -74,7 +74,7 @@ def test_sampling_mixed_batch_and_stop_tokens(engine, tokenizer):
     greedy = engine.generate(prompt, params[0])
     assert outs[0]["output_ids"] == greedy["output_ids"], "a greedy row changed because sampled rows share its batch"
     for o in outs:
-        assert 1 <= o["meta_info"]["completion_tokens"] <= 20
+        assert o["meta_info"]["completion_tokens"] in range(1, 21)
         assert all(0 <= t < engine.server_info["vocab_size"] for t in o["output_ids"])
     # stop at the greedy run's 5th token, given as a stop token
     stop = greedy["output_ids"][4]
@@ -95,7 +95,7 @@ def test_top_k_restricts_choices(engine):
         engine.generate(prompt, {"max_new_tokens": 1, "temperature": 1.5, "top_k": 2})["output_ids"][0]
         for _ in range(12)
     }
-    assert 1 <= len(firsts) <= 2
+    assert len(firsts) in (1, 2), f"top_k=2 sampled {len(firsts)} different first tokens"
 
 
 def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):
