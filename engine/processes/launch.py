@@ -26,7 +26,7 @@ class Child:
         return self.process.pid
 
 
-def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | None = None) -> Child:
+def spawn_child(role: str, target: Callable, args: tuple) -> Child:
     """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe)."""
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=True)
