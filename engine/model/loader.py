@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from engine.model.config import ModelConfig, load_hf_config, model_config_from_hf
+from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, remap_hf_weights
 from engine.model.rope import rotary_tables
 
@@ -40,9 +40,8 @@ def read_weights(model_dir: str, progress: Callable[[int, int], None] | None = N
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: str, max_positions: int, progress=None
+    model_dir: str, hf_config, dtype: torch.dtype, device: str, max_positions: int, progress=None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    hf_config = load_hf_config(model_dir)
     cfg = model_config_from_hf(hf_config, model_dir)
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
     with torch.device("meta"):

@@ -35,6 +35,7 @@ from engine.ipc.messages import (
     ToScheduler,
 )
 from engine.memory import ReqToTokenPool, TokenKVPool
+from engine.model.config import load_hf_config
 from engine.model.loader import load_model
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
@@ -61,11 +62,12 @@ class Scheduler:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        from engine.model.config import load_hf_config
-
-        max_pos = load_hf_config(model_dir).max_position_embeddings
+        hf_config = load_hf_config(model_dir)
+        max_pos = hf_config.max_position_embeddings
         self.context_len = min(config.context_length or max_pos, max_pos)
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, self.context_len, progress)
+        self.model, self.model_config = load_model(
+            model_dir, hf_config, self.dtype, self.device, self.context_len, progress
+        )
         mc = self.model_config
         bytes_per_token = TokenKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         cap = config.max_running_requests * self.context_len

@@ -26,7 +26,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             self._lens = batch.seq_lens.contiguous()
         else:
-            super().init_forward_metadata(batch)  # the torch path stays ready as a fallback
+            self._batch = batch  # for the torch fallback, which builds its own metadata only if needed
             ext = torch.tensor(batch.extend_lens, dtype=torch.int64)
             self._prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
             self._ext = ext
@@ -43,6 +43,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             int(q.dtype == torch.bfloat16), self.num_threads,
         )
         if rc == 3:  # built without AVX-512: the torch path does it
+            super().init_forward_metadata(self._batch)
             return super()._extend(q, k, v, k_buf, v_buf)
         if rc != 0:
             raise RuntimeError(f"native extend attention failed with code {rc}")

@@ -25,6 +25,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* n elements from base[off..] (float32 or bfloat16 storage) into float32 dst */
+static inline void load_row_f32(const void *base, int64_t off, int n, int is_bf16, float *dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + off, sizeof(float) * n);
+    }
+}
+
 /* Rows are scattered through the pool, so fetch a few ahead: the loop is latency-bound otherwise. */
 #define PREFETCH 8
 static inline void prefetch_row(const void *base, int64_t byte_off, int64_t bytes) {
@@ -34,30 +44,9 @@ static inline void prefetch_row(const void *base, int64_t byte_off, int64_t byte
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* dot(q[0:D], k[0:D]) for D a multiple of 16; q float32, k float32 or bfloat16 */
-static inline float dot_f32(const float *q, const float *k, int D) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
-    return _mm512_reduce_add_ps(acc);
-}
 static inline __m512 load_bf16x16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline float dot_bf16(const float *q, const uint16_t *k, int D) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16x16(k + d), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int D) {
-    __m512 pv = _mm512_set1_ps(p);
-    for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load_bf16x16(v + d), _mm512_loadu_ps(acc + d)));
-}
-static inline void axpy_f32(float *acc, float p, const float *v, int D) {
-    __m512 pv = _mm512_set1_ps(p);
-    for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
 }
 #define HAVE_SIMD 1
 #else
@@ -161,28 +150,10 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
         goto write_out;
     }
 #endif
-    const int simd = HAVE_SIMD && (D % 16 == 0);
     for (int64_t t = 0; t < len; t++) {
         if (t + PREFETCH < len) prefetch_row(k, rows[t + PREFETCH] * W * elem, W * elem);
         int64_t off = rows[t] * W;
-#if HAVE_SIMD
-        if (simd) {
-            for (int h = 0; h < H; h++) {
-                int64_t koff = off + (h / G) * D;
-                float s = is_bf16 ? dot_bf16(qf + h * D, (const uint16_t *)k + koff, D)
-                                  : dot_f32(qf + h * D, (const float *)k + koff, D);
-                scores[h * len + t] = s;
-                if (s > mx[h]) mx[h] = s;
-            }
-            continue;
-        }
-#endif
-        if (is_bf16) {
-            const uint16_t *src = (const uint16_t *)k + off;
-            for (int i = 0; i < W; i++) row[i] = bf16_to_f32(src[i]);
-        } else {
-            memcpy(row, (const float *)k + off, sizeof(float) * W);
-        }
+        load_row_f32(k, off, W, is_bf16, row);
         for (int h = 0; h < H; h++) {
             const float *kr = row + (h / G) * D;
             const float *qh = qf + h * D;
@@ -205,23 +176,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
     for (int64_t t = 0; t < len; t++) {
         if (t + PREFETCH < len) prefetch_row(v, rows[t + PREFETCH] * W * elem, W * elem);
         int64_t off = rows[t] * W;
-#if HAVE_SIMD
-        if (simd) {
-            for (int h = 0; h < H; h++) {
-                int64_t voff = off + (h / G) * D;
-                float p = scores[h * len + t];
-                if (is_bf16) axpy_bf16(acc + h * D, p, (const uint16_t *)v + voff, D);
-                else axpy_f32(acc + h * D, p, (const float *)v + voff, D);
-            }
-            continue;
-        }
-#endif
-        if (is_bf16) {
-            const uint16_t *src = (const uint16_t *)v + off;
-            for (int i = 0; i < W; i++) row[i] = bf16_to_f32(src[i]);
-        } else {
-            memcpy(row, (const float *)v + off, sizeof(float) * W);
-        }
+        load_row_f32(v, off, W, is_bf16, row);
         for (int h = 0; h < H; h++) {
             const float *vr = row + (h / G) * D;
             float *ah = acc + h * D;
@@ -315,11 +270,7 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
             }
         }
     }
-    for (int64_t t = 0; t < total; t++) {
-        int64_t off = rows[t] * W + (int64_t)hk * D;
-        for (int d = 0; d < D; d++)
-            vf[t * D + d] = is_bf16 ? bf16_to_f32(((const uint16_t *)v)[off + d]) : ((const float *)v)[off + d];
-    }
+    for (int64_t t = 0; t < total; t++) load_row_f32(v, rows[t] * W + (int64_t)hk * D, D, is_bf16, vf + t * D);
     for (int64_t i = 0; i < ext; i++) {
         const int64_t pos = prefix + i; /* attends keys 0..pos */
         const int64_t last = pos / 16;
