@@ -6,8 +6,9 @@ workload and dtype, and how far it is from what the machine's matrix-multiply ra
 model's own shapes. The workload is deterministic: seeded windows of standard-library docstrings
 (engine/bench_prompts.py), one batch of requests, every request generating exactly --max-new-tokens.
 
-    python -m engine.bench                                  # full run, both dtypes
-    python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32   # smoke test
+    python -m engine.bench                                  # everything: both dtypes, both workloads
+    python -m engine.bench --workload shared-prefix         # prefix cache on against off only
+    python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.bench_prompts import build_prompts
+from engine.bench_shared_prefix import print_shared_prefix, run_shared_prefix
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_M = 512  # rows of the prefill matmuls: a few hundred prompt tokens in one step
@@ -45,12 +47,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size for transformers generate")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
+    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix"), default="all",
+                   help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off")
+    p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
+    p.add_argument("--prefix-requests", type=int, default=64, help="shared-prefix workload: requests")
+    p.add_argument("--prefix-new-tokens", type=int, default=64, help="shared-prefix workload: new tokens each")
+    p.add_argument("--prefix-dtype", default="auto", help="shared-prefix workload: engine dtype")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
     if bad or not args.dtypes:
         p.error(f"--dtypes must list some of {sorted(TORCH_DTYPES)}, got {bad or 'nothing'}")
-    for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size"):
+    for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size", "prefix_len",
+                 "prefix_requests", "prefix_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     results: dict[str, dict] = {}
     prompts: list[list[int]] | None = None
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if args.workload in ("all", "throughput") else []:
         print(f"[{dtype}] engine ...", flush=True)
         r: dict = {}
         r["engine"], prompts, model_dir = run_engine(dtype, args, prompts)
@@ -204,7 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         r["engine_pct_of_bound"] = 100 * r["engine"]["tokens_per_s"] / r["bound"]["tokens_per_s"]
         results[dtype] = r
         print_table(dtype, r)
-    lens = [len(p) for p in prompts or []]
+    shared_prefix = None
+    if args.workload in ("all", "shared-prefix"):
+        from engine.tokenizer import load_hf_tokenizer
+        from engine.model.resolve import resolve_model_dir
+
+        shared_prefix = run_shared_prefix(args, load_hf_tokenizer(resolve_model_dir(None)))
+        print_shared_prefix(shared_prefix)
+    lens = [len(p) for p in prompts or []] or [0]
     report = {
         "command": [sys.executable, "-m", "engine.bench", *(sys.argv[1:] if argv is None else argv)],
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -214,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_len": max(lens), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                      "hf_batch_size": args.hf_batch_size},
         "results": results,
+        "shared_prefix": shared_prefix,
     }  # fmt: skip
     with contextlib.suppress(ImportError):
         import transformers

@@ -11,6 +11,7 @@ import msgspec
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
 @dataclass
@@ -24,7 +25,11 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: derived from mem_fraction
     mem_fraction: float = 0.10  # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None
     max_running_requests: int = 256  # rows of the req_to_token table
-    max_prefill_tokens: int = 8192  # prompt tokens admitted into one prefill step
+    max_prefill_tokens: int = 8192  # prompt tokens in one prefill step when chunked prefill is off
+    chunked_prefill_size: int = 2048  # prompt tokens per prefill step; longer prompts go in chunks; 0: off
+    enable_prefix_cache: bool = True  # RadixAttention: reuse the K/V of prompts seen before
+    schedule_policy: str = "lpm"  # lpm (longest cached prefix first) or fcfs
+    init_new_token_ratio: float = 0.7  # share of max_new_tokens admission reserves at first (it decays)
     context_length: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # torch threads in the scheduler; None: all cores
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
@@ -48,6 +53,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        chunk = self.chunked_prefill_size
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise ValueError(f"chunked_prefill_size must be a non-negative integer (0: off), got {chunk!r}")
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise ValueError(f"enable_prefix_cache must be True or False, got {self.enable_prefix_cache!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        ratio = self.init_new_token_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"init_new_token_ratio must be in (0, 1], got {ratio!r}")
         if not (0.0 < float(self.mem_fraction) < 1.0):
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction!r}")
         if not self.startup_timeout > 0:

@@ -106,8 +106,13 @@ class Engine:
         return results if is_batch else results[0]
 
     def get_stats(self) -> dict:
-        """Scheduler counters: KV pool use (max_total_tokens, free_tokens), slots, queue lengths, totals."""
+        """Scheduler counters: KV pool use (max_total_tokens, free_tokens), slots, queue lengths, totals,
+        prefix cache (cache_tokens, cache_hit_tokens, cache_evicted_tokens, ...). docs/memory.md lists them."""
         return self._tm().get_stats()
+
+    def flush_cache(self) -> int:
+        """Drop every prefix-cache entry no running request holds. Returns the pool tokens freed."""
+        return self._tm().flush_cache()["flushed_tokens"]
 
     @property
     def pids(self) -> dict[str, int]:

@@ -22,6 +22,7 @@ from engine.ipc.messages import (
     BatchTextOut,
     Codec,
     FinishReason,
+    FlushCache,
     GenerateBatch,
     RequestMeta,
     Stats,
@@ -46,6 +47,7 @@ class ReqState:
     meta: RequestMeta | None = None
     error: BaseException | None = None
     finished_at: float = 0.0
+    first_token_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     on_finish: Callable[["ReqState"], None] | None = None
 
@@ -63,6 +65,7 @@ class ReqState:
                 "cached_tokens": meta.cached_tokens,
                 "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
                 "e2e_latency": self.finished_at - self.created,
+                "first_token_latency": (self.first_token_at or self.finished_at) - self.created,
             },
         }
 
@@ -173,6 +176,8 @@ class TokenizerManager:
             if delta:
                 state.text_parts.append(delta)
             if token >= 0:
+                if not state.output_ids:
+                    state.first_token_at = now
                 state.output_ids.append(token)
             if finish is not None:
                 state.finish_reason, state.meta, state.finished_at = finish, meta, now
@@ -284,6 +289,13 @@ class TokenizerManager:
         return [s.result() for s in states]
 
     def get_stats(self, timeout: float = 30.0) -> dict:
+        return self._ask_scheduler(StatsRequest, timeout)
+
+    def flush_cache(self, timeout: float = 30.0) -> dict:
+        return self._ask_scheduler(FlushCache, timeout)
+
+    def _ask_scheduler(self, message_cls, timeout: float) -> dict:
+        """Send a control message; the scheduler answers with Stats (through the detokenizer)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         req_id = uuid.uuid4().hex
@@ -293,11 +305,11 @@ class TokenizerManager:
                 raise EngineDeadError(self.dead)
             self.pending_stats[req_id] = holder
         with self.send_lock:
-            self.send_sock.send(self.send_codec.encode(StatsRequest(req_id)))
+            self.send_sock.send(self.send_codec.encode(message_cls(req_id)))
         if not holder[0].wait(timeout):
             with self.states_lock:
                 self.pending_stats.pop(req_id, None)
-            raise TimeoutError("the scheduler did not answer a stats request")
+            raise TimeoutError(f"the scheduler did not answer a {message_cls.__name__} message")
         if isinstance(holder[1], BaseException):
             raise holder[1]
         return holder[1]

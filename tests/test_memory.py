@@ -1,4 +1,5 @@
-"""KV pool accounting: back to idle after a batch; a pool too small for all requests queues them."""
+"""KV pool accounting: back to idle after a batch; a pool too small for all requests queues them;
+requests that could never fit are refused up front."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from engine import Engine
 
 def _idle(stats: dict) -> bool:
     return (
-        stats["free_tokens"] == stats["max_total_tokens"]
+        stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
+        and stats["cache_lock_refs"] == 0
         and stats["free_slots"] == stats["max_running_requests"]
         and stats["running"] == 0
         and stats["waiting"] == 0
@@ -39,6 +41,7 @@ def test_small_pool_queues_and_completes_all(engine, tokenizer):
     assert len({o["meta_info"]["id"] for o in outs}) == len(prompts)
     assert _idle(stats)
     assert stats["prefill_steps"] >= len(prompts) // 2, "requests were not queued behind each other"
+    assert stats["retracted_requests"] == 0  # the default estimate of new tokens is cautious enough here
     assert stats["finished_requests"] == len(prompts)
 
 

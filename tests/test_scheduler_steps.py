@@ -9,11 +9,13 @@ from engine.config import EngineConfig
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
 from engine.ipc.messages import BatchTokenOut, Codec, GenerateBatch, ToDetokenizer, ToScheduler, TokenizedRequest
 from engine.sampling_params import SamplingParams
+from kernels.attention import ForwardMode
 
 
 def _drain(sock, codec) -> list[BatchTokenOut]:
+    """Everything the scheduler sent. ZMQ delivers in the background: wait until the socket stays quiet."""
     out = []
-    while sock.poll(0):
+    while sock.poll(500):
         out.append(codec.decode(sock.recv()))
     return out
 
@@ -63,10 +65,93 @@ def test_failed_step_aborts_only_its_requests(tiny_llama_dir):
         tokens = [t for m in messages for rid, t in zip(m.rids, m.token_ids) if rid == "survivor"]
         assert len(tokens) == 6
         stats = sched.stats("s")
-        assert stats.free_tokens == stats.max_total_tokens and stats.free_slots == stats.max_running_requests
+        assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens
+        assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
         assert stats.aborted_requests == 1 and stats.finished_requests == 1
     finally:
         for close in closers:
             close()
         ctx.destroy(linger=0)
         endpoints.remove()
+
+
+class InProcess:
+    """A Scheduler in this process with real sockets on both sides, driven one loop turn at a time."""
+
+    def __init__(self, model_dir: str, **options) -> None:
+        from engine.scheduler.scheduler import Scheduler
+
+        self.endpoints = Endpoints.create()
+        self.ctx = zmq.Context()
+        self.outputs = pull_socket(self.ctx, self.endpoints.detokenizer)
+        self.requests = push_socket(self.ctx, self.endpoints.scheduler)
+        self.sched = Scheduler(EngineConfig(dtype="float32", **options), model_dir, self.endpoints.to_dict())
+        self.codec = Codec(ToScheduler)
+
+    def submit(self, *reqs: TokenizedRequest) -> None:
+        self.requests.send(self.codec.encode(GenerateBatch(list(reqs))))
+        assert self.sched.recv_sock.poll(5000)
+
+    def messages(self) -> list[BatchTokenOut]:
+        return _drain(self.outputs, Codec(ToDetokenizer))
+
+    def close(self) -> None:
+        self.sched.close()
+        self.ctx.destroy(linger=0)
+        self.endpoints.remove()
+
+
+def test_long_prompt_is_chunked_between_decode_steps(model_dir):
+    """A 4,000-token prompt arriving while 16 requests decode does not stall them for its whole prefill:
+    decode steps alternate with its chunks."""
+    run = InProcess(model_dir, max_total_tokens=12000, max_running_requests=32, chunked_prefill_size=512)
+    try:
+        params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+        run.submit(*(TokenizedRequest(f"short{i}", [1, 100 + i, 200 + i, 300 + i], params) for i in range(16)))
+        while run.sched.waiting or run.sched.last_mode is not ForwardMode.DECODE:
+            run.sched.run_once(block=False)
+        steps: list[tuple[str, int]] = []
+        real_forward = run.sched.forward
+
+        def recording_forward(step):
+            steps.append((step.mode.value, step.forward_batch.input_ids.numel()))
+            return real_forward(step)
+
+        run.sched.forward = recording_forward
+        long_ids = [(i * 37) % 5000 + 10 for i in range(4000)]
+        run.submit(TokenizedRequest("long", long_ids, SamplingParams(max_new_tokens=2, temperature=0.0)))
+        while run.sched.chunked_req is not None or any(r.rid == "long" for r in run.sched.waiting) or not steps:
+            run.sched.run_once(block=False)
+        chunks = [n for mode, n in steps if mode == "extend"]
+        assert sum(chunks) == 4000 and max(chunks) <= 512 and len(chunks) == 8, steps
+        modes = [mode for mode, _ in steps]
+        assert all(a != b for a, b in zip(modes, modes[1:])), modes  # never two prefill chunks in a row
+        assert all(n == 16 for mode, n in steps if mode == "decode"), steps  # every short request kept decoding
+        while run.sched.run_once(block=False):
+            pass
+        outs = run.messages()
+        finished = {rid for m in outs for rid, f in zip(m.rids, m.finished) if f is not None}
+        assert finished == {f"short{i}" for i in range(16)} | {"long"}
+        stats = run.sched.stats("s")
+        assert stats.chunked_prefill_steps == 7 and stats.cache_lock_refs == 0
+    finally:
+        run.close()
+
+
+def test_request_that_can_never_fit_fails_alone(tiny_llama_dir):
+    """The user process refuses such requests up front; the scheduler's own guard names the limit."""
+    run = InProcess(tiny_llama_dir, max_total_tokens=64, max_running_requests=4)
+    try:
+        params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        run.submit(
+            TokenizedRequest("too-long", list(range(10, 110)), params),
+            TokenizedRequest("fine", [1, 2, 3], params),
+        )
+        while run.sched.run_once(block=False):
+            pass
+        outs = run.messages()
+        finishes = {rid: f for m in outs for rid, f in zip(m.rids, m.finished) if f is not None}
+        assert finishes["too-long"].type == "abort" and "max_total_tokens=64" in finishes["too-long"].message
+        assert finishes["fine"].type == "length"
+    finally:
+        run.close()

@@ -36,6 +36,12 @@ class StatsRequest(msgspec.Struct, tag="stats_req", array_like=True):
     req_id: str
 
 
+class FlushCache(msgspec.Struct, tag="flush_cache", array_like=True):
+    """Evict every unlocked prefix-cache entry; the scheduler answers with Stats (flushed_tokens set)."""
+
+    req_id: str
+
+
 class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True):
     """Why a request stopped: 'stop' (matched: a token id), 'length' (length: the token count) or 'abort'."""
 
@@ -105,9 +111,20 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     finished_requests: int
     aborted_requests: int = 0
     stage_seconds: dict[str, float] = {}  # scheduler wall time per stage (schedule, forward_extend, ...)
+    prefill_tokens: int = 0  # tokens computed by prefill steps (prompts less cache hits, chunks, resumptions)
+    chunked_prefill_steps: int = 0  # prefill steps that carried a partial prompt
+    cache_hit_tokens: int = 0  # prefill tokens taken from the prefix cache instead of computed
+    retracted_requests: int = 0  # times a running request went back to the queue for lack of KV
+    flushed_tokens: int = 0  # set in the answer to FlushCache
+    cache_enabled: bool = True
+    cache_tokens: int = 0  # pool tokens the radix tree holds (locked + evictable)
+    cache_evictable_tokens: int = 0
+    cache_locked_tokens: int = 0  # held by running requests' prefixes
+    cache_lock_refs: int = 0  # sum of lock counts in the tree: 0 when idle
+    cache_evicted_tokens: int = 0
 
 
-ToScheduler = Union[GenerateBatch, StatsRequest]
+ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache]
 ToDetokenizer = Union[BatchTokenOut, Stats]
 ToTokenizer = Union[BatchTextOut, Stats]
 

@@ -30,9 +30,9 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self.reqs)
 
-    def remaining_kv(self) -> int:
-        """Pool tokens the batch may still need before every request reaches max_new_tokens."""
-        return int((self.max_new - self.out_lens).sum()) if self.reqs else 0
+    def remaining_new_tokens(self, clip: int) -> int:
+        """Tokens the batch may still generate, each request's count clipped (an estimate's input)."""
+        return int((self.max_new - self.out_lens).clamp(max=clip).sum()) if self.reqs else 0
 
     def filter(self, keep: torch.Tensor, keep_list: list[bool]) -> None:
         self.reqs = [r for r, k in zip(self.reqs, keep_list) if k]

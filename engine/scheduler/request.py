@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import torch
+
 from engine.ipc.messages import FinishReason
 from engine.sampling_params import SamplingParams
 
 
 class Req:
-    __slots__ = ("rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished")
+    __slots__ = (
+        "rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished",
+        "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
+    )  # fmt: skip
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...]) -> None:
         self.rid = rid
@@ -19,14 +24,24 @@ class Req:
         self.stop_ids = tuple(stop)
         self.output_ids: list[int] = []
         self.slot: int | None = None
-        self.kv_len = 0  # K/V tokens in the pool when it joins the running batch (the batch tracks it after)
+        # K/V tokens in the pool for fill_ids (cached prefix + chunks prefilled so far); the running batch
+        # tracks it in a tensor once the request decodes
+        self.kv_len = 0
         self.finished: FinishReason | None = None
+        # what the next prefill computes K/V for: the prompt, plus the tokens generated before a retraction
+        self.fill_ids: list[int] = input_ids
+        self.prefix_indices: torch.Tensor | None = None  # pool indices the radix cache lent this request
+        self.cache_node = None  # the tree node those indices end at, locked while the request holds them
+        self.cached_tokens = 0  # prompt tokens that came from the cache at first admission
+        self.admissions = 0  # more than one: the request was retracted and resumed
 
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
 
     @property
-    def max_tokens(self) -> int:
-        """The most KV this request can ever hold: its prompt plus every new token but the last."""
-        return self.prompt_len + self.sampling.max_new_tokens - 1
+    def cache_prefix_len(self) -> int:
+        return 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
+
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids

@@ -2,10 +2,15 @@
 
     recv_requests -> schedule -> forward -> sample -> process_results
 
-Prefill steps (new requests, prompt tokens up to max_prefill_tokens) take priority; otherwise every
-running request decodes one token. Requests join and leave the running batch at any step. A request
-is admitted only when the pool can hold its prompt plus all its new tokens on top of what the running
-requests may still need, so a full pool queues new work and a decode step never runs out of KV.
+A step is either a prefill (EXTEND: new requests' prompts after their cached prefix, up to a token
+budget, the last one possibly cut into a chunk) or a decode (every running request, one token).
+Prefill goes first, except that while a prompt is being prefilled chunk by chunk, decode steps
+alternate with its chunks so running requests keep producing tokens.
+
+Memory is admitted optimistically (prompt plus an estimate of the new tokens, the estimate shrinking
+while all goes well). When a decode step finds the pool short, the radix cache gives up unlocked
+entries first; then the most recently admitted requests are retracted to the waiting queue, their
+K/V kept in the cache where it survives, and resume later from there.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import collections
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -26,8 +31,9 @@ from engine.ipc.messages import (
     BatchTokenOut,
     Codec,
     FinishReason,
-    NO_TOKEN,
+    FlushCache,
     GenerateBatch,
+    NO_TOKEN,
     RequestMeta,
     Stats,
     StatsRequest,
@@ -35,13 +41,20 @@ from engine.ipc.messages import (
     ToScheduler,
 )
 from engine.memory import ReqToTokenPool, TokenKVPool
+from engine.memory.manager import KVManager
 from engine.model.config import load_hf_config
 from engine.model.loader import load_model
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
+from engine.scheduler.policy import order_waiting
 from engine.scheduler.request import Req
 from engine.scheduler.sampler import sample
 from kernels.attention import ForwardBatch, ForwardMode, create_backend
+
+CLIP_NEW_TOKENS = 4096  # a request's remaining max_new_tokens counts at most this much in the estimate
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001  # per decode step
+RETRACT_HEADROOM_STEPS = 4  # after a retraction, room for this many decode steps of what remains
 
 
 @dataclass
@@ -49,7 +62,8 @@ class Step:
     """One scheduled step: the forward inputs plus the rows (with their sampling tensors) it serves."""
 
     forward_batch: ForwardBatch
-    rows: RunningBatch  # the running batch itself for DECODE; the newly admitted requests for EXTEND
+    rows: RunningBatch  # DECODE: the running batch itself; EXTEND: requests whose prefill completes
+    extend_reqs: list[Req] = field(default_factory=list)  # EXTEND: every request in the step, chunks too
 
     @property
     def mode(self) -> ForwardMode:
@@ -74,6 +88,7 @@ class Scheduler:
         self.max_total_tokens = pool_size(config.max_total_tokens, config.mem_fraction, bytes_per_token, self.device, cap)
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
         self.kv_pool = TokenKVPool(self.max_total_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv = KVManager(self.kv_pool, self.req_to_token, config.enable_prefix_cache, self.device)
         self.backend = create_backend(
             config.attention_backend,
             self.device,
@@ -89,8 +104,11 @@ class Scheduler:
         self.send_sock = push_socket(self.zmq_ctx, endpoints["detokenizer"])
         self.recv_codec = Codec(ToScheduler)
         self.send_codec = Codec(ToDetokenizer)
-        self.waiting: collections.deque[Req] = collections.deque()
+        self.waiting: list[Req] = []
         self.running = RunningBatch.empty(mc.vocab_size, self.device)
+        self.chunked_req: Req | None = None  # a prompt part-way through a chunked prefill
+        self.last_mode: ForwardMode | None = None
+        self.new_token_ratio = config.init_new_token_ratio
         self.counters = collections.Counter()
         self.busy_seconds: collections.Counter = collections.Counter()  # wall time per stage, since start
         self.info = {
@@ -120,7 +138,8 @@ class Scheduler:
         """
         clock = time.perf_counter
         busy = self.busy_seconds
-        self.recv_requests(block=block and not (self.waiting or len(self.running)))
+        idle = not (self.waiting or len(self.running) or self.chunked_req)
+        self.recv_requests(block=block and idle)
         t0 = clock()
         step = self.schedule()
         if step is None:
@@ -129,7 +148,7 @@ class Scheduler:
         try:
             logits = self.forward(step)
             t2 = clock()
-            next_ids = self.sample(step, logits)
+            next_ids = self.sample(step, logits) if len(step.rows) else None
             t3 = clock()
             self.process_results(step, next_ids)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
@@ -169,14 +188,24 @@ class Scheduler:
                 self.waiting.extend(Req(r.rid, r.input_ids, r.sampling, eos) for r in message.reqs)
             elif isinstance(message, StatsRequest):
                 self.send_sock.send(self.send_codec.encode(self.stats(message.req_id)))
+            elif isinstance(message, FlushCache):
+                flushed = self.kv.cache.flush()
+                self.send_sock.send(self.send_codec.encode(self.stats(message.req_id, flushed)))
 
     def schedule(self) -> Step | None:
-        """Admit waiting requests into a prefill step if any fit, else decode the running batch."""
-        admitted = self._admit()
-        if admitted:
-            return self._prefill_step(admitted)
-        if len(self.running):
+        """A prefill step if anything can be admitted, else a decode step of the running batch. While a
+        chunked prefill is in progress, decode steps alternate with its chunks."""
+        running = len(self.running) > 0
+        interleave = self.chunked_req is not None and running and self.last_mode is ForwardMode.EXTEND
+        if not interleave:
+            entries = self._plan_prefill()
+            if entries:
+                self.last_mode = ForwardMode.EXTEND
+                return self._prefill_step(entries)
+        if len(self.running) and self._make_room_for_decode():
+            self.last_mode = ForwardMode.DECODE
             return self._decode_step()
+        self.last_mode = None
         return None
 
     def forward(self, step: Step) -> torch.Tensor:
@@ -185,9 +214,12 @@ class Scheduler:
     def sample(self, step: Step, logits: torch.Tensor) -> torch.Tensor:
         return sample(logits, step.rows.sampling)
 
-    def process_results(self, step: Step, next_ids: torch.Tensor) -> None:
-        """Append each row's token, finish rows that hit a stop token or their length, emit one message."""
+    def process_results(self, step: Step, next_ids: torch.Tensor | None) -> None:
+        """Append each row's token, finish rows that hit a stop token or their length, emit one message.
+        After a prefill, requests that go on decoding put their prompt in the prefix cache."""
         rows = step.rows
+        if next_ids is None:  # a step of prompt chunks only: nothing to sample yet
+            return
         rows.last_ids = next_ids
         rows.out_lens = rows.out_lens + 1
         hit_stop = (next_ids[:, None] == rows.stop_table).any(dim=1)
@@ -199,11 +231,10 @@ class Scheduler:
         finished: list = [None] * len(ids)
         meta: list = [None] * len(ids)
         self.counters["generated_tokens"] += len(ids)
-        if bool(done.any()):
-            done_list = done.tolist()
+        done_list = done.tolist() if bool(done.any()) else None
+        if done_list is not None:
             stop_list = hit_stop.tolist()
             kv_lens = rows.kv_lens.tolist()
-            released = []
             for i, is_done in enumerate(done_list):
                 if not is_done:
                     continue
@@ -211,74 +242,139 @@ class Scheduler:
                 n_out = len(req.output_ids)
                 reason = FinishReason("stop", matched=ids[i]) if stop_list[i] else FinishReason("length", length=n_out)
                 finished[i] = req.finished = reason
-                meta[i] = RequestMeta(prompt_tokens=req.prompt_len, completion_tokens=n_out)
-                released.append((req.slot, kv_lens[i]))
+                meta[i] = self._meta(req)
+                self.kv.free_request(req, kv_lens[i])
                 self.counters["finished_requests"] += 1
-            self._release(released)
             rows.filter(~done, [not d for d in done_list])
         self.send_sock.send(self.send_codec.encode(BatchTokenOut(rids, ids, finished, meta)))
         if step.mode is ForwardMode.EXTEND and len(rows):
+            for req in rows.reqs:
+                self.kv.cache_prompt(req)
             self.running.merge(rows)
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ prefill
 
-    def _admit(self) -> list[Req]:
-        if not self.waiting:
-            return []
-        budget = self.config.max_prefill_tokens
-        available = self.kv_pool.available - self.running.remaining_kv()
-        admitted: list[Req] = []
-        tokens = 0
-        while self.waiting and self.req_to_token.available:
-            req = self.waiting[0]
-            if req.max_tokens > available or (admitted and tokens + req.prompt_len > budget):
+    def _plan_prefill(self) -> list[tuple[Req, int, int]]:
+        """Pick (request, tokens already in the pool, tokens to compute now) for a prefill step.
+
+        The budget is chunked_prefill_size tokens (max_prefill_tokens with chunking off, when an
+        over-budget prompt still runs whole, alone). Memory: what the step takes plus an estimate of
+        every admitted request's new tokens must fit in free plus evictable pool tokens.
+        """
+        chunk = self.config.chunked_prefill_size
+        budget = chunk if chunk > 0 else self.config.max_prefill_tokens
+        kv = self.kv
+        reserved = int(self.new_token_ratio * self.running.remaining_new_tokens(CLIP_NEW_TOKENS))
+        entries: list[tuple[Req, int, int]] = []
+        req = self.chunked_req
+        if req is not None:
+            take = min(len(req.fill_ids) - req.kv_len, budget)
+            if take > kv.headroom:
+                return []  # decode steps will finish requests and free memory
+            entries.append((req, req.kv_len, take))
+            budget -= take
+            reserved += take
+            if req.kv_len + take < len(req.fill_ids):
+                return entries
+            self.chunked_req = None
+        if not self.waiting or budget <= 0:
+            return entries
+        taken: set[int] = set()
+        for req in order_waiting(self.waiting, self.config.schedule_policy, kv.cache):
+            if budget <= 0 or not self.req_to_token.available:
                 break
-            self.waiting.popleft()
-            req.slot = self.req_to_token.alloc()
-            available -= req.max_tokens
-            tokens += req.prompt_len
-            admitted.append(req)
-        return admitted
+            limit = self._never_fits(req)
+            if limit is not None:
+                taken.add(id(req))
+                self._finish_unstarted(req, limit)
+                continue
+            prefix = kv.lend_prefix(req)  # locked first: a prefix in use is no longer evictable
+            ext = len(req.fill_ids) - prefix
+            take = min(ext, budget) if chunk > 0 else ext
+            if chunk <= 0 and entries and take > budget:
+                kv.unlend(req)
+                break
+            need = take + (int(self.new_token_ratio * min(req.sampling.max_new_tokens, CLIP_NEW_TOKENS)) if take == ext else 0)
+            alone = not entries and not len(self.running)
+            if need > kv.headroom - reserved and not (alone and take <= kv.headroom):
+                kv.unlend(req)
+                break
+            kv.assign_slot(req)
+            if req.admissions == 0:
+                req.cached_tokens = min(prefix, req.prompt_len)
+                self.counters["prompt_tokens"] += req.prompt_len
+            req.admissions += 1
+            self.counters["cache_hit_tokens"] += prefix
+            entries.append((req, prefix, take))
+            taken.add(id(req))
+            budget -= take
+            reserved += need
+            if take < ext:
+                self.chunked_req = req
+                break
+        if taken:
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+        return entries
 
-    def _prefill_step(self, reqs: list[Req]) -> Step:
+    def _never_fits(self, req: Req) -> str | None:
+        """Why a request can never run here (the user process refuses these up front; this is the guard)."""
+        n = len(req.fill_ids)
+        if n >= self.context_len:
+            return f"the prompt has {n} tokens but context_length is {self.context_len}"
+        if n > self.max_total_tokens:
+            return f"the prompt needs {n} KV tokens but the pool holds max_total_tokens={self.max_total_tokens}"
+        return None
+
+    def _prefill_step(self, entries: list[tuple[Req, int, int]]) -> Step:
         dev = self.device
-        lens = [r.prompt_len for r in reqs]
-        total = sum(lens)
-        loc = self.kv_pool.alloc(total)
-        assert loc is not None, "admission guaranteed room for the prompts"
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-        ends = torch.cumsum(lens_t, 0)
-        starts = ends - lens_t
-        positions = torch.arange(total, device=dev) - torch.repeat_interleave(starts, lens_t)
-        slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
-        self.req_to_token.table[torch.repeat_interleave(slots, lens_t), positions] = loc
-        for r in reqs:
-            r.kv_len = r.prompt_len
+        takes = [take for _, _, take in entries]
+        total = sum(takes)
+        loc = self.kv.alloc(total)
+        takes_t = torch.tensor(takes, dtype=torch.int64, device=dev)
+        prefix_t = torch.tensor([p for _, p, _ in entries], dtype=torch.int64, device=dev)
+        ends = torch.cumsum(takes_t, 0)
+        positions = torch.arange(total, device=dev) + torch.repeat_interleave(prefix_t - (ends - takes_t), takes_t)
+        slots = torch.tensor([r.slot for r, _, _ in entries], dtype=torch.int64, device=dev)
+        self.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
+        input_ids: list[int] = []
+        completing, logits_rows = [], []
+        for i, (req, prefix, take) in enumerate(entries):
+            input_ids += req.fill_ids[prefix : prefix + take]
+            req.kv_len = prefix + take
+            if req.kv_len == len(req.fill_ids):
+                completing.append(req)
+                logits_rows.append(i)
         self.counters["prefill_steps"] += 1
-        self.counters["prompt_tokens"] += total
+        self.counters["prefill_tokens"] += total
+        if len(completing) < len(entries):
+            self.counters["chunked_prefill_steps"] += 1
+        seq_lens = prefix_t + takes_t
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=positions,
             out_cache_loc=loc,
             req_slots=slots,
-            seq_lens=lens_t,
-            max_seq_len=max(lens),
-            logits_indices=ends - 1,
-            extend_lens=lens,
-            prefix_lens=[0] * len(reqs),
+            seq_lens=seq_lens,
+            max_seq_len=int(seq_lens.max()),
+            logits_indices=(ends - 1)[torch.tensor(logits_rows, dtype=torch.int64, device=dev)],
+            extend_lens=takes,
+            prefix_lens=[p for _, p, _ in entries],
         )
-        return Step(batch, RunningBatch(reqs, self.model_config.vocab_size, dev))
+        rows = RunningBatch(completing, self.model_config.vocab_size, dev)
+        return Step(batch, rows, [req for req, _, _ in entries])
+
+    # ------------------------------------------------------------------ decode
 
     def _decode_step(self) -> Step:
         rows = self.running
         n = len(rows)
-        loc = self.kv_pool.alloc(n)
-        assert loc is not None, "admission reserved room for every running request's new tokens"
+        loc = self.kv.alloc(n)
         positions = rows.kv_lens
         self.req_to_token.table[rows.slots, positions] = loc
         rows.kv_lens = positions + 1
         self.counters["decode_steps"] += 1
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=rows.last_ids,
@@ -291,32 +387,80 @@ class Scheduler:
         )
         return Step(batch, rows)
 
+    def _make_room_for_decode(self) -> bool:
+        """Ensure one pool token per running request: evict cache, then retract the most recently
+        admitted requests (a prompt part-way through chunked prefill first). Returns False when
+        nothing is left to decode."""
+        kv = self.kv
+        rows = self.running
+        if kv.headroom >= len(rows):
+            return True
+        retracted: list[Req] = []
+        while kv.headroom < len(rows) * RETRACT_HEADROOM_STEPS and (self.chunked_req is not None or len(rows) > 1):
+            if self.chunked_req is not None:
+                req, kv_len, self.chunked_req = self.chunked_req, self.chunked_req.kv_len, None
+            else:
+                req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
+                keep = [True] * (len(rows) - 1) + [False]
+                rows.filter(torch.tensor(keep, device=self.device), keep)
+            kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
+            req.fill_ids = req.all_ids()
+            retracted.append(req)
+        if retracted:
+            self.waiting[:0] = retracted[::-1]
+            self.counters["retracted_requests"] += len(retracted)
+            ratio = self.config.init_new_token_ratio
+            self.new_token_ratio = min(1.0, max(ratio, self.new_token_ratio + 0.1))
+        if kv.headroom >= len(rows):
+            return True
+        # one request left and the pool cannot hold its next token (the user process refuses requests
+        # that could get here, so this guards a mis-sized pool)
+        kv_len = int(rows.kv_lens[0])
+        message = f"KV pool exhausted at {kv_len} tokens (max_total_tokens={self.max_total_tokens})"
+        self._abort_reqs(rows.reqs, [kv_len], message, keep_kv=True)
+        self.running = RunningBatch.empty(self.model_config.vocab_size, self.device)
+        return False
+
+    # ------------------------------------------------------------------ failures
+
     def _abort_step(self, step: Step, message: str) -> None:
-        rows = step.rows
-        kv_lens = rows.kv_lens.tolist()
+        """A step raised: fail every request in it, free their memory (not cached: it may be garbage)."""
+        if step.mode is ForwardMode.DECODE:
+            rows = step.rows
+            self._abort_reqs(rows.reqs, rows.kv_lens.tolist(), message)
+            self.running = RunningBatch.empty(self.model_config.vocab_size, self.device)
+        else:
+            reqs = step.extend_reqs
+            if self.chunked_req is not None and any(r is self.chunked_req for r in reqs):
+                self.chunked_req = None
+            self._abort_reqs(reqs, [r.kv_len for r in reqs], message)
+
+    def _abort_reqs(self, reqs: list[Req], kv_lens: list[int], message: str, keep_kv: bool = False) -> None:
         reason = FinishReason("abort", message=message)
         meta = []
-        for req in rows.reqs:
+        for req, kv_len in zip(reqs, kv_lens):
             req.finished = reason
-            meta.append(RequestMeta(prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids)))
-        self._release([(req.slot, kv_len) for req, kv_len in zip(rows.reqs, kv_lens)])
-        n = len(rows.reqs)
-        out = BatchTokenOut(list(rows.rids), [NO_TOKEN] * n, [reason] * n, meta)
+            meta.append(self._meta(req))
+            self.kv.free_request(req, kv_len, keep=keep_kv)
+        n = len(reqs)
+        out = BatchTokenOut([r.rid for r in reqs], [NO_TOKEN] * n, [reason] * n, meta)
         self.send_sock.send(self.send_codec.encode(out))
         self.counters["aborted_requests"] += n
-        if step.mode is ForwardMode.DECODE:
-            self.running = RunningBatch.empty(self.model_config.vocab_size, self.device)
 
-    def _release(self, finished: list[tuple[int, int]]) -> None:
-        """Return (slot, kv_len) pairs' pool tokens in one free-list update, and their slots."""
-        if not finished:
-            return
-        table = self.req_to_token.table
-        self.kv_pool.free(torch.cat([table[slot, :kv_len] for slot, kv_len in finished]))
-        for slot, _ in finished:
-            self.req_to_token.free(slot)
+    def _finish_unstarted(self, req: Req, message: str) -> None:
+        """Fail a request that never got memory (it holds none)."""
+        reason = req.finished = FinishReason("abort", message=message)
+        out = BatchTokenOut([req.rid], [NO_TOKEN], [reason], [self._meta(req)])
+        self.send_sock.send(self.send_codec.encode(out))
+        self.counters["aborted_requests"] += 1
 
-    def stats(self, req_id: str) -> Stats:
+    @staticmethod
+    def _meta(req: Req) -> RequestMeta:
+        return RequestMeta(req.prompt_len, len(req.output_ids), req.cached_tokens)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, req_id: str, flushed_tokens: int = 0) -> Stats:
         c = self.counters
         return Stats(
             req_id=req_id,
@@ -324,7 +468,7 @@ class Scheduler:
             free_tokens=self.kv_pool.available,
             max_running_requests=self.req_to_token.size,
             free_slots=self.req_to_token.available,
-            running=len(self.running),
+            running=len(self.running) + (self.chunked_req is not None),
             waiting=len(self.waiting),
             prefill_steps=c["prefill_steps"],
             decode_steps=c["decode_steps"],
@@ -333,4 +477,10 @@ class Scheduler:
             finished_requests=c["finished_requests"],
             aborted_requests=c["aborted_requests"],
             stage_seconds=dict(self.busy_seconds),
+            prefill_tokens=c["prefill_tokens"],
+            chunked_prefill_steps=c["chunked_prefill_steps"],
+            cache_hit_tokens=c["cache_hit_tokens"],
+            retracted_requests=c["retracted_requests"],
+            flushed_tokens=flushed_tokens,
+            **self.kv.stats(),
         )

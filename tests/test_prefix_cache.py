@@ -1,0 +1,157 @@
+"""Prefix cache, chunked prefill and memory pressure, end to end on SmolLM2 in float32.
+
+One shared-prefix workload runs on engines configured every way that matters: cache off and chunking
+off (the baseline), cache on, chunked prefill on (cache off, so the chunks are the only difference),
+and a pool so small that admission overshoots and the scheduler has to evict and retract. Every
+configuration must give transformers' greedy tokens, finish every request exactly once, and leave
+the pool and the tree's lock counts idle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPTS, hf_greedy
+from engine import Engine
+
+SYSTEM = (
+    "You are a careful assistant. Answer briefly and truthfully. If you do not know, say so. "
+    "Prefer plain words to jargon, and give one example when it helps the reader understand. "
+)
+NEW_TOKENS = 40
+PARAMS = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def workload(tokenizer) -> list[list[int]]:
+    """Prompts that share a system prompt; two pairs share more (the same question, two endings)."""
+    prompts = [tokenizer.encode(SYSTEM + p) for p in PROMPTS]
+    prompts.append(tokenizer.encode(SYSTEM + PROMPTS[0] + " Answer in French."))
+    prompts.append(tokenizer.encode(SYSTEM + PROMPTS[7] + " a cat"))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, workload) -> list[list[int]]:
+    return [hf_greedy(hf_model, ids, NEW_TOKENS) for ids in workload]
+
+
+def idle(stats: dict) -> bool:
+    """Nothing running or queued; every pool token is free or cached; no lock held in the tree."""
+    return (
+        stats["running"] == 0
+        and stats["waiting"] == 0
+        and stats["free_slots"] == stats["max_running_requests"]
+        and stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
+        and stats["cache_locked_tokens"] == 0
+        and stats["cache_lock_refs"] == 0
+    )
+
+
+def run_workload(eng: Engine, prompts: list[list[int]]) -> tuple[list[dict], dict, dict]:
+    before = eng.get_stats()
+    outs = eng.generate(input_ids=prompts, sampling_params=PARAMS)
+    after = eng.get_stats()
+    return outs, before, after
+
+
+def check_complete_once(outs: list[dict], before: dict, after: dict, n: int) -> None:
+    assert len(outs) == n and len({o["meta_info"]["id"] for o in outs}) == n
+    for o in outs:
+        assert len(o["output_ids"]) == o["meta_info"]["completion_tokens"] == NEW_TOKENS
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
+    assert after["finished_requests"] - before["finished_requests"] == n
+    assert after["aborted_requests"] == before["aborted_requests"]
+    assert after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS  # nothing emitted twice
+    assert idle(after)
+
+
+def test_cache_off_and_chunking_off_match_transformers(workload, expected):
+    with Engine(dtype="float32", max_total_tokens=16384, enable_prefix_cache=False, chunked_prefill_size=0) as eng:
+        outs, before, after = run_workload(eng, workload)
+    assert [o["output_ids"] for o in outs] == expected
+    check_complete_once(outs, before, after, len(workload))
+    assert after["cache_enabled"] is False and after["cache_hit_tokens"] == 0 and after["cache_tokens"] == 0
+    assert after["free_tokens"] == after["max_total_tokens"]
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
+
+
+def test_cache_on_matches_and_reuses_prefixes(engine, workload, expected):
+    engine.flush_cache()
+    outs, before, after = run_workload(engine, workload)
+    assert [o["output_ids"] for o in outs] == expected
+    check_complete_once(outs, before, after, len(workload))
+    system_len = len(engine.tokenizer.encode(SYSTEM)) - 1
+    hits = [o["meta_info"]["cached_tokens"] for o in outs]
+    assert sum(h >= system_len for h in hits) >= len(workload) - 1, hits  # all but the first share the system prompt
+    assert after["cache_hit_tokens"] - before["cache_hit_tokens"] == sum(hits)
+    assert after["cache_tokens"] > 0
+
+    # the same prompts again: every prompt but its last token comes from the cache
+    again, before, after = run_workload(engine, workload)
+    assert [o["output_ids"] for o in again] == expected
+    assert [o["meta_info"]["cached_tokens"] for o in again] == [len(p) - 1 for p in workload]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(workload)
+    check_complete_once(again, before, after, len(workload))
+
+    assert engine.flush_cache() == after["cache_tokens"]
+    flushed = engine.get_stats()
+    assert flushed["cache_tokens"] == 0 and flushed["free_tokens"] == flushed["max_total_tokens"]
+
+
+def test_chunked_prefill_matches(workload, expected):
+    with Engine(dtype="float32", max_total_tokens=16384, enable_prefix_cache=False, chunked_prefill_size=24) as eng:
+        outs, before, after = run_workload(eng, workload)
+    assert [o["output_ids"] for o in outs] == expected
+    check_complete_once(outs, before, after, len(workload))
+    assert after["chunked_prefill_steps"] >= len(workload)  # every prompt is longer than one chunk
+
+
+def test_small_pool_evicts_and_retracts_and_matches(workload, expected):
+    longest = max(len(p) for p in workload) + NEW_TOKENS
+    # room for about two requests; a low initial estimate of new tokens makes admission take more,
+    # so decode runs out of room and must evict cache and retract requests
+    with Engine(
+        dtype="float32", max_total_tokens=2 * longest + 20, max_running_requests=8,
+        chunked_prefill_size=64, init_new_token_ratio=0.05,
+    ) as eng:  # fmt: skip
+        outs, before, after = run_workload(eng, workload)
+        assert eng.flush_cache() == after["cache_tokens"]
+        flushed = eng.get_stats()
+    assert [o["output_ids"] for o in outs] == expected
+    check_complete_once(outs, before, after, len(workload))
+    assert after["retracted_requests"] > 0, after
+    assert after["cache_evicted_tokens"] > 0, after
+    assert after["chunked_prefill_steps"] > 0, after
+    assert flushed["free_tokens"] == flushed["max_total_tokens"]
+
+
+def test_concurrent_requests_share_a_long_prefix(engine):
+    engine.flush_cache()
+    shared = engine.tokenizer.encode(SYSTEM * 4)
+    a, b = shared + [1000, 1001], shared + [2000, 2001, 2002]
+    outs = engine.generate(input_ids=[a, b], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert outs[0]["meta_info"]["cached_tokens"] == 0
+    assert outs[1]["meta_info"]["cached_tokens"] >= len(shared)
+    assert idle(engine.get_stats())
+
+
+def test_fcfs_policy_matches(workload, expected):
+    with Engine(dtype="float32", max_total_tokens=16384, schedule_policy="fcfs", chunked_prefill_size=0) as eng:
+        outs, before, after = run_workload(eng, workload[:4])
+    assert [o["output_ids"] for o in outs] == expected[:4]
+    check_complete_once(outs, before, after, 4)
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("chunked_prefill_size", -1, "chunked_prefill_size"),
+        ("enable_prefix_cache", "yes", "enable_prefix_cache"),
+        ("schedule_policy", "random", "schedule_policy"),
+        ("init_new_token_ratio", 0.0, "init_new_token_ratio"),
+    ],
+)
+def test_bad_cache_options_are_refused(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(**{option: value})

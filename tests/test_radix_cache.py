@@ -1,0 +1,141 @@
+"""The radix tree on its own: matching, splitting, locking, LRU eviction, and the books it keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.memory.radix_cache import RadixCache
+
+
+class FreeList:
+    """Stands in for the KV pool's free(): records what the tree gives back."""
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def __call__(self, indices: torch.Tensor) -> None:
+        self.freed += indices.tolist()
+
+
+def idx(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def make() -> tuple[RadixCache, FreeList]:
+    free = FreeList()
+    return RadixCache(free), free
+
+
+def test_match_returns_longest_prefix_with_its_indices():
+    cache, _ = make()
+    assert cache.insert([1, 2, 3, 4], idx(10, 20, 30, 40)) == 0
+    indices, node = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert indices.tolist() == [10, 20, 30, 40] and node.key == [1, 2, 3, 4]
+    assert cache.match_prefix([9, 9])[0].numel() == 0
+    assert cache.total_size == cache.evictable_size == 4
+
+
+def test_match_mid_edge_splits_the_node():
+    cache, _ = make()
+    cache.insert([1, 2, 3, 4, 5], idx(11, 12, 13, 14, 15))
+    indices, node = cache.match_prefix([1, 2, 3, 9])
+    assert indices.tolist() == [11, 12, 13]
+    assert node.key == [1, 2, 3] and node.value.tolist() == [11, 12, 13]  # the node ends where the match does
+    (child,) = node.children.values()
+    assert child.key == [4, 5] and child.value.tolist() == [14, 15] and child.parent is node
+    assert cache.total_size == 5  # splitting moves tokens, it does not add any
+
+
+def test_insert_reports_the_cached_part_and_branches():
+    cache, _ = make()
+    cache.insert([1, 2, 3, 4], idx(1, 2, 3, 4))
+    # the first three tokens are cached already: the caller's indices 7, 8, 9 for them are duplicates
+    assert cache.insert([1, 2, 3, 7, 8], idx(7, 8, 9, 70, 80)) == 3
+    assert cache.match_prefix([1, 2, 3, 7, 8])[0].tolist() == [1, 2, 3, 70, 80]
+    assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == [1, 2, 3, 4]
+    assert cache.total_size == 6
+    assert cache.insert([1, 2], idx(5, 6)) == 2  # wholly cached
+
+
+def test_the_tree_copies_indices_it_keeps():
+    cache, _ = make()
+    row = idx(1, 2, 3)
+    cache.insert([5, 6, 7], row)
+    row[:] = 0  # the caller's req_to_token row is reused by the next request
+    assert cache.match_prefix([5, 6, 7])[0].tolist() == [1, 2, 3]
+
+
+def test_lock_protects_a_path_from_eviction():
+    cache, free = make()
+    cache.insert([1, 2, 3], idx(1, 2, 3))
+    cache.insert([1, 2, 4, 5], idx(1, 2, 40, 50))
+    _, node = cache.match_prefix([1, 2, 3])
+    cache.inc_lock_ref(node)
+    assert cache.protected_size == 3 and cache.evictable_size == 2  # [1, 2] and [3] locked; [4, 5] not
+    assert cache.evict(100) == 2
+    assert sorted(free.freed) == [40, 50]
+    assert cache.match_prefix([1, 2, 3])[0].tolist() == [1, 2, 3]
+    cache.dec_lock_ref(node)
+    assert cache.protected_size == 0 and cache.lock_refs() == 0
+    assert cache.evict(100) == 3 and cache.total_size == 0
+
+
+def test_nested_locks_count():
+    cache, _ = make()
+    cache.insert([1, 2, 3, 4], idx(1, 2, 3, 4))
+    _, short = cache.match_prefix([1, 2, 9])  # splits [1 2 | 3 4]
+    _, long = cache.match_prefix([1, 2, 3, 4])
+    cache.inc_lock_ref(short)
+    cache.inc_lock_ref(long)
+    assert short.lock_ref == 2 and cache.lock_refs() == 3
+    cache.dec_lock_ref(long)
+    assert cache.evictable_size == 2 and cache.protected_size == 2
+    cache.dec_lock_ref(short)
+    assert cache.lock_refs() == 0 and cache.evictable_size == 4
+
+
+def test_eviction_is_least_recently_used_first():
+    cache, free = make()
+    cache.insert([1, 1], idx(11, 12))
+    cache.insert([2, 2], idx(21, 22))
+    cache.insert([3, 3], idx(31, 32))
+    cache.match_prefix([1, 1])  # [1 1] is now the most recently used
+    assert cache.evict(2) == 2 and free.freed == [21, 22]
+    assert cache.evict(2) == 2 and free.freed[2:] == [31, 32]
+    assert cache.match_prefix([1, 1])[0].tolist() == [11, 12]
+
+
+def test_match_after_eviction_finds_the_surviving_prefix():
+    cache, free = make()
+    cache.insert([1, 2, 3, 4], idx(1, 2, 3, 4))
+    cache.insert([1, 2, 5, 6], idx(1, 2, 5, 6))
+    cache.match_prefix([1, 2, 3, 4])  # touch the first branch: [5, 6] is the LRU leaf
+    assert cache.evict(1) == 2 and sorted(free.freed) == [5, 6]
+    assert cache.match_prefix([1, 2, 5, 6])[0].tolist() == [1, 2]
+    # evicting a parent's last child makes the parent a leaf that can go next
+    assert cache.evict(3) == 4 and cache.total_size == 0
+    assert cache.match_prefix([1, 2, 3, 4])[0].numel() == 0
+
+
+def test_cache_finished_frees_duplicates_and_unlocks():
+    cache, free = make()
+    cache.insert([1, 2, 3], idx(1, 2, 3))
+    prefix, node = cache.match_prefix([1, 2])
+    cache.inc_lock_ref(node)
+    # the request computed [3, 4, 5] itself (indices 30, 40, 50) while another request inserted [3]
+    row = torch.cat([prefix, idx(30, 40, 50)])
+    cache.cache_finished([1, 2, 3, 4, 5], row, node, prefix_len=2)
+    assert free.freed == [30]  # its copy of token 3 is a duplicate of the tree's
+    assert cache.match_prefix([1, 2, 3, 4, 5])[0].tolist() == [1, 2, 3, 40, 50]
+    assert cache.lock_refs() == 0 and cache.total_size == 5
+
+
+def test_cache_unfinished_moves_the_lock_to_the_longer_prefix():
+    cache, free = make()
+    prefix, node = cache.match_prefix([7, 8, 9])
+    cache.inc_lock_ref(node)
+    indices, new_node = cache.cache_unfinished([7, 8, 9], idx(70, 80, 90), node, prefix_len=0)
+    assert indices.tolist() == [70, 80, 90] and new_node.lock_ref == 1 and free.freed == []
+    assert cache.protected_size == 3 and cache.evict(10) == 0
+    cache.dec_lock_ref(new_node)
+    assert cache.flush() == 3 and sorted(free.freed) == [70, 80, 90]
