@@ -155,3 +155,37 @@ def test_request_that_can_never_fit_fails_alone(tiny_llama_dir):
         assert finishes["fine"].type == "length"
     finally:
         run.close()
+
+
+def test_failure_after_some_requests_finished_reports_each_once(tiny_llama_dir):
+    """A step that raises after some of its requests finished (here: putting a prompt in the cache)
+    aborts only the unfinished ones, frees nothing twice, and the scheduler serves on."""
+    run = InProcess(tiny_llama_dir, max_total_tokens=256, max_running_requests=4)
+    try:
+        run.submit(
+            TokenizedRequest("one-token", [1, 2, 3], SamplingParams(max_new_tokens=1, temperature=0.0)),
+            TokenizedRequest("continues", [4, 5, 6], SamplingParams(max_new_tokens=5, temperature=0.0)),
+        )
+        real = run.sched.kv.cache_prompt
+        calls = []
+
+        def failing(req):
+            if not calls:
+                calls.append(req.rid)
+                raise RuntimeError("injected after the finish loop")
+            return real(req)
+
+        run.sched.kv.cache_prompt = failing
+        while run.sched.run_once(block=False):
+            pass
+        run.submit(TokenizedRequest("later", [7, 8], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+        while run.sched.run_once(block=False):
+            pass
+        outs = run.messages()
+        finishes = [(rid, f.type) for m in outs for rid, f in zip(m.rids, m.finished) if f is not None]
+        assert sorted(finishes) == [("continues", "abort"), ("later", "length"), ("one-token", "length")]
+        stats = run.sched.stats("s")
+        assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens
+        assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+    finally:
+        run.close()

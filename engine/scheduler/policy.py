@@ -35,7 +35,7 @@ def order_waiting(waiting: list[Req], policy: str, cache) -> list[Req]:
     out = []
     for matched, _, req in scored:
         if matched <= IN_BATCH_CHECK:
-            if len(in_batch.match_prefix(req.fill_ids)[0]) >= IN_BATCH_DEFER:
+            if len(in_batch.match_prefix(req.fill_ids)[0]) - matched >= IN_BATCH_DEFER:
                 continue
             in_batch.insert(req.fill_ids, torch.empty(len(req.fill_ids), dtype=torch.int64))
         out.append(req)

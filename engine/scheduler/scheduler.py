@@ -185,7 +185,12 @@ class Scheduler:
                 continue
             if isinstance(message, GenerateBatch):
                 eos = self.model_config.eos_token_ids
-                self.waiting.extend(Req(r.rid, r.input_ids, r.sampling, eos) for r in message.reqs)
+                for r in message.reqs:
+                    sampling = r.sampling
+                    room = self.context_len - len(r.input_ids)
+                    if 1 <= room < sampling.max_new_tokens:  # the user process does this too; be safe
+                        sampling = msgspec.structs.replace(sampling, max_new_tokens=room)
+                    self.waiting.append(Req(r.rid, r.input_ids, sampling, eos))
             elif isinstance(message, StatsRequest):
                 self.send_sock.send(self.send_codec.encode(self.stats(message.req_id)))
             elif isinstance(message, FlushCache):
@@ -269,7 +274,7 @@ class Scheduler:
         req = self.chunked_req
         if req is not None:
             take = min(len(req.fill_ids) - req.kv_len, budget)
-            if take > kv.headroom:
+            if take > kv.headroom - len(self.running):  # leave the running requests their next token
                 return []  # decode steps will finish requests and free memory
             entries.append((req, req.kv_len, take))
             budget -= take
@@ -294,7 +299,8 @@ class Scheduler:
             if chunk <= 0 and entries and take > budget:
                 kv.unlend(req)
                 break
-            need = take + (int(self.new_token_ratio * min(req.sampling.max_new_tokens, CLIP_NEW_TOKENS)) if take == ext else 0)
+            remaining_new = req.sampling.max_new_tokens - len(req.output_ids)
+            need = take + int(self.new_token_ratio * min(remaining_new, CLIP_NEW_TOKENS))
             alone = not entries and not len(self.running)
             if need > kv.headroom - reserved and not (alone and take <= kv.headroom):
                 kv.unlend(req)
@@ -318,11 +324,15 @@ class Scheduler:
 
     def _never_fits(self, req: Req) -> str | None:
         """Why a request can never run here (the user process refuses these up front; this is the guard)."""
-        n = len(req.fill_ids)
+        n = req.prompt_len
         if n >= self.context_len:
             return f"the prompt has {n} tokens but context_length is {self.context_len}"
-        if n > self.max_total_tokens:
-            return f"the prompt needs {n} KV tokens but the pool holds max_total_tokens={self.max_total_tokens}"
+        most = n + req.sampling.max_new_tokens - 1
+        if most > self.max_total_tokens:
+            return (
+                f"the prompt ({n} tokens) plus max_new_tokens needs up to {most} KV tokens but the pool holds "
+                f"max_total_tokens={self.max_total_tokens}"
+            )
         return None
 
     def _prefill_step(self, entries: list[tuple[Req, int, int]]) -> Step:
@@ -436,6 +446,11 @@ class Scheduler:
             self._abort_reqs(reqs, [r.kv_len for r in reqs], message)
 
     def _abort_reqs(self, reqs: list[Req], kv_lens: list[int], message: str, keep_kv: bool = False) -> None:
+        # a step that failed after some of its requests finished must not free or report those twice
+        live = [(r, k) for r, k in zip(reqs, kv_lens) if r.finished is None and r.slot is not None]
+        if not live:
+            return
+        reqs, kv_lens = [r for r, _ in live], [k for _, k in live]
         reason = FinishReason("abort", message=message)
         meta = []
         for req, kv_len in zip(reqs, kv_lens):
