@@ -13,6 +13,7 @@ from engine.ipc.channels import Endpoints
 from engine.model.resolve import resolve_model_dir
 from engine.processes.launch import Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
+from engine.streaming import async_collect, async_stream, sync_stream
 from engine.tokenizer import load_hf_tokenizer
 from engine.tokenizer_manager import TokenizerManager
 
@@ -79,23 +80,35 @@ class Engine:
 
     # ------------------------------------------------------------------ API
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, progress=False):
+    def generate(
+        self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, progress=False,
+        stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+    ):  # fmt: skip
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts, in order).
 
         Exactly one of prompt (str or list of str), input_ids (list of ids or list of lists) or messages
         (a chat: list of {"role", "content"}, or a list of chats) is given. sampling_params is a dict or
-        a list of dicts, one per prompt. Raises ValueError before anything is queued if any input is bad.
+        a list of dicts, one per prompt (docs/sampling.md). With n > 1 a list comes back, n results per
+        prompt, prompt by prompt. stream=True returns an iterator of chunks instead (docs/api.md).
+        return_logprob adds the logprobs of the output tokens to meta_info, top_logprobs_num the most
+        likely alternatives, logprob_start_len >= 0 the prompt's from that position on.
+        Raises ValueError before anything is queued if any input is bad.
         """
         tm = self._tm()
+        submit = dict(
+            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+        )  # fmt: skip
+        if stream:
+            return sync_stream(tm, submit)
         bar = None
-        on_finish = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(desc="generating", unit="req", total=0)
-            on_finish = lambda state: bar.update(1)  # noqa: E731
+            submit["on_finish"] = lambda state: bar.update(1)
         try:
-            states, is_batch = tm.submit(prompt, sampling_params, input_ids, messages, rid, on_finish)
+            states, is_batch = tm.submit(**submit)
             if bar is not None:
                 bar.total = len(states)
                 bar.refresh()
@@ -104,6 +117,27 @@ class Engine:
             if bar is not None:
                 bar.close()
         return results if is_batch else results[0]
+
+    async def async_generate(
+        self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, stream: bool = False,
+        return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+    ):  # fmt: skip
+        """generate() for asyncio: `await engine.async_generate(...)` gives the result(s);
+        `async for chunk in await engine.async_generate(..., stream=True)` streams. Cancelling the
+        awaiting task aborts the requests."""
+        tm = self._tm()
+        submit = dict(
+            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+        )  # fmt: skip
+        if stream:
+            return async_stream(tm, submit)
+        return await async_collect(tm, submit)
+
+    def abort(self, rid: str | list[str]) -> None:
+        """Stop running or queued requests by id: their memory is freed and they finish with reason abort.
+        Ids that are unknown or already finished are ignored."""
+        self._tm().abort([rid] if isinstance(rid, str) else list(rid))
 
     def get_stats(self) -> dict:
         """Scheduler counters: KV pool use (max_total_tokens, free_tokens), slots, queue lengths, totals,
@@ -167,3 +201,4 @@ class _LoadProgress:
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.close()
+

@@ -1,29 +1,53 @@
-"""Sampling parameters: parsed and validated in the user process, before anything is queued."""
+"""Sampling parameters: parsed and validated in the user process, before anything is queued.
+
+docs/sampling.md lists every parameter with its range and meaning. Each check raises a ValueError
+that names the field and its allowed range.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
 DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0: dividing logits by it would overflow
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0
 
 
-class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
-    """What the scheduler needs to sample one request. Travels inside the request message."""
+class SamplingParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """What the scheduler and the detokenizer need to sample and decode one request."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means the whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    custom_logit_processor: str | None = None  # a registered name (engine/sampling/processors.py)
+    custom_params: dict[str, Any] | None = None  # JSON for the custom processor
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 FIELDS = {name for name in SamplingParams.__struct_fields__}
@@ -37,12 +61,72 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def parse_sampling_params(params: dict | SamplingParams | None, vocab_size: int) -> SamplingParams:
-    """Turn a user's dict into SamplingParams; raise ValueError naming the field and its allowed range."""
+def _number(p: dict, name: str, default: float, ok: Callable[[float], bool], allowed: str) -> float:
+    value = p.get(name, default)
+    if not _is_number(value) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _flag(p: dict, name: str, default: bool) -> bool:
+    value = p.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if _is_int(value):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t < vocab_size for t in value):
+        raise ValueError(f"{name} must be a list of token ids in [0, {vocab_size}), got {value!r}")
+    return tuple(value)
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if (
+        not isinstance(value, (list, tuple))
+        or not all(isinstance(s, str) and s for s in value)
+        or len(value) > MAX_STOP_STRINGS
+    ):
+        raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got {value!r}")
+    return tuple(value)
+
+
+def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+    out = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        if not _is_int(token) or not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
+        if not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
+def parse_sampling_params(
+    params: dict | SamplingParams | None, vocab_size: int, processors: Callable[[str], Any] | None = None
+) -> SamplingParams:
+    """Turn a user's dict into SamplingParams; raise ValueError naming the field and its allowed range.
+
+    `processors(name)` returns the registered custom logit processor class or raises ValueError.
+    """
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
         params = msgspec.structs.asdict(params)
+        params["logit_bias"] = dict(params["logit_bias"])
     if not isinstance(params, dict):
         raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
     unknown = sorted(set(params) - FIELDS)
@@ -53,28 +137,59 @@ def parse_sampling_params(params: dict | SamplingParams | None, vocab_size: int)
     max_new = p.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if not _is_int(max_new) or max_new < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
-    temperature = p.get("temperature", 1.0)
-    if not _is_number(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
-    top_p = p.get("top_p", 1.0)
-    if not _is_number(top_p) or not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    min_new = p.get("min_new_tokens", 0)
+    if not _is_int(min_new) or not 0 <= min_new <= max_new:
+        raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new}], got {min_new!r}")
+    temperature = _number(p, "temperature", 1.0, lambda v: v >= 0, "a finite number >= 0 (0 means greedy)")
+    top_p = _number(p, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")
     top_k = p.get("top_k", -1)
     if not _is_int(top_k) or (top_k < 1 and top_k not in (-1, 0)):
         raise ValueError(f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {top_k!r}")
-    stop_ids = p.get("stop_token_ids") or ()
-    if isinstance(stop_ids, int) and not isinstance(stop_ids, bool):
-        stop_ids = (stop_ids,)
-    if not isinstance(stop_ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids):
-        raise ValueError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {stop_ids!r}")
-    ignore_eos = p.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+    min_p = _number(p, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]")
+    repetition = _number(p, "repetition_penalty", 1.0, lambda v: 0 < v <= 10, "in (0, 10] (1 means off)")
+    frequency = _number(p, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)")
+    presence = _number(p, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)")
+    seed = p.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
+    n = p.get("n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+    name = p.get("custom_logit_processor")
+    custom_params = p.get("custom_params")
+    if custom_params is not None:
+        if not isinstance(custom_params, dict):
+            raise ValueError(f"custom_params must be a JSON object (dict), got {type(custom_params).__name__}")
+        try:
+            custom_params = msgspec.json.decode(msgspec.json.encode(custom_params))
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise ValueError(f"custom_params must be JSON-serializable: {exc}") from None
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"custom_logit_processor must be a registered name (a string), got {name!r}")
+        if processors is None:
+            raise ValueError(f"custom_logit_processor {name!r}: no processors are registered")
+        processors(name)().validate_params(custom_params or {}, vocab_size)
+    elif custom_params is not None:
+        raise ValueError("custom_params is set but custom_logit_processor is not")
     return SamplingParams(
         max_new_tokens=max_new,
-        temperature=float(temperature),
-        top_p=float(top_p),
+        min_new_tokens=min_new,
+        temperature=temperature,
+        top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,
-        stop_token_ids=tuple(stop_ids),
-        ignore_eos=ignore_eos,
+        min_p=min_p,
+        repetition_penalty=repetition,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        stop=_stop_strings(p.get("stop")),
+        stop_token_ids=_token_ids(p.get("stop_token_ids"), "stop_token_ids", vocab_size),
+        ignore_eos=_flag(p, "ignore_eos", False),
+        seed=seed,
+        n=n,
+        skip_special_tokens=_flag(p, "skip_special_tokens", True),
+        spaces_between_special_tokens=_flag(p, "spaces_between_special_tokens", True),
+        logit_bias=_logit_bias(p.get("logit_bias"), vocab_size),
+        custom_logit_processor=name,
+        custom_params=custom_params,
     )

@@ -29,7 +29,12 @@ class BatchDecoder:
             self._fast = None
             self._hf = load_hf_tokenizer(model_dir)
 
-    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    def decode_batch(
+        self, sequences: list[list[int]], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> list[str]:
+        """spaces_between_special_tokens matters only to slow (Python) tokenizers, as in transformers."""
         if self._fast is not None:
             return self._fast.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
-        return self._hf.batch_decode(sequences, skip_special_tokens=skip_special_tokens)
+        return self._hf.batch_decode(
+            sequences, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )

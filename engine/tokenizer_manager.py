@@ -21,9 +21,11 @@ from engine.ipc.channels import Endpoints, pull_socket, push_socket
 from engine.ipc.messages import (
     BatchTextOut,
     Codec,
+    AbortRequest,
     FinishReason,
     FlushCache,
     GenerateBatch,
+    RequestHeader,
     RequestMeta,
     Stats,
     StatsRequest,
@@ -31,7 +33,29 @@ from engine.ipc.messages import (
     ToScheduler,
     ToTokenizer,
 )
+from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, parse_sampling_params
+
+MAX_TOP_LOGPROBS = 100
+
+
+def _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, vocab_size: int) -> None:
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob must be a bool, got {return_logprob!r}")
+    if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, vocab_size):
+        raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+    if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+        raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position >= 0, got {logprob_start_len!r}")
+    if not return_logprob and (top_logprobs_num or logprob_start_len != -1):
+        raise ValueError("top_logprobs_num and logprob_start_len need return_logprob=True")
+
+
+def _lp_tuples(logprobs: list, token_ids: list[int]) -> list[tuple]:
+    return [(lp, t, None) for lp, t in zip(logprobs, token_ids)]
+
+
+def _top_tuples(top) -> list[tuple] | None:
+    return None if top is None else [(lp, t, None) for t, lp in zip(top.token_ids, top.logprobs)]
 
 
 @dataclass
@@ -39,35 +63,60 @@ class ReqState:
     """What the user process knows about one request while it runs."""
 
     rid: str
-    prompt_tokens: int
+    prompt_ids: list[int]
+    index: int = 0  # position in the caller's result list
+    group: str | None = None  # the rid the caller gave, for the copies of an n > 1 request
+    return_logprob: bool = False
+    logprob_start_len: int = -1
     created: float = field(default_factory=time.perf_counter)
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     meta: RequestMeta | None = None
+    header: RequestHeader | None = None
+    output_logprobs: list = field(default_factory=list)
+    output_top: list = field(default_factory=list)
     error: BaseException | None = None
     finished_at: float = 0.0
     first_token_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     on_finish: Callable[["ReqState"], None] | None = None
+    # called in the receiver thread with (state, text delta, new token ids) after each output, and with
+    # (state, None, None) if the engine dies; streaming and async callers listen here
+    listener: Callable[["ReqState", str | None, list[int] | None], None] | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def meta_info(self) -> dict:
+        meta = self.meta
+        header = self.header
+        cached = meta.cached_tokens if meta else (header.cached_tokens if header else 0)
+        info = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": meta.completion_tokens if meta else len(self.output_ids),
+            "cached_tokens": cached,
+            "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
+            "e2e_latency": (self.finished_at or time.perf_counter()) - self.created,
+            "first_token_latency": (self.first_token_at or self.finished_at or time.perf_counter()) - self.created,
+        }
+        if self.return_logprob:
+            info["output_token_logprobs"] = _lp_tuples(self.output_logprobs, self.output_ids)
+            if any(t is not None for t in self.output_top):
+                info["output_top_logprobs"] = [_top_tuples(t) for t in self.output_top]
+            if self.logprob_start_len >= 0:
+                ids = self.prompt_ids[self.logprob_start_len :]
+                info["input_token_logprobs"] = _lp_tuples(header.input_logprobs, ids) if header else []
+                if header and any(t is not None for t in header.input_top):
+                    info["input_top_logprobs"] = [_top_tuples(t) for t in header.input_top]
+        return info
 
     def result(self) -> dict:
         if self.error is not None:
             raise self.error
-        meta = self.meta or RequestMeta(self.prompt_tokens, len(self.output_ids))
-        return {
-            "text": "".join(self.text_parts),
-            "output_ids": list(self.output_ids),
-            "meta_info": {
-                "id": self.rid,
-                "prompt_tokens": meta.prompt_tokens,
-                "completion_tokens": meta.completion_tokens,
-                "cached_tokens": meta.cached_tokens,
-                "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
-                "e2e_latency": self.finished_at - self.created,
-                "first_token_latency": (self.first_token_at or self.finished_at) - self.created,
-            },
-        }
+        return {"text": "".join(self.text_parts), "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
 
 class TokenizerManager:
@@ -86,6 +135,7 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.states_lock = threading.Lock()
         self.pending_stats: dict[str, list] = {}
+        self.groups: dict[str, list[str]] = {}  # rid given for n > 1 -> its copies' rids
         self.dead: str | None = None
         self.vocab_size = len(tokenizer)
         self.context_length = 0
@@ -122,6 +172,9 @@ class TokenizerManager:
             state.error = EngineDeadError(self.dead)
             state.finished_at = time.perf_counter()
             state.done.set()
+            if state.listener is not None:
+                with contextlib.suppress(Exception):
+                    state.listener(state, None, None)
         for holder in stats:
             holder[1] = EngineDeadError(self.dead)
             holder[0].set()
@@ -167,26 +220,38 @@ class TokenizerManager:
         assert isinstance(message, BatchTextOut)
         now = time.perf_counter()
         states = self.states
-        for rid, delta, token, finish, meta in zip(
-            message.rids, message.text_deltas, message.token_ids, message.finished, message.meta
+        headers = message.headers or [None] * len(message.rids)
+        logprobs = message.logprobs or [None] * len(message.rids)
+        for rid, delta, token, finish, meta, header, logprob in zip(
+            message.rids, message.text_deltas, message.token_ids, message.finished, message.meta, headers, logprobs
         ):
             state = states.get(rid)
             if state is None:
                 continue
+            if header is not None:
+                state.header = header
             if delta:
                 state.text_parts.append(delta)
             if token >= 0:
                 if not state.output_ids:
                     state.first_token_at = now
                 state.output_ids.append(token)
+                if logprob is not None:
+                    state.output_logprobs.append(logprob.logprob)
+                    state.output_top.append(logprob.top)
             if finish is not None:
                 state.finish_reason, state.meta, state.finished_at = finish, meta, now
                 with self.states_lock:
                     states.pop(rid, None)
+                    if state.group is not None and not any(r in states for r in self.groups.get(state.group, ())):
+                        self.groups.pop(state.group, None)
                 state.done.set()
                 if state.on_finish is not None:
                     with contextlib.suppress(Exception):  # a progress callback must not stop the receiver
                         state.on_finish(state)
+            if state.listener is not None and (delta or token >= 0 or finish is not None):
+                with contextlib.suppress(Exception):  # nor may a listener
+                    state.listener(state, delta, [token] if token >= 0 else [])
 
     # ------------------------------------------------------------------ stages
 
@@ -245,34 +310,74 @@ class TokenizerManager:
             )
         return params
 
-    def submit(self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None,
-               on_finish: Callable[[ReqState], None] | None = None) -> tuple[list[ReqState], bool]:
-        """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error."""
+    def submit(
+        self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None,
+        on_finish: Callable[[ReqState], None] | None = None, return_logprob: bool = False,
+        top_logprobs_num: int = 0, logprob_start_len: int = -1, listener=None,
+    ) -> tuple[list[ReqState], bool]:  # fmt: skip
+        """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error.
+
+        A prompt with n > 1 becomes n requests (rids `<rid>-0` ... `<rid>-<n-1>`, seeds seed + i), which
+        share the prompt's prefill through the prefix cache. Returns the states, prompt-major, and
+        whether the caller passed a batch (or n > 1: a list comes back either way).
+        """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         id_lists, is_batch = self.tokenize(prompt, input_ids, messages)
-        n = len(id_lists)
+        n_prompts = len(id_lists)
         if isinstance(sampling_params, list):
-            if len(sampling_params) != n:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
-            params = [parse_sampling_params(p, self.vocab_size) for p in sampling_params]
+            if len(sampling_params) != n_prompts:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
+            params = [self.parse_params(p) for p in sampling_params]
         else:
-            params = [parse_sampling_params(sampling_params, self.vocab_size)] * n
+            params = [self.parse_params(sampling_params)] * n_prompts
+        _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, self.vocab_size)
         params = [self.validate(ids, p, i if is_batch else 0) for i, (ids, p) in enumerate(zip(id_lists, params))]
-        rids = self._rids(rid, n, is_batch)
-        states = [ReqState(r, len(ids), on_finish=on_finish) for r, ids in zip(rids, id_lists)]
-        message = GenerateBatch([TokenizedRequest(r, ids, p) for r, ids, p in zip(rids, id_lists, params)])
+        for i, ids in enumerate(id_lists):
+            if logprob_start_len >= len(ids):
+                where = f"request {i}: " if is_batch else ""
+                raise ValueError(f"{where}logprob_start_len must be -1 or in [0, {len(ids)}) for a {len(ids)}-token prompt, got {logprob_start_len}")
+        base_rids = self._rids(rid, n_prompts, is_batch)
+        reqs: list[TokenizedRequest] = []
+        states: list[ReqState] = []
+        for base, ids, p in zip(base_rids, id_lists, params):
+            copies = p.n
+            for j in range(copies):
+                r = base if copies == 1 else f"{base}-{j}"
+                pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                reqs.append(TokenizedRequest(r, ids, pj, "", return_logprob, top_logprobs_num, logprob_start_len))
+                states.append(ReqState(
+                    r, ids, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
+                    on_finish=on_finish, listener=listener,
+                ))  # fmt: skip
         with self.states_lock:
             if self.dead is not None:  # checked under the lock that _mark_dead takes: no state is orphaned
                 raise EngineDeadError(self.dead)
-            clash = [r for r in rids if r in self.states]
+            clash = [s.rid for s in states if s.rid in self.states]
             if clash:
                 raise ValueError(f"request id(s) already running: {clash}")
             for state in states:
                 self.states[state.rid] = state
+            for base, p in zip(base_rids, params):
+                if p.n > 1:
+                    self.groups[base] = [f"{base}-{j}" for j in range(p.n)]
         with self.send_lock:
-            self.send_sock.send(self.send_codec.encode(message))
-        return states, is_batch
+            self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
+        return states, is_batch or any(p.n > 1 for p in params)
+
+    def parse_params(self, params) -> SamplingParams:
+        return parse_sampling_params(params, self.vocab_size, get_logit_processor)
+
+    def abort(self, rids: list[str], message: str = "aborted by the caller") -> None:
+        """Ask the scheduler to stop these requests (a rid given for n > 1 stands for all its copies)."""
+        if self.dead is not None:
+            return
+        with self.states_lock:
+            expanded = [r for rid in rids for r in self.groups.get(rid, [rid])]
+            live = [r for r in expanded if r in self.states]
+        if live:
+            with self.send_lock:
+                self.send_sock.send(self.send_codec.encode(AbortRequest(live, message)))
 
     @staticmethod
     def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:

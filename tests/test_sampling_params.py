@@ -23,6 +23,41 @@ INVALID = [
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"stop_token_ids": "2"}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"min_new_tokens": -1}, "min_new_tokens"),
+    ({"min_new_tokens": 200, "max_new_tokens": 10}, "min_new_tokens"),
+    ({"min_new_tokens": 1.0}, "min_new_tokens"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 11}, "repetition_penalty"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ok", 5]}, "stop"),
+    ({"stop": ["s"] * 17}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"n": 0}, "n must"),
+    ({"n": 129}, "n must"),
+    ({"n": True}, "n must"),
+    ({"skip_special_tokens": 1}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {"-5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {10**9: 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: 101}}, "logit_bias"),
+    ({"logit_bias": {5: math.nan}}, "logit_bias"),
+    ({"custom_logit_processor": "no_such_processor"}, "not registered"),
+    ({"custom_logit_processor": 5}, "custom_logit_processor"),
+    ({"custom_logit_processor": "disallowed_tokens"}, "token_ids"),
+    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [10**9]}}, "token_ids"),
+    ({"custom_logit_processor": "force_token_after", "custom_params": {"token_id": 5}}, "after"),
+    ({"custom_params": {"a": 1}}, "custom_logit_processor is not"),
+    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "x": object()}}, "JSON"),
+    ({"custom_logit_processor": "disallowed_tokens", "custom_params": [1]}, "custom_params"),
     ({"max_tokens": 5}, "unknown sampling parameter"),
     ({"temprature": 0.5}, "unknown sampling parameter"),
 ]
@@ -38,6 +73,26 @@ def test_invalid_parameter_raises_before_queueing(engine, params, field):
         engine.generate(["Hello", "World"], [{"max_new_tokens": 4}, params])
     after = engine.get_stats()
     assert after["prompt_tokens"] == before["prompt_tokens"] and after["prefill_steps"] == before["prefill_steps"]
+
+
+REQUEST_OPTIONS = [
+    ({"return_logprob": "yes"}, "return_logprob"),
+    ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"return_logprob": True, "top_logprobs_num": 101}, "top_logprobs_num"),
+    ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ({"return_logprob": True, "logprob_start_len": 1000}, "logprob_start_len"),
+    ({"top_logprobs_num": 3}, "need return_logprob"),
+    ({"logprob_start_len": 0}, "need return_logprob"),
+]
+
+
+@pytest.mark.parametrize("options,field", REQUEST_OPTIONS, ids=[f for _, f in REQUEST_OPTIONS])
+def test_invalid_request_option_raises_before_queueing(engine, options, field):
+    before = engine.get_stats()
+    with pytest.raises(ValueError, match=field):
+        engine.generate("Hello", {"max_new_tokens": 2}, **options)
+    after = engine.get_stats()
+    assert after["prompt_tokens"] == before["prompt_tokens"]
 
 
 def test_invalid_inputs(engine):

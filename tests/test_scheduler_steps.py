@@ -7,7 +7,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
-from engine.ipc.messages import BatchTokenOut, Codec, GenerateBatch, ToDetokenizer, ToScheduler, TokenizedRequest
+from engine.ipc.messages import NO_TOKEN, BatchTokenOut, Codec, GenerateBatch, ToDetokenizer, ToScheduler, TokenizedRequest
 from engine.sampling_params import SamplingParams
 from kernels.attention import ForwardMode
 
@@ -186,6 +186,34 @@ def test_failure_after_some_requests_finished_reports_each_once(tiny_llama_dir):
         assert sorted(finishes) == [("continues", "abort"), ("later", "length"), ("one-token", "length")]
         stats = run.sched.stats("s")
         assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens
+        assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+    finally:
+        run.close()
+
+
+def test_failing_custom_processor_fails_only_its_requests(tiny_llama_dir):
+    from engine.sampling.processors import CustomLogitProcessor, register_logit_processor
+
+    class Exploding(CustomLogitProcessor):
+        def __call__(self, logits, batch):
+            raise ValueError("boom")
+
+    register_logit_processor("test_exploding", Exploding)  # this process is the scheduler's here
+    run = InProcess(tiny_llama_dir, max_total_tokens=256, max_running_requests=4)
+    try:
+        run.submit(
+            TokenizedRequest("bad", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_logit_processor="test_exploding")),
+            TokenizedRequest("good", [4, 5, 6], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)),
+        )
+        while run.sched.run_once(block=False):
+            pass
+        outs = run.messages()
+        finishes = {rid: f for m in outs for rid, f in zip(m.rids, m.finished) if f is not None}
+        assert finishes["bad"].type == "abort" and "test_exploding" in finishes["bad"].message
+        assert "boom" in finishes["bad"].message
+        assert finishes["good"].type == "length"
+        assert [t for m in outs for rid, t in zip(m.rids, m.token_ids) if rid == "bad"] == [NO_TOKEN]
+        stats = run.sched.stats("s")
         assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
     finally:
         run.close()

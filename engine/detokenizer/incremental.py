@@ -1,11 +1,12 @@
-"""Incremental detokenization for a batch of requests with a single batch_decode call.
+"""Incremental detokenization for a batch of requests with one batch_decode call per decode setting.
 
 Each request keeps its ids and two offsets. Text is emitted for ids[read:] only when decoding the
 window ids[prefix:] yields more than decoding ids[prefix:read] and does not end in U+FFFD (a UTF-8
 character whose bytes are still split across tokens). The window starts at the previous emission
 boundary, not at the beginning, so the cost per step stays small; decoding the already-emitted
 tokens with the new ones (rather than the new ones alone) keeps tokenizers that strip or merge
-leading spaces honest.
+leading spaces honest. Requests are grouped by their (skip_special_tokens,
+spaces_between_special_tokens) setting; the usual batch has one group, so one call.
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ class DecodeState:
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    flags: tuple[bool, bool] = (True, True)  # skip_special_tokens, spaces_between_special_tokens
 
 
 class IncrementalDetokenizer:
     def __init__(self, decoder) -> None:
         self.decoder = decoder
         self.states: dict[str, DecodeState] = {}
+
+    def start(self, rid: str, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> None:
+        """Set a request's decode flags before its first ids (without this: the defaults)."""
+        self.states[rid] = DecodeState(flags=(skip_special_tokens, spaces_between_special_tokens))
+
+    def forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
 
     def step(self, rids: list[str], new_ids: list[list[int]], finished: list[bool]) -> list[str]:
         """Append each request's new ids; return each request's new text. Forget finished requests."""
@@ -36,10 +45,17 @@ class IncrementalDetokenizer:
                 state = self.states[rid] = DecodeState()
             state.ids.extend(ids)
             states.append(state)
-        windows = [s.ids[s.prefix_offset : s.read_offset] for s in states]
-        windows += [s.ids[s.prefix_offset :] for s in states]
-        texts = self.decoder.decode_batch(windows)
         n = len(states)
+        texts: list[str] = [""] * (2 * n)
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for i, state in enumerate(states):
+            groups.setdefault(state.flags, []).append(i)
+        for (skip, spaces), rows in groups.items():
+            windows = [states[i].ids[states[i].prefix_offset : states[i].read_offset] for i in rows]
+            windows += [states[i].ids[states[i].prefix_offset :] for i in rows]
+            decoded = self.decoder.decode_batch(windows, skip, spaces)
+            for j, i in enumerate(rows):
+                texts[i], texts[n + i] = decoded[j], decoded[len(rows) + j]
         deltas = []
         for i, state in enumerate(states):
             prefix_text, full_text = texts[i], texts[n + i]

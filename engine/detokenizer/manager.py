@@ -1,16 +1,40 @@
-"""DetokenizerManager: receive token outputs, decode them as a batch, send text to the tokenizer manager."""
+"""DetokenizerManager: receive token outputs, decode them as a batch, match stop strings, send text
+to the tokenizer manager; tell the scheduler to stop requests whose stop string matched."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from engine.detokenizer.incremental import IncrementalDetokenizer
+from engine.detokenizer.stop_strings import StopMatcher
 from engine.ipc.channels import pull_socket, push_socket
-from engine.ipc.messages import BatchTextOut, BatchTokenOut, Codec, ToDetokenizer, ToTokenizer
+from engine.ipc.messages import (
+    AbortRequest,
+    BatchTextOut,
+    BatchTokenOut,
+    Codec,
+    FinishReason,
+    RequestMeta,
+    ToDetokenizer,
+    ToScheduler,
+    ToTokenizer,
+)
 from engine.tokenizer import BatchDecoder
+
+STOPPED_MESSAGE = "stopped: a stop string matched"
+
+
+@dataclass
+class StopState:
+    matcher: StopMatcher
+    min_new_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    tokens: int = 0
 
 
 class DetokenizerManager:
@@ -19,8 +43,12 @@ class DetokenizerManager:
         self.zmq_ctx = zmq.Context(1)
         self.recv_sock = pull_socket(self.zmq_ctx, endpoints["detokenizer"])
         self.send_sock = push_socket(self.zmq_ctx, endpoints["tokenizer"])
+        self.scheduler_sock = push_socket(self.zmq_ctx, endpoints["scheduler"])
         self.recv_codec = Codec(ToDetokenizer)
         self.send_codec = Codec(ToTokenizer)
+        self.scheduler_codec = Codec(ToScheduler)
+        self.stop_states: dict[str, StopState] = {}  # requests with stop strings
+        self.stopped: set[str] = set()  # finished here; the scheduler's remaining outputs are dropped
         self.info: dict = {}
 
     def serve_forever(self) -> None:
@@ -32,10 +60,74 @@ class DetokenizerManager:
                 continue
             if isinstance(message, BatchTokenOut):
                 message = self.detokenize(message)
+                if message is None:
+                    continue
             self.send_sock.send(self.send_codec.encode(message))
 
-    def detokenize(self, out: BatchTokenOut) -> BatchTextOut:
-        """The detokenize stage: one batch decode for every request in the message."""
+    def detokenize(self, out: BatchTokenOut) -> BatchTextOut | None:
+        """The detokenize stage: one batch decode for every request in the message, then stop strings."""
+        if self.stopped:
+            out = self._drop_stopped(out)
+            if out is None:
+                return None
+        for rid, header in zip(out.rids, out.headers):
+            if header is not None:
+                self.incremental.start(rid, header.skip_special_tokens, header.spaces_between_special_tokens)
+                if header.stop:
+                    self.stop_states[rid] = StopState(
+                        StopMatcher(header.stop), header.min_new_tokens, header.prompt_tokens, header.cached_tokens
+                    )
         finished = [f is not None for f in out.finished]
         deltas = self.incremental.step(out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished)
-        return BatchTextOut(out.rids, deltas, out.token_ids, out.finished, out.meta)
+        if self.stop_states:
+            self._match_stop_strings(out, deltas)
+        return BatchTextOut(out.rids, deltas, out.token_ids, out.finished, out.meta, out.headers, out.logprobs)
+
+    def _match_stop_strings(self, out: BatchTokenOut, deltas: list[str]) -> None:
+        stopping: list[str] = []
+        for i, rid in enumerate(out.rids):
+            state = self.stop_states.get(rid)
+            if state is None:
+                continue
+            if out.token_ids[i] >= 0:
+                state.tokens += 1
+            final = out.finished[i] is not None
+            if state.tokens < state.min_new_tokens:  # too early to stop: release everything
+                deltas[i] = state.matcher.pending + deltas[i]
+                state.matcher.pending = ""
+                matched = None
+            else:
+                deltas[i], matched = state.matcher.feed(deltas[i], final)
+            if matched is not None:
+                out.finished[i] = FinishReason("stop", matched=matched)
+                out.meta[i] = RequestMeta(state.prompt_tokens, state.tokens, state.cached_tokens)
+                if not final:  # the scheduler has not finished it yet: stop it, drop what it still sends
+                    stopping.append(rid)
+                    self.stopped.add(rid)
+                    self.incremental.forget(rid)
+                final = True
+            if final:
+                del self.stop_states[rid]
+        if stopping:
+            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(stopping, STOPPED_MESSAGE)))
+
+    def _drop_stopped(self, out: BatchTokenOut) -> BatchTokenOut | None:
+        """Remove outputs of requests already finished by a stop string; their last one clears them."""
+        keep = []
+        for i, rid in enumerate(out.rids):
+            if rid in self.stopped:
+                if out.finished[i] is not None:
+                    self.stopped.discard(rid)
+            else:
+                keep.append(i)
+        if len(keep) == len(out.rids):
+            return out
+        if not keep:
+            return None
+
+        def pick(values: list) -> list:
+            return [values[i] for i in keep] if values else values
+
+        return BatchTokenOut(
+            pick(out.rids), pick(out.token_ids), pick(out.finished), pick(out.meta), pick(out.headers), pick(out.logprobs)
+        )

@@ -22,6 +22,17 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     input_ids: list[int]
     sampling: SamplingParams
     traceparent: str = ""
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    """Stop these requests now (the caller's abort, or the detokenizer after a stop string matched).
+    Unknown or finished rids are ignored."""
+
+    rids: list[str]
+    message: str
 
 
 class GenerateBatch(msgspec.Struct, tag="generate", array_like=True):
@@ -43,10 +54,11 @@ class FlushCache(msgspec.Struct, tag="flush_cache", array_like=True):
 
 
 class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Why a request stopped: 'stop' (matched: a token id), 'length' (length: the token count) or 'abort'."""
+    """Why a request stopped: 'stop' (matched: a token id or a stop string), 'length' (length: the
+    token count) or 'abort' (message)."""
 
     type: str
-    matched: int | None = None
+    matched: int | str | None = None
     length: int | None = None
     message: str | None = None
 
@@ -69,6 +81,31 @@ class RequestMeta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0
 
 
+class RequestHeader(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Rides with a request's first output: what the detokenizer and the user process need once."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    input_logprobs: list[Union[float, None]] = []  # prompt tokens from logprob_start_len on
+    input_top: list[Union["TopLogprobs", None]] = []
+
+
+class TopLogprobs(msgspec.Struct, array_like=True):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
+    """An output token's logprob under the model's distribution, and the most likely alternatives."""
+
+    logprob: float
+    top: Union[TopLogprobs, None] = None
+
+
 NO_TOKEN = -1  # in token_ids: this output carries no new token (a request aborted before producing one)
 
 
@@ -82,6 +119,8 @@ class BatchTokenOut(msgspec.Struct, tag="tokens", array_like=True):
     token_ids: list[int]
     finished: list[Union[FinishReason, None]]
     meta: list[Union[RequestMeta, None]]
+    headers: list[Union[RequestHeader, None]] = []  # empty when no request in the step starts
+    logprobs: list[Union[TokenLogprob, None]] = []  # empty when no request wants logprobs
 
 
 class BatchTextOut(msgspec.Struct, tag="text", array_like=True):
@@ -92,6 +131,8 @@ class BatchTextOut(msgspec.Struct, tag="text", array_like=True):
     token_ids: list[int]
     finished: list[Union[FinishReason, None]]
     meta: list[Union[RequestMeta, None]]
+    headers: list[Union[RequestHeader, None]] = []
+    logprobs: list[Union[TokenLogprob, None]] = []
 
 
 class Stats(msgspec.Struct, tag="stats", array_like=True):
@@ -124,7 +165,7 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     cache_evicted_tokens: int = 0
 
 
-ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache]
+ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache, AbortRequest]
 ToDetokenizer = Union[BatchTokenOut, Stats]
 ToTokenizer = Union[BatchTextOut, Stats]
 

@@ -31,7 +31,7 @@ class KVManager:
     def lend_prefix(self, req) -> int:
         """Match the request's longest cached prefix and lock it. Leaves at least one token to compute,
         since the last token's logits are what the prefill is for. Returns the prefix length."""
-        indices, node = self.cache.match_prefix(req.fill_ids[:-1])
+        indices, node = self.cache.match_prefix(req.fill_ids[: req.max_prefix()])
         self.cache.inc_lock_ref(node)
         req.prefix_indices, req.cache_node = indices, node
         return int(indices.numel())

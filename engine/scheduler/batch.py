@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampling.batch_params import SamplingTensors
 from engine.scheduler.request import Req
-from engine.scheduler.sampler import SamplingTensors
 
 
 class RunningBatch:
@@ -24,7 +24,10 @@ class RunningBatch:
         width = max([len(r.stop_ids) for r in reqs] + [1])
         stop = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs]
         self.stop_table = torch.tensor(stop, dtype=torch.int64, device=device).reshape(len(reqs), width)
-        self.sampling = SamplingTensors.from_params([r.sampling for r in reqs], vocab_size, device)
+        self.sampling = SamplingTensors.build(
+            [r.sampling for r in reqs], vocab_size, device, [r.input_ids for r in reqs], [r.output_ids for r in reqs],
+            [(r.return_logprob, r.top_logprobs_num) for r in reqs],
+        )
         self.rids = [r.rid for r in reqs]
 
     def __len__(self) -> int:
@@ -39,7 +42,7 @@ class RunningBatch:
         self.rids = [r.rid for r in self.reqs]
         for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new", "stop_table"):
             setattr(self, name, getattr(self, name)[keep])
-        self.sampling = self.sampling.filter(keep)
+        self.sampling = self.sampling.filter(keep, keep_list)
 
     def merge(self, other: "RunningBatch") -> None:
         if not self.reqs:

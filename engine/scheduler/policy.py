@@ -20,7 +20,7 @@ from engine.scheduler.request import Req
 POLICIES = ("lpm", "fcfs")
 LPM_MAX_QUEUE = 128
 IN_BATCH_CHECK = 32  # requests with at most this many cached tokens are checked against each other...
-IN_BATCH_DEFER = 32  # ...and one sharing at least this many uncached tokens with an earlier one waits a step
+IN_BATCH_DEFER = 32  # ...and one sharing this many uncached tokens (or all) with an earlier one waits a step
 
 
 def order_waiting(waiting: list[Req], policy: str, cache) -> list[Req]:
@@ -28,14 +28,16 @@ def order_waiting(waiting: list[Req], policy: str, cache) -> list[Req]:
     if policy == "fcfs" or not cache.enabled or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
     scored = sorted(
-        ((len(cache.match_prefix(r.fill_ids[:-1])[0]), i, r) for i, r in enumerate(waiting)),
+        ((len(cache.match_prefix(r.fill_ids[: r.max_prefix()])[0]), i, r) for i, r in enumerate(waiting)),
         key=lambda item: (-item[0], item[1]),
     )
     in_batch = RadixCache(lambda _: None)  # the uncached prompts already chosen this step
     out = []
     for matched, _, req in scored:
         if matched <= IN_BATCH_CHECK:
-            if len(in_batch.match_prefix(req.fill_ids)[0]) - matched >= IN_BATCH_DEFER:
+            shared = len(in_batch.match_prefix(req.fill_ids)[0]) - matched
+            uncached = req.max_prefix() - matched
+            if uncached > 0 and shared >= min(IN_BATCH_DEFER, uncached):  # "all": the same prompt, as for n > 1
                 continue
             in_batch.insert(req.fill_ids, torch.empty(len(req.fill_ids), dtype=torch.int64))
         out.append(req)

@@ -12,9 +12,13 @@ class Req:
     __slots__ = (
         "rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished",
         "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
+        "return_logprob", "top_logprobs_num", "logprob_from", "input_logprobs", "input_top", "header_sent",
     )  # fmt: skip
 
-    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...],
+        return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+    ) -> None:  # fmt: skip
         self.rid = rid
         self.input_ids = input_ids
         self.sampling = sampling
@@ -34,6 +38,15 @@ class Req:
         self.cache_node = None  # the tree node those indices end at, locked while the request holds them
         self.cached_tokens = 0  # prompt tokens that came from the cache at first admission
         self.admissions = 0  # more than one: the request was retracted and resumed
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        # prompt logprobs: the first prompt position whose hidden state the prefill must compute (so
+        # the prefix cache may lend no more than that), None when the request wants none
+        want_prompt = return_logprob and 0 <= logprob_start_len < len(input_ids)
+        self.logprob_from: int | None = max(logprob_start_len - 1, 0) if want_prompt else None
+        self.input_logprobs: list = [None] if want_prompt and logprob_start_len == 0 else []
+        self.input_top: list = [None] if want_prompt and logprob_start_len == 0 else []
+        self.header_sent = False  # the first output carries a RequestHeader
 
     @property
     def prompt_len(self) -> int:
@@ -42,6 +55,14 @@ class Req:
     @property
     def cache_prefix_len(self) -> int:
         return 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
+
+    def max_prefix(self) -> int:
+        """How many fill tokens the prefix cache may lend: all but the last, and none whose prompt
+        logprobs are wanted (they need hidden states only a prefill computes)."""
+        limit = len(self.fill_ids) - 1
+        if self.logprob_from is not None and not self.header_sent:
+            limit = min(limit, self.logprob_from)
+        return limit
 
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

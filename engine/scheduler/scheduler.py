@@ -28,27 +28,32 @@ import zmq
 from engine.config import EngineConfig
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.messages import (
+    AbortRequest,
     BatchTokenOut,
     Codec,
     FinishReason,
     FlushCache,
     GenerateBatch,
     NO_TOKEN,
+    RequestHeader,
     RequestMeta,
     Stats,
     StatsRequest,
     ToDetokenizer,
     ToScheduler,
+    TokenLogprob,
+    TopLogprobs,
 )
 from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.memory.manager import KVManager
 from engine.model.config import load_hf_config
 from engine.model.loader import load_model
+from engine.sampling.processors import ProcessorSet
+from engine.sampling.sampler import SampleOutput, sample
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.policy import order_waiting
 from engine.scheduler.request import Req
-from engine.scheduler.sampler import sample
 from kernels.attention import ForwardBatch, ForwardMode, create_backend
 
 CLIP_NEW_TOKENS = 4096  # a request's remaining max_new_tokens counts at most this much in the estimate
@@ -64,6 +69,8 @@ class Step:
     forward_batch: ForwardBatch
     rows: RunningBatch  # DECODE: the running batch itself; EXTEND: requests whose prefill completes
     extend_reqs: list[Req] = field(default_factory=list)  # EXTEND: every request in the step, chunks too
+    # EXTEND: prompt logprob rows after the next-token rows: (request, first extra row, rows, first position)
+    prompt_logprobs: list[tuple[Req, int, int, int]] = field(default_factory=list)
 
     @property
     def mode(self) -> ForwardMode:
@@ -109,6 +116,7 @@ class Scheduler:
         self.chunked_req: Req | None = None  # a prompt part-way through a chunked prefill
         self.last_mode: ForwardMode | None = None
         self.new_token_ratio = config.init_new_token_ratio
+        self.processors = ProcessorSet()
         self.counters = collections.Counter()
         self.busy_seconds: collections.Counter = collections.Counter()  # wall time per stage, since start
         self.info = {
@@ -129,12 +137,14 @@ class Scheduler:
         while True:
             self.run_once()
 
+    @torch.inference_mode()
     def run_once(self, block: bool = True) -> bool:
         """One turn of the loop: receive (blocking only if idle and `block`), then at most one step.
         Returns whether a step ran.
 
         A step that raises fails only the requests in it (finish reason "abort" with the error);
-        the engine keeps serving the rest.
+        the engine keeps serving the rest. Everything runs in inference mode: the batch's tensors
+        are created and updated in place from one step to the next.
         """
         clock = time.perf_counter
         busy = self.busy_seconds
@@ -148,9 +158,9 @@ class Scheduler:
         try:
             logits = self.forward(step)
             t2 = clock()
-            next_ids = self.sample(step, logits) if len(step.rows) else None
+            sampled = self.sample(step, logits)
             t3 = clock()
-            self.process_results(step, next_ids)
+            self.process_results(step, sampled)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             self._abort_step(step, f"{type(exc).__name__}: {exc}")
             return True
@@ -190,7 +200,11 @@ class Scheduler:
                     room = self.context_len - len(r.input_ids)
                     if 1 <= room < sampling.max_new_tokens:  # the user process does this too; be safe
                         sampling = msgspec.structs.replace(sampling, max_new_tokens=room)
-                    self.waiting.append(Req(r.rid, r.input_ids, sampling, eos))
+                    self.waiting.append(Req(
+                        r.rid, r.input_ids, sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len
+                    ))  # fmt: skip
+            elif isinstance(message, AbortRequest):
+                self._abort_rids(set(message.rids), message.message)
             elif isinstance(message, StatsRequest):
                 self.send_sock.send(self.send_codec.encode(self.stats(message.req_id)))
             elif isinstance(message, FlushCache):
@@ -216,46 +230,114 @@ class Scheduler:
     def forward(self, step: Step) -> torch.Tensor:
         return self.model(step.forward_batch, self.backend)
 
-    def sample(self, step: Step, logits: torch.Tensor) -> torch.Tensor:
-        return sample(logits, step.rows.sampling)
+    def sample(self, step: Step, logits: torch.Tensor) -> SampleOutput | None:
+        """Prompt logprobs from the extra rows of a prefill, then one token per row (None: a step of
+        prompt chunks only, nothing to sample yet)."""
+        rows = step.rows
+        if step.prompt_logprobs:
+            self._prompt_logprobs(step, logits[len(rows) :])
+            logits = logits[: len(rows)]
+        if not len(rows):
+            return None
+        output_ids = [r.output_ids for r in rows.reqs] if rows.sampling.any_processor else []
+        return sample(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, self.processors)
 
-    def process_results(self, step: Step, next_ids: torch.Tensor | None) -> None:
+    def process_results(self, step: Step, sampled: SampleOutput | None) -> None:
         """Append each row's token, finish rows that hit a stop token or their length, emit one message.
         After a prefill, requests that go on decoding put their prompt in the prefix cache."""
         rows = step.rows
-        if next_ids is None:  # a step of prompt chunks only: nothing to sample yet
+        if sampled is None:
             return
+        next_ids = sampled.next_ids
         rows.last_ids = next_ids
         rows.out_lens = rows.out_lens + 1
         hit_stop = (next_ids[:, None] == rows.stop_table).any(dim=1)
         done = hit_stop | (rows.out_lens >= rows.max_new)
         ids = next_ids.tolist()
         rids = rows.rids
-        for req, token in zip(rows.reqs, ids):
-            req.output_ids.append(token)
+        reqs = rows.reqs
+        if sampled.failed:  # a custom processor failed on these rows: they end here, without a token
+            for i in sampled.failed:
+                ids[i] = NO_TOKEN
+            done[list(sampled.failed)] = True
+        for req, token in zip(reqs, ids):
+            if token != NO_TOKEN:
+                req.output_ids.append(token)
         finished: list = [None] * len(ids)
         meta: list = [None] * len(ids)
-        self.counters["generated_tokens"] += len(ids)
-        done_list = done.tolist() if bool(done.any()) else None
-        if done_list is not None:
+        headers = self._headers(reqs) if step.mode is ForwardMode.EXTEND else []
+        logprobs = self._output_logprobs(rows, sampled) if sampled.logprobs is not None else []
+        self.counters["generated_tokens"] += len(ids) - len(sampled.failed)
+        if bool(done.any()):
+            done_list = done.tolist()
             stop_list = hit_stop.tolist()
             kv_lens = rows.kv_lens.tolist()
             for i, is_done in enumerate(done_list):
                 if not is_done:
                     continue
-                req = rows.reqs[i]
+                req = reqs[i]
                 n_out = len(req.output_ids)
-                reason = FinishReason("stop", matched=ids[i]) if stop_list[i] else FinishReason("length", length=n_out)
+                if i in sampled.failed:
+                    reason = FinishReason("abort", message=sampled.failed[i])
+                    self.counters["aborted_requests"] += 1
+                else:
+                    reason = FinishReason("stop", matched=ids[i]) if stop_list[i] else FinishReason("length", length=n_out)
+                    self.counters["finished_requests"] += 1
                 finished[i] = req.finished = reason
                 meta[i] = self._meta(req)
-                self.kv.free_request(req, kv_lens[i])
-                self.counters["finished_requests"] += 1
+                self.kv.free_request(req, kv_lens[i], keep=i not in sampled.failed)
             rows.filter(~done, [not d for d in done_list])
-        self.send_sock.send(self.send_codec.encode(BatchTokenOut(rids, ids, finished, meta)))
+        out = BatchTokenOut(rids, ids, finished, meta, headers, logprobs)
+        self.send_sock.send(self.send_codec.encode(out))
         if step.mode is ForwardMode.EXTEND and len(rows):
             for req in rows.reqs:
                 self.kv.cache_prompt(req)
             self.running.merge(rows)
+
+    def _headers(self, reqs: list[Req]) -> list:
+        """A RequestHeader for each request whose first output this is (prefill steps only)."""
+        headers: list = []
+        for req in reqs:
+            if req.header_sent:
+                headers.append(None)
+                continue
+            req.header_sent = True
+            p = req.sampling
+            headers.append(RequestHeader(
+                req.prompt_len, req.cached_tokens, p.stop, p.min_new_tokens, p.skip_special_tokens,
+                p.spaces_between_special_tokens, req.input_logprobs, req.input_top,
+            ))  # fmt: skip
+        return headers if any(h is not None for h in headers) else []
+
+    @staticmethod
+    def _output_logprobs(rows: RunningBatch, sampled: SampleOutput) -> list:
+        want = rows.sampling.want_logprob.tolist()
+        if not any(want):
+            return []
+        lps = sampled.logprobs.tolist()
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        out: list = []
+        for i, req in enumerate(rows.reqs):
+            if not want[i]:
+                out.append(None)
+                continue
+            k = req.top_logprobs_num
+            top = TopLogprobs(top_ids[i][:k], top_lps[i][:k]) if k and top_ids is not None else None
+            out.append(TokenLogprob(lps[i], top))
+        return out
+
+    def _prompt_logprobs(self, step: Step, logits: torch.Tensor) -> None:
+        """Each prompt token's logprob given the tokens before it, from the prefill's extra rows."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for req, first, count, pos in step.prompt_logprobs:
+            targets = torch.tensor(req.input_ids[pos + 1 : pos + 1 + count], dtype=torch.int64, device=logits.device)
+            block = logprobs[first : first + count]
+            req.input_logprobs += block.gather(1, targets[:, None]).squeeze(1).tolist()
+            k = req.top_logprobs_num
+            if k:
+                values, indices = block.topk(k, dim=-1)
+                req.input_top += [TopLogprobs(i, v) for i, v in zip(indices.tolist(), values.tolist())]
 
     # ------------------------------------------------------------------ prefill
 
@@ -348,12 +430,21 @@ class Scheduler:
         self.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
         input_ids: list[int] = []
         completing, logits_rows = [], []
+        extra_rows: list[int] = []  # prompt logprobs: hidden rows of positions logprob_from .. prompt_len - 2
+        prompt_logprobs: list[tuple[Req, int, int, int]] = []
+        start = 0
         for i, (req, prefix, take) in enumerate(entries):
             input_ids += req.fill_ids[prefix : prefix + take]
             req.kv_len = prefix + take
             if req.kv_len == len(req.fill_ids):
                 completing.append(req)
-                logits_rows.append(i)
+                logits_rows.append(start + take - 1)
+            if req.logprob_from is not None and not req.header_sent:
+                lo, hi = max(prefix, req.logprob_from), min(prefix + take, req.prompt_len - 1)
+                if hi > lo:
+                    prompt_logprobs.append((req, len(extra_rows), hi - lo, lo))
+                    extra_rows.extend(range(start + lo - prefix, start + hi - prefix))
+            start += take
         self.counters["prefill_steps"] += 1
         self.counters["prefill_tokens"] += total
         if len(completing) < len(entries):
@@ -367,12 +458,12 @@ class Scheduler:
             req_slots=slots,
             seq_lens=seq_lens,
             max_seq_len=int(seq_lens.max()),
-            logits_indices=(ends - 1)[torch.tensor(logits_rows, dtype=torch.int64, device=dev)],
+            logits_indices=torch.tensor(logits_rows + extra_rows, dtype=torch.int64, device=dev),
             extend_lens=takes,
             prefix_lens=[p for _, p, _ in entries],
         )
         rows = RunningBatch(completing, self.model_config.vocab_size, dev)
-        return Step(batch, rows, [req for req, _, _ in entries])
+        return Step(batch, rows, [req for req, _, _ in entries], prompt_logprobs)
 
     # ------------------------------------------------------------------ decode
 
@@ -459,6 +550,35 @@ class Scheduler:
             self.kv.free_request(req, kv_len, keep=keep_kv)
         n = len(reqs)
         out = BatchTokenOut([r.rid for r in reqs], [NO_TOKEN] * n, [reason] * n, meta)
+        self.send_sock.send(self.send_codec.encode(out))
+        self.counters["aborted_requests"] += n
+
+    def _abort_rids(self, rids: set[str], message: str) -> None:
+        """The caller's abort (or the detokenizer's stop string): drop the requests wherever they are,
+        keep their valid K/V in the cache, report them finished with reason abort."""
+        gone: list[tuple[Req, int]] = [(r, 0) for r in self.waiting if r.rid in rids]
+        if gone:
+            self.waiting = [r for r in self.waiting if r.rid not in rids]
+        req = self.chunked_req
+        if req is not None and req.rid in rids:
+            self.chunked_req = None
+            gone.append((req, req.kv_len))
+        rows = self.running
+        hit = [r.rid in rids for r in rows.reqs]
+        if any(hit):
+            kv_lens = rows.kv_lens.tolist()
+            gone += [(r, kv_len) for r, kv_len, h in zip(rows.reqs, kv_lens, hit) if h]
+            keep = [not h for h in hit]
+            rows.filter(torch.tensor(keep, device=self.device), keep)
+        if not gone:
+            return
+        reason = FinishReason("abort", message=message)
+        for req, kv_len in gone:
+            req.finished = reason
+            if req.slot is not None:
+                self.kv.free_request(req, kv_len)
+        n = len(gone)
+        out = BatchTokenOut([r.rid for r, _ in gone], [NO_TOKEN] * n, [reason] * n, [self._meta(r) for r, _ in gone])
         self.send_sock.send(self.send_codec.encode(out))
         self.counters["aborted_requests"] += n
 

@@ -1,0 +1,115 @@
+"""The sample stage: batched logits in, one token per row out, with logprobs when asked.
+
+Order, as in transformers and vLLM: logprobs are taken from the model's own distribution (raw
+logits); then logit bias, repetition / frequency / presence penalties, min_new_tokens (stop tokens
+masked), custom logit processors; greedy rows take the argmax of that; sampled rows divide by their
+temperature, keep top-k, top-p and min-p, and draw. Every step is one tensor operation over the
+batch, skipped when no row needs it. Custom processors are the exception: one call per processor
+name, with all the rows that selected it.
+
+Drawing uses the exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with
+probability p_i. A seeded row draws its E from its own generator seeded with (seed, tokens generated
+so far), so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling.batch_params import SamplingTensors
+from engine.sampling.processors import ProcessorBatch, ProcessorSet
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleOutput:
+    next_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] logprob of each chosen token under the raw distribution
+    top_ids: torch.Tensor | None = None  # [B, K] the K most likely tokens under the raw distribution
+    top_logprobs: torch.Tensor | None = None  # [B, K]
+    failed: dict[int, str] = field(default_factory=dict)  # row -> error, from a custom processor
+
+
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Repetition (transformers' rule, over prompt and output), then frequency and presence (OpenAI's
+    rule, over output tokens)."""
+    rep = st.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(st.seen, penalized, logits)
+    counts = st.counts
+    return logits - st.frequency[:, None] * counts - st.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor) -> None:
+    """min_new_tokens: rows that have not generated enough yet cannot pick EOS or a stop token."""
+    active = (out_lens < st.min_new)[:, None] & (stop_table >= 0)
+    rows, cols = active.nonzero(as_tuple=True)
+    if rows.numel():
+        logits[rows, stop_table[rows, cols]] = NEG_INF
+
+
+def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, output_ids: list[list[int]],
+                   processors: ProcessorSet, failed: dict[int, str]) -> None:  # fmt: skip
+    groups: dict[str, list[int]] = {}
+    for row, selected in enumerate(st.processors):
+        if selected is not None:
+            groups.setdefault(selected[0], []).append(row)
+    for name, rows in groups.items():
+        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        batch = ProcessorBatch([st.processors[r][1] for r in rows], [output_ids[r] for r in rows], out_lens[idx])
+        try:
+            logits[idx] = processors.get(name)(logits[idx], batch)
+        except Exception as exc:  # noqa: BLE001 - a processor's failure fails only its own rows
+            for r in rows:
+                failed[r] = f"custom_logit_processor {name!r} failed: {type(exc).__name__}: {exc}"
+
+
+def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> None:
+    lens = out_lens.tolist()
+    for row, seed in enumerate(st.seeds):
+        if seed is not None:
+            gen = torch.Generator(device=noise.device)
+            gen.manual_seed((seed * 1_000_003 + lens[row]) % (1 << 63))
+            noise[row].exponential_(generator=gen)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+           output_ids: list[list[int]], processors: ProcessorSet) -> SampleOutput:  # fmt: skip
+    """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
+    out = SampleOutput(next_ids=torch.empty(0))
+    logprobs_all = torch.log_softmax(logits, dim=-1) if st.any_logprob else None
+    if st.bias is not None:
+        logits = logits + st.bias
+    if st.counts is not None:
+        logits = apply_penalties(logits, st)
+    if st.any_min_new:
+        suppress_stop_tokens(logits, st, out_lens, stop_table)
+    if st.any_processor:
+        run_processors(logits, st, out_lens, output_ids, processors, out.failed)
+    greedy_ids = logits.argmax(dim=-1)
+    if st.all_greedy:
+        out.next_ids = greedy_ids
+    else:
+        probs = torch.softmax(logits / st.temperature[:, None], dim=-1)
+        if st.any_top_k_p:
+            sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(probs.shape[-1], device=probs.device)
+            drop = ranks[None, :] >= st.top_k[:, None]
+            drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > st.top_p[:, None]  # keeps the top token
+            probs = probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+        if st.any_min_p:
+            probs = probs.masked_fill(probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        if st.any_seed:
+            seeded_noise(noise, st, out_lens)
+        sampled = (probs / noise).argmax(dim=-1)
+        out.next_ids = torch.where(st.greedy, greedy_ids, sampled)
+    if logprobs_all is not None:
+        out.logprobs = logprobs_all.gather(1, out.next_ids[:, None]).squeeze(1)
+        if st.max_top_logprobs:
+            out.top_logprobs, out.top_ids = logprobs_all.topk(st.max_top_logprobs, dim=-1)
+    st.record(out.next_ids)
+    return out

@@ -1,0 +1,96 @@
+"""Streaming and asyncio on top of the tokenizer manager's per-request listener.
+
+The receiver thread calls a request's listener after each output; here it becomes a chunk dict that
+goes to a queue.SimpleQueue (sync streams) or, through call_soon_threadsafe, an asyncio.Queue. A
+stream abandoned by its consumer, and an async call cancelled while it waits, abort their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import AsyncIterator, Callable, Iterator
+
+from engine.tokenizer_manager import ReqState, TokenizerManager
+
+Event = tuple  # (state, chunk dict) or (state, None) when the engine died
+
+
+def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
+    """One streamed piece: the new text and ids of one request; meta_info in full on its last chunk."""
+    if state.finish_reason is not None:
+        meta = state.meta_info()
+    else:
+        meta = {"id": state.rid, "finish_reason": None, "completion_tokens": len(state.output_ids)}
+        if state.return_logprob and ids:
+            meta["output_token_logprobs"] = [(state.output_logprobs[-1], ids[-1], None)]
+    return {"index": state.index, "text": delta, "output_ids": ids, "meta_info": meta}
+
+
+def _listener(put: Callable[[Event], None]):
+    def listen(state: ReqState, delta: str | None, ids: list[int] | None) -> None:
+        put((state, None) if delta is None and ids is None else (state, make_chunk(state, delta, ids)))
+
+    return listen
+
+
+def sync_stream(tm: TokenizerManager, submit: dict) -> Iterator[dict]:
+    """Submit now (bad input raises here), then iterate over the chunks."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    states, _ = tm.submit(**submit, listener=_listener(events.put))
+    return _sync_chunks(tm, events, {s.rid for s in states})
+
+
+def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: set[str]) -> Iterator[dict]:
+    try:
+        while remaining:
+            state, chunk = events.get()
+            if chunk is None:
+                raise state.error
+            if chunk["meta_info"]["finish_reason"] is not None:
+                remaining.discard(state.rid)
+            yield chunk
+    finally:  # the consumer stopped early: the requests must not run on
+        if remaining:
+            tm.abort(list(remaining))
+
+
+def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Queue, list[ReqState], bool]:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    states, is_batch = tm.submit(**submit, listener=_listener(lambda e: loop.call_soon_threadsafe(events.put_nowait, e)))
+    return events, states, is_batch
+
+
+async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: set[str]) -> AsyncIterator[tuple]:
+    try:
+        while remaining:
+            state, chunk = await events.get()
+            if chunk is None:
+                raise state.error
+            if chunk["meta_info"]["finish_reason"] is not None:
+                remaining.discard(state.rid)
+            yield state, chunk
+    finally:  # cancelled, or the consumer stopped: the requests must not run on
+        if remaining:
+            tm.abort(list(remaining))
+
+
+async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict:
+    """Wait for every request of one call without blocking the event loop."""
+    events, states, is_batch = _async_submit(tm, submit)
+    async for _ in _async_chunks(tm, events, {s.rid for s in states}):
+        pass
+    results = [s.result() for s in states]
+    return results if is_batch else results[0]
+
+
+def async_stream(tm: TokenizerManager, submit: dict) -> AsyncIterator[dict]:
+    """Submit now (bad input raises here), then an async iterator over the chunks."""
+    events, states, _ = _async_submit(tm, submit)
+    return _chunks_only(_async_chunks(tm, events, {s.rid for s in states}))
+
+
+async def _chunks_only(events: AsyncIterator[tuple]) -> AsyncIterator[dict]:
+    async for _, chunk in events:
+        yield chunk

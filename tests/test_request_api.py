@@ -1,0 +1,257 @@
+"""The request API on the real engine (SmolLM2, float32): greedy equivalents, seeds, logprobs against
+transformers, penalties against transformers' generate, stop strings, min_new_tokens, n, streaming,
+async, abort and custom logit processors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from conftest import PROMPTS, hf_greedy
+
+
+def idle(stats: dict) -> bool:
+    return (
+        stats["running"] == 0 and stats["waiting"] == 0
+        and stats["free_slots"] == stats["max_running_requests"]
+        and stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
+        and stats["cache_lock_refs"] == 0
+    )  # fmt: skip
+
+
+def test_top_k_1_and_temperature_0_are_greedy(engine, hf_model, tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    expected = hf_greedy(hf_model, ids, 16)
+    for params in ({"temperature": 0}, {"top_k": 1, "temperature": 1.3}, {"temperature": 1e-6, "top_p": 0.5}):
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, **params})
+        assert out["output_ids"] == expected, params
+
+
+def test_seeded_request_is_reproducible_in_any_batch(engine):
+    seeded = {"max_new_tokens": 24, "temperature": 1.0, "seed": 42, "ignore_eos": True}
+    alone = engine.generate(PROMPTS[5], seeded)["output_ids"]
+    batch = engine.generate(
+        [PROMPTS[0], PROMPTS[5], PROMPTS[2]],
+        [{"max_new_tokens": 30, "temperature": 0.9}, seeded, {"max_new_tokens": 8, "temperature": 0}],
+    )
+    assert batch[1]["output_ids"] == alone
+    other = engine.generate(PROMPTS[5], {**seeded, "seed": 43})["output_ids"]
+    assert other != alone
+
+
+def test_logprobs_match_transformers(engine, hf_model, tokenizer):
+    ids = tokenizer.encode(PROMPTS[7])
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        return_logprob=True, top_logprobs_num=5, logprob_start_len=0,
+    )  # fmt: skip
+    meta = out["meta_info"]
+    full = ids + out["output_ids"]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([full])).logits[0].float(), dim=-1)
+    # output tokens: position len(ids) - 1 + i predicts output i
+    got = meta["output_token_logprobs"]
+    assert [t for _, t, _ in got] == out["output_ids"]
+    for i, (lp, token, _) in enumerate(got):
+        assert lp == pytest.approx(ref[len(ids) - 1 + i, token].item(), abs=1e-4)
+    for i, top in enumerate(meta["output_top_logprobs"]):
+        values, indices = ref[len(ids) - 1 + i].topk(5)
+        assert [t for _, t, _ in top] == indices.tolist()
+        assert [lp for lp, _, _ in top] == pytest.approx(values.tolist(), abs=1e-4)
+    # prompt tokens: the first has none; token j is predicted at position j - 1
+    prompt_lps = meta["input_token_logprobs"]
+    assert len(prompt_lps) == len(ids) and prompt_lps[0][0] is None
+    assert [t for _, t, _ in prompt_lps] == ids
+    for j in range(1, len(ids)):
+        assert prompt_lps[j][0] == pytest.approx(ref[j - 1, ids[j]].item(), abs=1e-4)
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 5
+
+
+def test_prompt_logprobs_from_a_start_position_bypass_the_cache(engine, tokenizer):
+    ids = tokenizer.encode(PROMPTS[3] * 3)
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})  # now cached
+    start = 10
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=start
+    )
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert len(lps) == len(ids) - start and all(lp is not None for lp, _, _ in lps)
+    assert out["meta_info"]["cached_tokens"] <= start - 1
+
+
+def test_repetition_penalty_matches_transformers_generate(engine, hf_model, tokenizer):
+    ids = tokenizer.encode("Repeat after me: apple apple apple apple")
+    with torch.inference_mode():
+        ref = hf_model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=20,
+            do_sample=False, repetition_penalty=1.5, pad_token_id=hf_model.generation_config.eos_token_id,
+        )[0, len(ids):].tolist()  # fmt: skip
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 20, "temperature": 0, "repetition_penalty": 1.5})
+    assert out["output_ids"] == ref[: len(out["output_ids"])] and len(out["output_ids"]) >= min(len(ref), 1)
+
+
+def test_stop_strings_spanning_tokens(engine, tokenizer):
+    prompt = PROMPTS[7]
+    base = engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
+    text, ids = base["text"], base["output_ids"]
+    pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    for span in (2, 3):  # a stop string from the middle of token k to the middle of token k + span - 1
+        k = next(i for i in range(2, len(ids) - span) if len(tokenizer.decode([ids[i]])) >= 2 and len(tokenizer.decode([ids[i + span - 1]])) >= 2)
+        start = len(pieces[k - 1]) + 1
+        end = len(pieces[k + span - 2]) + 1
+        stop = text[start:end]
+        assert text.find(stop) == start, "pick a stop string whose first occurrence is here"
+        out = engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True, "stop": [stop, "zzzz"]})
+        assert out["text"] == text[:start]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] <= k + span + 2  # stopped promptly
+    assert idle(engine.get_stats())
+
+
+def test_min_new_tokens_suppresses_eos(engine, tokenizer):
+    messages = [{"role": "user", "content": "Say only the word yes."}]
+    short = engine.generate(messages=messages, sampling_params={"max_new_tokens": 40, "temperature": 0})
+    assert short["meta_info"]["finish_reason"]["type"] == "stop"
+    n_short = len(short["output_ids"])
+    longer = engine.generate(messages=messages, sampling_params={"max_new_tokens": 40, "temperature": 0, "min_new_tokens": n_short + 5})
+    assert len(longer["output_ids"]) >= n_short + 5
+    eos = set(engine.server_info["eos_token_ids"])
+    assert not eos & set(longer["output_ids"][: n_short + 4])
+
+
+def test_n_samples_share_one_prefill(engine, tokenizer):
+    engine.flush_cache()
+    prompt = "Write one sentence about a lighthouse keeper and the storm that changed everything for them."
+    n_prompt = len(tokenizer.encode(prompt))
+    before = engine.get_stats()
+    outs = engine.generate(prompt, {"n": 4, "max_new_tokens": 12, "temperature": 1.0, "seed": 7})
+    after = engine.get_stats()
+    assert len(outs) == 4 and len({o["meta_info"]["id"] for o in outs}) == 4
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0] + [n_prompt - 1] * 3
+    assert after["prefill_tokens"] - before["prefill_tokens"] == n_prompt + 3  # one prefill, then one token each
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1  # seeds seed, seed+1, ... differ
+    again = engine.generate(prompt, {"n": 4, "max_new_tokens": 12, "temperature": 1.0, "seed": 7})
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+
+
+def test_streaming_equals_non_streaming(engine):
+    params = [{"max_new_tokens": 40, "temperature": 0}, {"max_new_tokens": 20, "temperature": 0, "stop": ["."]}]
+    prompts = [PROMPTS[7], PROMPTS[5]]
+    full = engine.generate(prompts, params)
+    texts, ids, finals = ["", ""], [[], []], [None, None]
+    for chunk in engine.generate(prompts, params, stream=True):
+        i = chunk["index"]
+        texts[i] += chunk["text"]
+        ids[i] += chunk["output_ids"]
+        if chunk["meta_info"]["finish_reason"] is not None:
+            finals[i] = chunk["meta_info"]
+    assert texts == [o["text"] for o in full]
+    assert ids == [o["output_ids"] for o in full]
+    assert [f["finish_reason"] for f in finals] == [o["meta_info"]["finish_reason"] for o in full]
+
+
+def test_async_generate_and_async_stream(engine):
+    params = {"max_new_tokens": 24, "temperature": 0}
+    expected = engine.generate(PROMPTS[0], params)
+
+    async def main():
+        one = await engine.async_generate(PROMPTS[0], params)
+        many = await asyncio.gather(*(engine.async_generate(PROMPTS[0], params) for _ in range(3)))
+        text = ""
+        async for chunk in await engine.async_generate(PROMPTS[0], params, stream=True):
+            text += chunk["text"]
+        return one, many, text
+
+    one, many, text = asyncio.run(main())
+    assert one["output_ids"] == expected["output_ids"]
+    assert all(m["output_ids"] == expected["output_ids"] for m in many)
+    assert text == expected["text"]
+
+
+def test_abort_frees_memory(engine):
+    params = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    stream = engine.generate(PROMPTS[0], params, stream=True, rid="to-abort")
+    for i, _ in enumerate(stream):
+        if i == 3:
+            engine.abort("to-abort")
+    # the stream ended with the abort's chunk
+    stats = engine.get_stats()
+    assert idle(stats)
+    out = None
+    for _ in range(1):
+        out = engine.generate(PROMPTS[1], {"max_new_tokens": 4, "temperature": 0})
+    assert out["meta_info"]["finish_reason"]["type"] == "length"  # the engine serves on
+
+
+def test_abort_reports_the_reason(engine):
+    import threading
+
+    result = {}
+    t = threading.Thread(target=lambda: result.update(engine.generate(PROMPTS[2], {"max_new_tokens": 3000, "ignore_eos": True}, rid="abort-me")))
+    t.start()
+    time.sleep(1.0)
+    engine.abort("abort-me")
+    t.join(30)
+    assert result["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by the caller"}
+    assert 0 < len(result["output_ids"]) < 3000
+    assert idle(engine.get_stats())
+
+
+def test_cancelling_an_async_task_aborts_its_request(engine):
+    async def main():
+        task = asyncio.create_task(engine.async_generate(PROMPTS[3], {"max_new_tokens": 3000, "ignore_eos": True}))
+        await asyncio.sleep(1.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while not idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert idle(stats)
+
+
+def test_abandoned_stream_aborts_its_request(engine):
+    stream = engine.generate(PROMPTS[4], {"max_new_tokens": 3000, "ignore_eos": True}, stream=True)
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while not idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert idle(stats)
+
+
+def test_custom_processor_bans_tokens(engine):
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    base = engine.generate(PROMPTS[7], params)["output_ids"]
+    banned = sorted(set(base[:6]))
+    out = engine.generate(
+        PROMPTS[7], {**params, "custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": banned}}
+    )["output_ids"]
+    assert not set(out) & set(banned)
+    # sampled too, with a high temperature
+    out = engine.generate(
+        PROMPTS[7], {**params, "temperature": 1.5, "custom_logit_processor": "disallowed_tokens",
+                     "custom_params": {"token_ids": banned}},
+    )["output_ids"]  # fmt: skip
+    assert not set(out) & set(banned)
+
+
+def test_force_token_after(engine):
+    eos = engine.server_info["eos_token_ids"][0]
+    out = engine.generate(
+        PROMPTS[7], {"max_new_tokens": 30, "temperature": 0, "custom_logit_processor": "force_token_after",
+                     "custom_params": {"token_id": eos, "after": 5}},
+    )  # fmt: skip
+    assert len(out["output_ids"]) == 6 and out["output_ids"][-1] == eos
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
+def test_logit_bias_forces_a_token(engine, tokenizer):
+    token = tokenizer.encode(" banana")[0]
+    out = engine.generate(PROMPTS[0], {"max_new_tokens": 5, "temperature": 0.8, "logit_bias": {token: 100.0}})
+    assert out["output_ids"] == [token] * 5

@@ -1,0 +1,161 @@
+"""The sampler on its own: each logit transformation against transformers' logits processors on the
+same logits (where transformers has one) or a hand-computed reference; stop strings across pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.detokenizer.stop_strings import StopMatcher
+from engine.sampling.batch_params import SamplingTensors
+from engine.sampling.processors import ProcessorSet
+from engine.sampling.sampler import apply_penalties, sample
+from engine.sampling_params import SamplingParams
+
+V = 64
+
+
+def tensors(params: list[SamplingParams], prompts=None, outputs=None, logprob=None) -> SamplingTensors:
+    n = len(params)
+    return SamplingTensors.build(
+        params, V, "cpu", prompts or [[1, 2, 3]] * n, outputs or [[]] * n, logprob or [(False, 0)] * n
+    )
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, V) * 3
+    prompts = [[1, 5, 9], [2, 2, 7, 30], [40]]
+    outputs = [[11, 5], [], [40, 41, 41]]
+    params = [SamplingParams(repetition_penalty=p) for p in (1.3, 0.7, 2.0)]
+    st = tensors(params, prompts, outputs)
+    ours = apply_penalties(logits.clone(), st)
+    for row, p in enumerate(params):
+        ids = torch.tensor([prompts[row] + outputs[row]])
+        ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row], ref[0])
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    torch.manual_seed(1)
+    logits = torch.randn(2, V)
+    outputs = [[3, 3, 3, 8], [8]]
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), SamplingParams(presence_penalty=-1.0)]
+    st = tensors(params, [[3, 4], [8, 9]], outputs)
+    ours = apply_penalties(logits.clone(), st)
+    ref = logits.clone()
+    for row, (out, p) in enumerate(zip(outputs, params)):
+        for token in set(out):  # prompt tokens are not penalized by these two
+            ref[row, token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
+    torch.testing.assert_close(ours, ref)
+
+
+def test_penalty_counts_follow_sampled_tokens():
+    st = tensors([SamplingParams(frequency_penalty=1.0, temperature=0)])
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 5.0
+    first = sample(logits.clone(), st, torch.tensor([0]), torch.full((1, 1), -1), [[]], ProcessorSet())
+    assert first.next_ids.tolist() == [7] and st.counts[0, 7] == 1
+    # each 7 costs it 1.0: after five of them it ties with the rest and loses the argmax to token 0
+    picks = [sample(logits.clone(), st, torch.tensor([0]), torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids.item()
+             for _ in range(5)]  # fmt: skip
+    assert picks == [7, 7, 7, 7, 0]
+    assert st.counts[0, 7] == 5 and st.counts[0, 0] == 1
+
+
+def test_min_p_matches_transformers():
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    torch.manual_seed(2)
+    logits = torch.randn(4, V) * 2
+    min_ps = [0.05, 0.2, 0.5, 0.9]
+    for row, min_p in enumerate(min_ps):
+        ref = MinPLogitsWarper(min_p)(None, logits[row : row + 1].clone())[0]
+        probs = torch.softmax(logits[row], -1)
+        kept = probs >= min_p * probs.max()
+        assert torch.equal(kept, torch.isfinite(ref)), min_p
+    # and the sampler only ever draws kept tokens
+    params = [SamplingParams(min_p=m) for m in min_ps]
+    st = tensors(params)
+    for _ in range(50):
+        ids = sample(logits.clone(), st, torch.zeros(4, dtype=torch.int64), torch.full((4, 1), -1), [[]] * 4, ProcessorSet()).next_ids
+        probs = torch.softmax(logits, -1)
+        chosen = probs.gather(1, ids[:, None]).squeeze(1)
+        assert bool((chosen >= torch.tensor(min_ps) * probs.max(-1).values).all())
+
+
+def test_min_new_tokens_masks_stop_tokens_until_reached():
+    logits = torch.zeros(2, V)
+    logits[:, 2] = 10.0  # EOS is by far the most likely
+    st = tensors([SamplingParams(min_new_tokens=3, temperature=0)] * 2)
+    stop_table = torch.tensor([[2, -1], [2, 5]])
+    out = sample(logits.clone(), st, torch.tensor([1, 3]), stop_table, [[]] * 2, ProcessorSet())
+    assert out.next_ids.tolist()[1] == 2  # the second row has made its 3 tokens
+    assert out.next_ids.tolist()[0] not in (2, 5)
+
+
+def test_logit_bias_and_logprobs_from_raw_logits():
+    torch.manual_seed(3)
+    logits = torch.randn(2, V)
+    st = tensors(
+        [SamplingParams(temperature=0, logit_bias=((9, 100.0),)), SamplingParams(temperature=0)],
+        logprob=[(True, 3), (True, 0)],
+    )
+    out = sample(logits.clone(), st, torch.zeros(2, dtype=torch.int64), torch.full((2, 1), -1), [[]] * 2, ProcessorSet())
+    assert out.next_ids.tolist() == [9, int(logits[1].argmax())]
+    raw = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.next_ids[:, None]).squeeze(1))
+    torch.testing.assert_close(out.top_logprobs[0], raw[0].topk(3).values)
+
+
+def test_seeded_rows_ignore_their_neighbours():
+    torch.manual_seed(4)
+    logits = torch.randn(3, V)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = tensors([seeded])
+    mixed = tensors([SamplingParams(temperature=0.7), seeded, SamplingParams(temperature=0)])
+    for step in range(20):
+        lens = torch.tensor([step])
+        a = sample(logits[1:2].clone(), alone, lens, torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids
+        b = sample(logits.clone(), mixed, lens.repeat(3), torch.full((3, 1), -1), [[]] * 3, ProcessorSet()).next_ids
+        assert a.item() == b[1].item()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [1e-12] * (V - 3)]))
+    st = tensors([SamplingParams(temperature=1.0)])
+    torch.manual_seed(5)
+    draws = [sample(logits.clone(), st, torch.zeros(1, dtype=torch.int64), torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids.item() for _ in range(3000)]
+    freq = [draws.count(i) / len(draws) for i in range(3)]
+    assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, released, matched",
+    [
+        (["Hello wo", "rld! STO", "P here"], ("STOP",), "Hello world! ", "STOP"),  # spans three pieces
+        (["a", "b", "c", "d"], ("bc",), "a", "bc"),
+        (["The end.", "\n", "\nNext"], ("\n\n",), "The end.", "\n\n"),
+        (["no match ", "at all"], ("xyz",), "no match at all", None),
+        (["ab", "ab", "abx"], ("abx",), "abab", "abx"),
+        (["earliest wins: B then A"], ("A", "B"), "earliest wins: ", "B"),
+    ],
+)
+def test_stop_strings_across_pieces(pieces, stops, released, matched):
+    m = StopMatcher(stops)
+    out, found = "", None
+    for i, piece in enumerate(pieces):
+        text, found = m.feed(piece, final=i == len(pieces) - 1)
+        out += text
+        if found:
+            break
+    assert (out, found) == (released, matched)
+
+
+def test_stop_string_prefix_is_held_back_while_streaming():
+    m = StopMatcher(("</answer>",))
+    assert m.feed("42 </ans", False) == ("42 ", None)  # could be the start of the stop string
+    assert m.feed("wer", False) == ("", None)
+    assert m.feed("!", False) == ("</answer!", None)  # it was not
