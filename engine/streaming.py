@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import weakref
 from typing import AsyncIterator, Callable, Iterator
 
 from engine.tokenizer_manager import ReqState, TokenizerManager
@@ -34,11 +35,54 @@ def _listener(put: Callable[[Event], None]):
     return listen
 
 
-def sync_stream(tm: TokenizerManager, submit: dict) -> Iterator[dict]:
+def _abort_left(tm: TokenizerManager, remaining: set[str]) -> None:
+    if remaining:
+        tm.abort(list(remaining))
+
+
+class Stream:
+    """The chunks of one streaming call. Closing it, or dropping it, aborts whatever still runs, even
+    before the first chunk was read (a plain generator's clean-up would not run then)."""
+
+    def __init__(self, tm: TokenizerManager, chunks, remaining: set[str]) -> None:
+        self._chunks = chunks
+        self._finalizer = weakref.finalize(self, _abort_left, tm, remaining)
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
+        self._finalizer()
+
+
+class AsyncStream:
+    """The async form of Stream: `async for chunk in stream`, `await stream.aclose()`."""
+
+    def __init__(self, tm: TokenizerManager, chunks, remaining: set[str]) -> None:
+        self._chunks = chunks
+        self._finalizer = weakref.finalize(self, _abort_left, tm, remaining)
+
+    def __aiter__(self) -> "AsyncStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        self._finalizer()
+
+
+def sync_stream(tm: TokenizerManager, submit: dict) -> Stream:
     """Submit now (bad input raises here), then iterate over the chunks."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     states, _ = tm.submit(**submit, listener=_listener(events.put))
-    return _sync_chunks(tm, events, {s.rid for s in states})
+    remaining = {s.rid for s in states}
+    return Stream(tm, _sync_chunks(tm, events, remaining), remaining)
 
 
 def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: set[str]) -> Iterator[dict]:
@@ -85,10 +129,11 @@ async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict
     return results if is_batch else results[0]
 
 
-def async_stream(tm: TokenizerManager, submit: dict) -> AsyncIterator[dict]:
+def async_stream(tm: TokenizerManager, submit: dict) -> AsyncStream:
     """Submit now (bad input raises here), then an async iterator over the chunks."""
     events, states, _ = _async_submit(tm, submit)
-    return _chunks_only(_async_chunks(tm, events, {s.rid for s in states}))
+    remaining = {s.rid for s in states}
+    return AsyncStream(tm, _chunks_only(_async_chunks(tm, events, remaining)), remaining)
 
 
 async def _chunks_only(events: AsyncIterator[tuple]) -> AsyncIterator[dict]:

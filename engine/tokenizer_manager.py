@@ -373,7 +373,7 @@ class TokenizerManager:
         if self.dead is not None:
             return
         with self.states_lock:
-            expanded = [r for rid in rids for r in self.groups.get(rid, [rid])]
+            expanded = [r for rid in rids for r in self.groups.get(rid, []) + [rid]]
             live = [r for r in expanded if r in self.states]
         if live:
             with self.send_lock:

@@ -255,3 +255,32 @@ def test_logit_bias_forces_a_token(engine, tokenizer):
     token = tokenizer.encode(" banana")[0]
     out = engine.generate(PROMPTS[0], {"max_new_tokens": 5, "temperature": 0.8, "logit_bias": {token: 100.0}})
     assert out["output_ids"] == [token] * 5
+
+
+def test_stream_closed_before_reading_aborts_its_request(engine):
+    stream = engine.generate(PROMPTS[6], {"max_new_tokens": 3000, "ignore_eos": True}, stream=True)
+    stream.close()  # never iterated
+    deadline = time.monotonic() + 10
+    while not idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert idle(stats)
+
+
+def test_stop_string_counts_as_a_finish_not_an_abort(engine):
+    before = engine.get_stats()
+    out = engine.generate(PROMPTS[7], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [" "]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " "}
+    time.sleep(0.5)  # the scheduler drops the request right after the detokenizer saw the match
+    after = engine.get_stats()
+    assert after["aborted_requests"] == before["aborted_requests"]
+    assert after["finished_requests"] == before["finished_requests"] + 1
+
+
+def test_n_samples_of_a_chunked_prompt_share_its_prefill(engine):
+    engine.flush_cache()
+    ids = [(i * 7919) % 40000 + 100 for i in range(2500)]  # longer than a 2,048-token chunk
+    before = engine.get_stats()
+    outs = engine.generate(input_ids=ids, sampling_params={"n": 3, "max_new_tokens": 2, "temperature": 0.7, "seed": 3})
+    after = engine.get_stats()
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(ids) + 2
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0, len(ids) - 1, len(ids) - 1]

@@ -159,3 +159,12 @@ def test_stop_string_prefix_is_held_back_while_streaming():
     assert m.feed("42 </ans", False) == ("42 ", None)  # could be the start of the stop string
     assert m.feed("wer", False) == ("", None)
     assert m.feed("!", False) == ("</answer!", None)  # it was not
+
+
+def test_stop_string_across_the_min_new_tokens_boundary():
+    m = StopMatcher(("END",))
+    assert m.release("xE") == "x"  # before min_new_tokens nothing matches, but "E" may start a stop string
+    assert m.feed("ND more", False) == ("", "END")  # a match that ends after the boundary counts
+    m = StopMatcher(("A", "END"))
+    assert m.release("xAy") == "xAy"  # a whole stop string before the boundary is passed over...
+    assert m.feed("z", False) == ("z", None)  # ...and does not match afterwards

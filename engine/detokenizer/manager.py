@@ -13,6 +13,7 @@ from engine.detokenizer.incremental import IncrementalDetokenizer
 from engine.detokenizer.stop_strings import StopMatcher
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.messages import (
+    STOP_STRING_MATCHED,
     AbortRequest,
     BatchTextOut,
     BatchTokenOut,
@@ -24,8 +25,6 @@ from engine.ipc.messages import (
     ToTokenizer,
 )
 from engine.tokenizer import BatchDecoder
-
-STOPPED_MESSAGE = "stopped: a stop string matched"
 
 
 @dataclass
@@ -93,8 +92,7 @@ class DetokenizerManager:
                 state.tokens += 1
             final = out.finished[i] is not None
             if state.tokens < state.min_new_tokens:  # too early to stop: release everything
-                deltas[i] = state.matcher.pending + deltas[i]
-                state.matcher.pending = ""
+                deltas[i] = state.matcher.release(deltas[i])
                 matched = None
             else:
                 deltas[i], matched = state.matcher.feed(deltas[i], final)
@@ -109,7 +107,7 @@ class DetokenizerManager:
             if final:
                 del self.stop_states[rid]
         if stopping:
-            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(stopping, STOPPED_MESSAGE)))
+            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(stopping, STOP_STRING_MATCHED)))
 
     def _drop_stopped(self, out: BatchTokenOut) -> BatchTokenOut | None:
         """Remove outputs of requests already finished by a stop string; their last one clears them."""

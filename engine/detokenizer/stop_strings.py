@@ -34,6 +34,21 @@ class StopMatcher:
             self.tail = (self.tail + release)[-self.keep :]
         return release, None
 
+    def release(self, delta: str) -> str:
+        """Before min_new_tokens: nothing matches, but what could start a stop string is still held
+        back, so a stop string that starts before the boundary and ends after it matches whole."""
+        buf = self.pending + delta
+        hold = self._held(buf)
+        release, self.pending = buf[: len(buf) - hold], buf[len(buf) - hold :]
+        if self.keep:
+            tail = (self.tail + release)[-self.keep :]
+            for stop in self.stops:  # a stop string passed over here must not match later
+                at = tail.rfind(stop)
+                if at != -1:
+                    tail = tail[at + len(stop) :]
+            self.tail = tail
+        return release
+
     def _held(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of a stop string."""
         hold = 0

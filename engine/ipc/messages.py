@@ -27,6 +27,9 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
 
 
+STOP_STRING_MATCHED = "stopped: a stop string matched"  # AbortRequest.message from the detokenizer
+
+
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     """Stop these requests now (the caller's abort, or the detokenizer after a stop string matched).
     Unknown or finished rids are ignored."""

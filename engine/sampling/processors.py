@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the user process validates names and params without importing torch
+    import torch
 
 ENTRY_POINT_GROUP = "engine.logit_processors"
 _registry: dict[str, type["CustomLogitProcessor"]] = {}
@@ -84,6 +85,8 @@ class DisallowedTokens(CustomLogitProcessor):
             raise ValueError(f"custom_params['token_ids'] must be a non-empty list of token ids in [0, {vocab_size}), got {ids!r}")
 
     def __call__(self, logits: torch.Tensor, batch: ProcessorBatch) -> torch.Tensor:
+        import torch
+
         rows = [r for r, p in enumerate(batch.params) for _ in p["token_ids"]]
         cols = [t for p in batch.params for t in p["token_ids"]]
         dev = logits.device
@@ -103,6 +106,8 @@ class ForceTokenAfter(CustomLogitProcessor):
             raise ValueError(f"custom_params['after'] must be an integer >= 0, got {after!r}")
 
     def __call__(self, logits: torch.Tensor, batch: ProcessorBatch) -> torch.Tensor:
+        import torch
+
         dev = logits.device
         after = torch.tensor([p["after"] for p in batch.params], dtype=torch.int64, device=dev)
         token = torch.tensor([p["token_id"] for p in batch.params], dtype=torch.int64, device=dev)

@@ -105,6 +105,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
         noise = torch.empty_like(probs).exponential_()
         if st.any_seed:
             seeded_noise(noise, st, out_lens)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would make p / E undefined
         sampled = (probs / noise).argmax(dim=-1)
         out.next_ids = torch.where(st.greedy, greedy_ids, sampled)
     if logprobs_all is not None:

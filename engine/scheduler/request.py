@@ -12,7 +12,8 @@ class Req:
     __slots__ = (
         "rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished",
         "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
-        "return_logprob", "top_logprobs_num", "logprob_from", "input_logprobs", "input_top", "header_sent",
+        "return_logprob", "top_logprobs_num", "logprob_from", "logprob_start_len", "input_logprobs", "input_top",
+        "header_sent",
     )  # fmt: skip
 
     def __init__(
@@ -44,8 +45,10 @@ class Req:
         # the prefix cache may lend no more than that), None when the request wants none
         want_prompt = return_logprob and 0 <= logprob_start_len < len(input_ids)
         self.logprob_from: int | None = max(logprob_start_len - 1, 0) if want_prompt else None
-        self.input_logprobs: list = [None] if want_prompt and logprob_start_len == 0 else []
-        self.input_top: list = [None] if want_prompt and logprob_start_len == 0 else []
+        self.logprob_start_len = logprob_start_len if want_prompt else -1
+        self.input_logprobs: list = []
+        self.input_top: list = []
+        self.reset_prompt_logprobs()
         self.header_sent = False  # the first output carries a RequestHeader
 
     @property
@@ -55,6 +58,11 @@ class Req:
     @property
     def cache_prefix_len(self) -> int:
         return 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
+
+    def reset_prompt_logprobs(self) -> None:
+        """Start the prompt logprobs over (also when a chunked prefill is retracted and redone)."""
+        first = [None] if self.logprob_start_len == 0 else []  # the first prompt token has no logprob
+        self.input_logprobs, self.input_top = list(first), list(first)
 
     def max_prefix(self) -> int:
         """How many fill tokens the prefix cache may lend: all but the last, and none whose prompt

@@ -35,6 +35,7 @@ from engine.ipc.messages import (
     FlushCache,
     GenerateBatch,
     NO_TOKEN,
+    STOP_STRING_MATCHED,
     RequestHeader,
     RequestMeta,
     Stats,
@@ -353,7 +354,7 @@ class Scheduler:
         kv = self.kv
         reserved = int(self.new_token_ratio * self.running.remaining_new_tokens(CLIP_NEW_TOKENS))
         entries: list[tuple[Req, int, int]] = []
-        req = self.chunked_req
+        req = in_progress = self.chunked_req  # its prompt is not cached until its last chunk is done
         if req is not None:
             take = min(len(req.fill_ids) - req.kv_len, budget)
             if take > kv.headroom - len(self.running):  # leave the running requests their next token
@@ -367,7 +368,7 @@ class Scheduler:
         if not self.waiting or budget <= 0:
             return entries
         taken: set[int] = set()
-        for req in order_waiting(self.waiting, self.config.schedule_policy, kv.cache):
+        for req in order_waiting(self.waiting, self.config.schedule_policy, kv.cache, in_progress):
             if budget <= 0 or not self.req_to_token.available:
                 break
             limit = self._never_fits(req)
@@ -506,6 +507,8 @@ class Scheduler:
                 rows.filter(torch.tensor(keep, device=self.device), keep)
             kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
             req.fill_ids = req.all_ids()
+            if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
+                req.reset_prompt_logprobs()
             retracted.append(req)
         if retracted:
             self.waiting[:0] = retracted[::-1]
@@ -580,7 +583,8 @@ class Scheduler:
         n = len(gone)
         out = BatchTokenOut([r.rid for r, _ in gone], [NO_TOKEN] * n, [reason] * n, [self._meta(r) for r, _ in gone])
         self.send_sock.send(self.send_codec.encode(out))
-        self.counters["aborted_requests"] += n
+        # a stop string is a normal finish that the detokenizer saw first
+        self.counters["finished_requests" if message == STOP_STRING_MATCHED else "aborted_requests"] += n
 
     def _finish_unstarted(self, req: Req, message: str) -> None:
         """Fail a request that never got memory (it holds none)."""
