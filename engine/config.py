@@ -34,6 +34,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads in the scheduler; None: all cores
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
     show_progress: bool = False  # progress bar while the model loads
+    plugins: str | None = None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -65,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"init_new_token_ratio must be in (0, 1], got {ratio!r}")
         if not (0.0 < float(self.mem_fraction) < 1.0):
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction!r}")
+        if self.plugins is not None and not isinstance(self.plugins, str):
+            raise ValueError(f"plugins must be a comma-separated string like ENGINE_PLUGINS, got {self.plugins!r}")
         if not self.startup_timeout > 0:
             raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout!r}")
 

@@ -6,9 +6,11 @@ import os
 import threading
 import weakref
 
+from engine import hooks
 from engine.config import EngineConfig
 from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
+from engine.hooks.loader import ENV, load_plugins
 from engine.ipc.channels import Endpoints
 from engine.model.resolve import resolve_model_dir
 from engine.processes.launch import Child, spawn_child, stop_children, wait_ready
@@ -16,6 +18,30 @@ from engine.scheduler.process import run_scheduler_process
 from engine.streaming import async_collect, async_stream, sync_stream
 from engine.tokenizer import load_hf_tokenizer
 from engine.tokenizer_manager import TokenizerManager
+
+
+SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize")
+
+
+def _child_env(plugins: str) -> dict[str, str]:
+    """With plugins: ENGINE_PLUGINS for the children, and our sitecustomize first on their path."""
+    if not plugins:
+        return {}
+    path = os.environ.get("PYTHONPATH", "")
+    return {ENV: plugins, "PYTHONPATH": SITECUSTOMIZE_DIR + (os.pathsep + path if path else "")}
+
+
+def _shutdown_hooks(tm: TokenizerManager) -> None:
+    """A regular shutdown: plugins get the final stats (all processes' figures), then the stop hook."""
+    try:
+        if hooks.has("engine_shutdown_report"):
+            hooks.call("engine_shutdown_report", stats=tm.get_stats(timeout=10.0))
+        if hooks.has("engine_process_stop"):
+            hooks.call("engine_process_stop", role="user", pid=os.getpid())
+    except Exception as exc:  # noqa: BLE001 - shutdown goes on
+        import sys
+
+        print(f"engine: {exc}", file=sys.stderr)
 
 
 class _Resources:
@@ -39,8 +65,11 @@ class _Resources:
             if self.closed:
                 return
             self.closed = True
-        if self.tokenizer_manager is not None:
-            self.tokenizer_manager.close()
+        tm = self.tokenizer_manager
+        if tm is not None and tm.dead is None and self.children:
+            _shutdown_hooks(tm)
+        if tm is not None:
+            tm.close()
         stop_children(self.children)
         if self.endpoints is not None:
             self.endpoints.remove()
@@ -55,8 +84,13 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        plugins = self.config.plugins if self.config.plugins is not None else os.environ.get(ENV, "")
+        load_plugins(plugins)  # an unknown name stops here, listing the available plugins
+        if hooks.has("engine_process_start"):
+            hooks.call("engine_process_start", role="user", pid=os.getpid())
         res = self._resources = _Resources()
         self._finalizer = weakref.finalize(self, res.close)
+        child_env = _child_env(plugins)
         try:
             announce = print if self.config.show_progress else None
             self.model_dir = resolve_model_dir(self.config.model_path, announce)
@@ -65,9 +99,11 @@ class Engine:
             res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             ends, parent = res.endpoints.to_dict(), os.getpid()
             res.children.append(
-                spawn_child("scheduler", run_scheduler_process, (self.config.to_json(), self.model_dir, ends, parent))
+                spawn_child("scheduler", run_scheduler_process, (self.config.to_json(), self.model_dir, ends, parent), child_env)
             )
-            res.children.append(spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent)))
+            res.children.append(
+                spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent), child_env)
+            )
             with _LoadProgress(self.config.show_progress) as bar:
                 wait_ready(res.children, self.config.startup_timeout, bar.update)
         except BaseException:
@@ -77,6 +113,8 @@ class Engine:
         self.tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
+        if hooks.has("engine_process_ready"):
+            hooks.call("engine_process_ready", role="user", pid=os.getpid(), info=dict(self.server_info))
 
     # ------------------------------------------------------------------ API
 

@@ -125,7 +125,7 @@ async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict
     events, states, is_batch = _async_submit(tm, submit)
     async for _ in _async_chunks(tm, events, {s.rid for s in states}):
         pass
-    results = [s.result() for s in states]
+    results = [tm.output(s.result()) for s in states]
     return results if is_batch else results[0]
 
 

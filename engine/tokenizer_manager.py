@@ -16,7 +16,9 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from engine import hooks
 from engine.errors import EngineDeadError
+from engine.hooks.types import PromptRequest
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
 from engine.ipc.messages import (
     BatchTextOut,
@@ -256,26 +258,45 @@ class TokenizerManager:
     # ------------------------------------------------------------------ stages
 
     def tokenize(self, prompt=None, input_ids=None, messages=None) -> tuple[list[list[int]], bool]:
-        """The tokenize stage. Returns the id lists and whether the caller passed a batch."""
+        """The tokenize stage, with its hooks around each prompt. Returns the id lists and whether the
+        caller passed a batch."""
+        items, is_batch = self._inputs(prompt, input_ids, messages)
+        before, after = hooks.has("engine_tokenize_before"), hooks.has("engine_tokenize_after")
+        out = []
+        for item in items:
+            if before:
+                hooks.call("engine_tokenize_before", request=item)
+            if item.input_ids is None:
+                if item.prompt is not None:
+                    item.input_ids = self.tokenizer.encode(item.prompt)
+                else:
+                    item.input_ids = self._apply_chat_template(item.messages)
+            if after:
+                hooks.call("engine_tokenize_after", request=item)
+            out.append(list(item.input_ids))
+        return out, is_batch
+
+    @staticmethod
+    def _inputs(prompt, input_ids, messages) -> tuple[list[PromptRequest], bool]:
         given = [name for name, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt, input_ids or messages (got {given or 'none'})")
         if prompt is not None:
             if isinstance(prompt, str):
-                return [self.tokenizer.encode(prompt)], False
+                return [PromptRequest(0, prompt=prompt)], False
             if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                return [self.tokenizer.encode(p) for p in prompt], True
+                return [PromptRequest(i, prompt=p) for i, p in enumerate(prompt)], True
             raise ValueError("prompt must be a string or a non-empty list of strings")
         if input_ids is not None:
             if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-                return [list(x) for x in input_ids], True
+                return [PromptRequest(i, input_ids=list(x)) for i, x in enumerate(input_ids)], True
             if isinstance(input_ids, list):
-                return [list(input_ids)], False
+                return [PromptRequest(0, input_ids=list(input_ids))], False
             raise ValueError("input_ids must be a list of token ids or a list of such lists")
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-            return [self._apply_chat_template(messages)], False
+            return [PromptRequest(0, messages=messages)], False
         if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
-            return [self._apply_chat_template(m) for m in messages], True
+            return [PromptRequest(i, messages=m) for i, m in enumerate(messages)], True
         raise ValueError("messages must be a list of {'role', 'content'} dicts or a list of such lists")
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -391,10 +412,20 @@ class TokenizerManager:
     def wait(self, states: list[ReqState]) -> list[dict]:
         for state in states:
             state.done.wait()
-        return [s.result() for s in states]
+        return [self.output(s.result()) for s in states]
+
+    @staticmethod
+    def output(result: dict) -> dict:
+        """The output stage: a finished result passes the output hook before the caller gets it."""
+        if hooks.has("engine_output"):
+            hooks.call("engine_output", result=result)
+        return result
 
     def get_stats(self, timeout: float = 30.0) -> dict:
-        return self._ask_scheduler(StatsRequest, timeout)
+        stats = self._ask_scheduler(StatsRequest, timeout)
+        if hooks.has("engine_stats"):
+            stats["plugins"] = {**stats.get("plugins", {}), "user": hooks.call_named("engine_stats", role="user")}
+        return stats
 
     def flush_cache(self, timeout: float = 30.0) -> dict:
         return self._ask_scheduler(FlushCache, timeout)

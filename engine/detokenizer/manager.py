@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from engine import hooks
 from engine.detokenizer.incremental import IncrementalDetokenizer
+from engine.hooks import HookError
 from engine.detokenizer.stop_strings import StopMatcher
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.messages import (
@@ -61,6 +63,11 @@ class DetokenizerManager:
                 message = self.detokenize(message)
                 if message is None:
                     continue
+            elif hooks.has("engine_stats"):  # Stats on its way to the user process: add this process's figures
+                try:
+                    message.plugins["detokenizer"] = hooks.call_named("engine_stats", role="detokenizer")
+                except HookError as exc:
+                    message.plugins["detokenizer"] = {"error": str(exc)}
             self.send_sock.send(self.send_codec.encode(message))
 
     def detokenize(self, out: BatchTokenOut) -> BatchTextOut | None:
@@ -77,10 +84,41 @@ class DetokenizerManager:
                         StopMatcher(header.stop), header.min_new_tokens, header.prompt_tokens, header.cached_tokens
                     )
         finished = [f is not None for f in out.finished]
-        deltas = self.incremental.step(out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished)
+        try:
+            deltas = self._decode(out, finished)
+        except HookError as exc:  # a plugin failed on this batch: its requests fail, the rest go on
+            return self._fail_batch(out, str(exc))
         if self.stop_states:
             self._match_stop_strings(out, deltas)
         return BatchTextOut(out.rids, deltas, out.token_ids, out.finished, out.meta, out.headers, out.logprobs)
+
+    def _decode(self, out: BatchTokenOut, finished: list[bool]) -> list[str]:
+        deltas = None
+        if hooks.has("engine_detokenize"):
+            deltas = hooks.call_first("engine_detokenize", rids=out.rids, token_ids=out.token_ids, finished=finished)
+        if deltas is None:
+            deltas = self.incremental.step(out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished)
+        else:
+            deltas = list(deltas)
+            for rid, done in zip(out.rids, finished):
+                if done:
+                    self.incremental.forget(rid)
+        if hooks.has("engine_detokenize_after"):
+            hooks.call("engine_detokenize_after", rids=out.rids, texts=deltas)
+        return deltas
+
+    def _fail_batch(self, out: BatchTokenOut, message: str) -> BatchTextOut:
+        reason = FinishReason("abort", message=message)
+        running = [rid for rid, f in zip(out.rids, out.finished) if f is None]
+        for rid in out.rids:
+            self.incremental.forget(rid)
+            self.stop_states.pop(rid, None)
+        if running:
+            self.stopped.update(running)
+            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(running, message)))
+        n = len(out.rids)
+        finished = [f if f is not None else reason for f in out.finished]
+        return BatchTextOut(out.rids, [""] * n, out.token_ids, finished, out.meta, out.headers, out.logprobs)
 
     def _match_stop_strings(self, out: BatchTokenOut, deltas: list[str]) -> None:
         stopping: list[str] = []

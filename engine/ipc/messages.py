@@ -166,6 +166,7 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     cache_locked_tokens: int = 0  # held by running requests' prefixes
     cache_lock_refs: int = 0  # sum of lock counts in the tree: 0 when idle
     cache_evicted_tokens: int = 0
+    plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
 
 
 ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache, AbortRequest]

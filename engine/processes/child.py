@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -38,6 +39,7 @@ def _watch_parent(conn, parent_pid: int, runtime_dir: str | None) -> None:
         try:
             if conn.poll(1.0):
                 if conn.recv_bytes() == b"shutdown":
+                    _process_hook("engine_process_stop")
                     _exit_now(0)
                 continue
         except (EOFError, OSError):
@@ -47,6 +49,16 @@ def _watch_parent(conn, parent_pid: int, runtime_dir: str | None) -> None:
         if runtime_dir:  # the parent cannot clean up any more: its sockets' directory goes with us
             shutil.rmtree(runtime_dir, ignore_errors=True)
         _exit_now(0)
+
+
+def _process_hook(name: str, **kwargs) -> None:
+    from engine import hooks
+
+    if hooks.has(name):
+        try:
+            hooks.call(name, role=hooks.current_role(), pid=os.getpid(), **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a stop hook must not keep the process alive
+            print(f"engine::{hooks.current_role()}: {exc}", file=sys.stderr)
 
 
 def run_child(
@@ -70,7 +82,16 @@ def run_child(
             send_status(conn, status="progress", role=role, done=done, total=total)
 
     try:
+        from engine import hooks
+        from engine.hooks.loader import install_from_env
+
+        hooks.set_role(role)
+        install_from_env(strict=True)  # idempotent: what sitecustomize loaded stays, the rest loads now
+        if hooks.has("engine_process_start"):
+            hooks.call("engine_process_start", role=role, pid=os.getpid())
         server = build(progress)
+        if hooks.has("engine_process_ready"):
+            hooks.call("engine_process_ready", role=role, pid=os.getpid(), info=server.info)
     except BaseException as exc:  # report anything, even MemoryError, then exit non-zero
         text = "".join(traceback.format_exception(exc)).rstrip()
         try:

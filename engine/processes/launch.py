@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import multiprocessing.connection
 import time
 from dataclasses import dataclass, field
@@ -26,12 +27,22 @@ class Child:
         return self.process.pid
 
 
-def spawn_child(role: str, target: Callable, args: tuple) -> Child:
-    """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe)."""
+def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | None = None) -> Child:
+    """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe).
+    `env` is set for the child only (the spawned interpreter copies os.environ at start)."""
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(target=target, args=(*args, child_conn), name=f"engine::{role}", daemon=True)
-    process.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    try:
+        os.environ.update(env or {})
+        process.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     child_conn.close()  # the child holds the only other end: EOF there means we are gone
     return Child(role=role, process=process, conn=parent_conn)
 

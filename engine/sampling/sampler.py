@@ -77,7 +77,7 @@ def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tenso
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
-           output_ids: list[list[int]], processors: ProcessorSet) -> SampleOutput:  # fmt: skip
+           output_ids: list[list[int]], processors: ProcessorSet, on_logits=None) -> SampleOutput:  # fmt: skip
     """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
     out = SampleOutput(next_ids=torch.empty(0))
     logprobs_all = torch.log_softmax(logits, dim=-1) if st.any_logprob else None
@@ -89,6 +89,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
         suppress_stop_tokens(logits, st, out_lens, stop_table)
     if st.any_processor:
         run_processors(logits, st, out_lens, output_ids, processors, out.failed)
+    if on_logits is not None:  # the engine_process_logits hook: may change logits in place
+        on_logits(logits)
     greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:
         out.next_ids = greedy_ids

@@ -25,7 +25,9 @@ import msgspec
 import torch
 import zmq
 
+from engine import hooks
 from engine.config import EngineConfig
+from engine.hooks import HookError
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.messages import (
     AbortRequest,
@@ -76,6 +78,11 @@ class Step:
     @property
     def mode(self) -> ForwardMode:
         return self.forward_batch.mode
+
+    @property
+    def rids(self) -> list[str]:
+        """Every request in the step (for EXTEND, chunks that produce no token yet included)."""
+        return [r.rid for r in self.extend_reqs] if self.extend_reqs else self.rows.rids
 
 
 class Scheduler:
@@ -136,7 +143,8 @@ class Scheduler:
 
     def serve_forever(self) -> None:
         while True:
-            self.run_once()
+            if not self.run_once() and self.waiting:
+                time.sleep(0.001)  # requests wait but none could start (a plugin holds them back): no hot spin
 
     @torch.inference_mode()
     def run_once(self, block: bool = True) -> bool:
@@ -229,7 +237,13 @@ class Scheduler:
         return None
 
     def forward(self, step: Step) -> torch.Tensor:
-        return self.model(step.forward_batch, self.backend)
+        batch = step.forward_batch
+        if hooks.has("engine_forward_before"):
+            hooks.call("engine_forward_before", batch=batch, rids=step.rids)
+        logits = self.model(batch, self.backend)
+        if hooks.has("engine_forward_after"):
+            hooks.call("engine_forward_after", batch=batch, rids=step.rids, logits=logits)
+        return logits
 
     def sample(self, step: Step, logits: torch.Tensor) -> SampleOutput | None:
         """Prompt logprobs from the extra rows of a prefill, then one token per row (None: a step of
@@ -241,7 +255,14 @@ class Scheduler:
         if not len(rows):
             return None
         output_ids = [r.output_ids for r in rows.reqs] if rows.sampling.any_processor else []
-        return sample(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, self.processors)
+        on_logits = None
+        if hooks.has("engine_process_logits"):
+            def on_logits(processed: torch.Tensor) -> None:
+                hooks.call("engine_process_logits", logits=processed, rids=rows.rids, reqs=rows.reqs)
+        out = sample(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, self.processors, on_logits)
+        if hooks.has("engine_sample_after"):
+            hooks.call("engine_sample_after", rids=rows.rids, next_ids=out.next_ids, logprobs=out.logprobs)
+        return out
 
     def process_results(self, step: Step, sampled: SampleOutput | None) -> None:
         """Append each row's token, finish rows that hit a stop token or their length, emit one message.
@@ -287,6 +308,7 @@ class Scheduler:
                 finished[i] = req.finished = reason
                 meta[i] = self._meta(req)
                 self.kv.free_request(req, kv_lens[i], keep=i not in sampled.failed)
+                self._finished_hook(req)
             rows.filter(~done, [not d for d in done_list])
         out = BatchTokenOut(rids, ids, finished, meta, headers, logprobs)
         self.send_sock.send(self.send_codec.encode(out))
@@ -368,7 +390,14 @@ class Scheduler:
         if not self.waiting or budget <= 0:
             return entries
         taken: set[int] = set()
-        for req in order_waiting(self.waiting, self.config.schedule_policy, kv.cache, in_progress):
+        ordered = order_waiting(self.waiting, self.config.schedule_policy, kv.cache, in_progress)
+        if hooks.has("engine_schedule"):
+            try:
+                hooks.call("engine_schedule", waiting=ordered, running=len(self.running))
+            except HookError as exc:  # it touched every waiting request it was shown
+                self._abort_rids({r.rid for r in ordered}, str(exc))
+                return entries
+        for req in ordered:
             if budget <= 0 or not self.req_to_token.available:
                 break
             limit = self._never_fits(req)
@@ -393,6 +422,14 @@ class Scheduler:
                 req.cached_tokens = min(prefix, req.prompt_len)
                 self.counters["prompt_tokens"] += req.prompt_len
             req.admissions += 1
+            if hooks.has("engine_request_admitted"):
+                try:
+                    hooks.call("engine_request_admitted", req=req, cached_tokens=prefix)
+                except HookError as exc:  # this request fails alone, before any work
+                    kv.free_request(req, req.kv_len)
+                    taken.add(id(req))
+                    self._finish_unstarted(req, str(exc))
+                    continue
             self.counters["cache_hit_tokens"] += prefix
             entries.append((req, prefix, take))
             taken.add(id(req))
@@ -551,6 +588,7 @@ class Scheduler:
             req.finished = reason
             meta.append(self._meta(req))
             self.kv.free_request(req, kv_len, keep=keep_kv)
+            self._finished_hook(req)
         n = len(reqs)
         out = BatchTokenOut([r.rid for r in reqs], [NO_TOKEN] * n, [reason] * n, meta)
         self.send_sock.send(self.send_codec.encode(out))
@@ -580,6 +618,7 @@ class Scheduler:
             req.finished = reason
             if req.slot is not None:
                 self.kv.free_request(req, kv_len)
+            self._finished_hook(req)
         n = len(gone)
         out = BatchTokenOut([r.rid for r, _ in gone], [NO_TOKEN] * n, [reason] * n, [self._meta(r) for r, _ in gone])
         self.send_sock.send(self.send_codec.encode(out))
@@ -592,6 +631,15 @@ class Scheduler:
         out = BatchTokenOut([req.rid], [NO_TOKEN], [reason], [self._meta(req)])
         self.send_sock.send(self.send_codec.encode(out))
         self.counters["aborted_requests"] += 1
+        self._finished_hook(req)
+
+    @staticmethod
+    def _finished_hook(req: Req) -> None:
+        if hooks.has("engine_request_finished"):
+            try:
+                hooks.call("engine_request_finished", req=req, finish_reason=req.finished.to_dict())
+            except HookError as exc:  # the request is over: report, nothing to fail
+                print(f"engine::scheduler: {exc}", file=sys.stderr)
 
     @staticmethod
     def _meta(req: Req) -> RequestMeta:
@@ -621,5 +669,13 @@ class Scheduler:
             cache_hit_tokens=c["cache_hit_tokens"],
             retracted_requests=c["retracted_requests"],
             flushed_tokens=flushed_tokens,
+            plugins={"scheduler": _plugin_stats("scheduler")} if hooks.has("engine_stats") else {},
             **self.kv.stats(),
         )
+
+
+def _plugin_stats(role: str) -> dict:
+    try:
+        return hooks.call_named("engine_stats", role=role)
+    except HookError as exc:
+        return {"error": str(exc)}

@@ -1,0 +1,133 @@
+"""The hook specifications: the contract between the engine and its plugins.
+
+Every hook says the process it runs in, when and how often it is called, its arguments, and what an
+implementation may change. Arguments are passed by keyword; an implementation may accept any subset
+of them (pluggy's rule). Requests are seen as `Req` objects in the scheduler (engine/scheduler/request.py:
+rid, input_ids, output_ids, sampling, ...); treat them as read-only unless the hook says otherwise.
+
+A hook that raises fails only the requests it was called for (the error names the plugin and the
+hook); with ENGINE_PLUGIN_ERRORS=raise, it stops the process instead (for development).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("engine")
+
+
+class EngineSpecs:
+    # ------------------------------------------------------------------ process lifecycle (every process)
+
+    @hookspec
+    def engine_process_start(self, role: str, pid: int) -> None:
+        """A process of the engine starts. Runs in every process ("user", "scheduler", "detokenizer"),
+        once, before the process builds anything (the user process: when an Engine is created).
+        Changes nothing."""
+
+    @hookspec
+    def engine_process_ready(self, role: str, pid: int, info: dict) -> None:
+        """The process is built and about to serve. Once per process. `info` (the scheduler's: pool size,
+        dtype, ...) is read-only."""
+
+    @hookspec
+    def engine_process_stop(self, role: str, pid: int) -> None:
+        """The process is about to stop on a regular shutdown (not after a crash or SIGKILL). Once."""
+
+    # ------------------------------------------------------------------ tokenize (user process)
+
+    @hookspec
+    def engine_tokenize_before(self, request) -> None:
+        """Before a prompt is tokenized. User process, once per prompt of a generate call.
+        `request` (engine.hooks.types.PromptRequest): index, prompt (str or None), messages (a chat or
+        None), input_ids (given ids or None). May rewrite prompt, messages or input_ids."""
+
+    @hookspec
+    def engine_tokenize_after(self, request) -> None:
+        """After tokenization, before validation. User process, once per prompt. May rewrite
+        request.input_ids (the ids that will be sent)."""
+
+    # ------------------------------------------------------------------ schedule (scheduler)
+
+    @hookspec
+    def engine_schedule(self, waiting: list, running: int) -> None:
+        """Before the scheduler picks requests for a prefill step, in the order it will try them.
+        Scheduler, once per step in which requests wait. `waiting` is a list of Req the hook may
+        reorder or remove items from (a removed request is held back for this step, not dropped);
+        `running` is the number of decoding requests."""
+
+    @hookspec
+    def engine_request_admitted(self, req, cached_tokens: int) -> None:
+        """A request got memory and a slot and will be prefilled. Scheduler, once per admission (again
+        after a retraction). Changes nothing."""
+
+    @hookspec
+    def engine_request_finished(self, req, finish_reason: dict) -> None:
+        """A request finished (stop, length or abort) in the scheduler. Once per request. Changes
+        nothing; an error here is reported but cannot fail the request any more."""
+
+    # ------------------------------------------------------------------ forward (scheduler)
+
+    @hookspec
+    def engine_forward_before(self, batch, rids: list) -> None:
+        """Before the model's forward pass. Scheduler, once per step. `batch` is the ForwardBatch
+        (kernels/attention/base.py: mode, input_ids, positions, ...); `rids` the requests in the step.
+        Read-only."""
+
+    @hookspec
+    def engine_forward_after(self, batch, rids: list, logits) -> None:
+        """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32 (one row per
+        request that samples this step). Read-only (change logits in engine_process_logits)."""
+
+    # ------------------------------------------------------------------ sample (scheduler)
+
+    @hookspec
+    def engine_process_logits(self, logits, rids: list, reqs: list) -> None:
+        """The batched logits before sampling, one row per request (`rids`, `reqs` in row order).
+        Scheduler, once per step that samples. May change `logits` in place: the place for logit
+        processors that need the whole batch. Runs after the engine's own processing (bias,
+        penalties, custom processors) and before greedy/temperature sampling."""
+
+    @hookspec
+    def engine_sample_after(self, rids: list, next_ids, logprobs) -> None:
+        """After sampling. Scheduler, once per step that samples. `next_ids` [rows] int64; `logprobs`
+        [rows] float32 under the model's distribution, or None when no request asked for them.
+        Read-only."""
+
+    # ------------------------------------------------------------------ detokenize (detokenizer)
+
+    @hookspec(firstresult=True)
+    def engine_detokenize(self, rids: list, token_ids: list, finished: list) -> list | None:
+        """Replace the decoding of one batch of outputs. Detokenizer, once per scheduler step.
+        `token_ids[i]` is request i's new token (-1: none). Return one text delta per request to use
+        instead of the engine's incremental decoder (first non-None result wins), or None to decode as
+        usual. Stop strings are still matched on what is returned."""
+
+    @hookspec
+    def engine_detokenize_after(self, rids: list, texts: list) -> None:
+        """After decoding one batch. Detokenizer, once per scheduler step. May change `texts` (a list of
+        text deltas, one per request) in place."""
+
+    # ------------------------------------------------------------------ output (user process)
+
+    @hookspec
+    def engine_output(self, result: dict) -> None:
+        """A finished result in the user process, before generate returns it (not for stream chunks).
+        Once per request. May change the dict in place."""
+
+    # ------------------------------------------------------------------ plugin services
+
+    @hookspec
+    def engine_logit_processors(self) -> dict:
+        """Custom logit processors this plugin provides: {name: CustomLogitProcessor subclass}.
+        Called once per process when the plugin is loaded."""
+
+    @hookspec
+    def engine_stats(self, role: str) -> dict | None:
+        """Figures for engine.get_stats()["plugins"][role][plugin name]. Called in every process
+        whenever stats are asked for."""
+
+    @hookspec
+    def engine_shutdown_report(self, stats: dict) -> None:
+        """User process, once, when the engine shuts down regularly, with the final get_stats()
+        (children's plugin figures included)."""

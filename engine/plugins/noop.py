@@ -1,0 +1,91 @@
+"""noop: every hook implemented, doing nothing. A template for plugin authors, and what the
+benchmark loads to measure the cost of the hook call sites themselves."""
+
+from __future__ import annotations
+
+from engine.hooks import hookimpl
+
+
+@hookimpl
+def engine_process_start(role, pid):
+    return None
+
+
+@hookimpl
+def engine_process_ready(role, pid, info):
+    return None
+
+
+@hookimpl
+def engine_process_stop(role, pid):
+    return None
+
+
+@hookimpl
+def engine_tokenize_before(request):
+    return None
+
+
+@hookimpl
+def engine_tokenize_after(request):
+    return None
+
+
+@hookimpl
+def engine_schedule(waiting, running):
+    return None
+
+
+@hookimpl
+def engine_request_admitted(req, cached_tokens):
+    return None
+
+
+@hookimpl
+def engine_request_finished(req, finish_reason):
+    return None
+
+
+@hookimpl
+def engine_forward_before(batch, rids):
+    return None
+
+
+@hookimpl
+def engine_forward_after(batch, rids, logits):
+    return None
+
+
+@hookimpl
+def engine_process_logits(logits, rids, reqs):
+    return None
+
+
+@hookimpl
+def engine_sample_after(rids, next_ids, logprobs):
+    return None
+
+
+@hookimpl
+def engine_detokenize(rids, token_ids, finished):
+    return None
+
+
+@hookimpl
+def engine_detokenize_after(rids, texts):
+    return None
+
+
+@hookimpl
+def engine_output(result):
+    return None
+
+
+@hookimpl
+def engine_stats(role):
+    return None
+
+
+@hookimpl
+def engine_shutdown_report(stats):
+    return None

@@ -1,0 +1,99 @@
+"""stagetimer: wall time per stage in each of the three processes, and summed across them.
+
+Stages, each timed between its hooks: tokenize (user process, per prompt), forward and sample
+(scheduler, per step), detokenize (detokenizer, per step). Read the figures with
+
+    engine.get_stats()["plugins"]          # {"user": {"stagetimer": {...}}, "scheduler": {...}, ...}
+    engine.plugins.stagetimer.summary(engine.get_stats())   # {"per_process": ..., "total": ...}
+
+and a table is printed to stderr when the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+
+from engine.hooks import hookimpl
+
+_seconds: dict[str, float] = defaultdict(float)
+_calls: dict[str, int] = defaultdict(int)
+_open: dict[str, float] = {}
+
+
+def _start(stage: str) -> None:
+    _open[stage] = time.perf_counter()
+
+
+def _stop(stage: str) -> None:
+    t0 = _open.pop(stage, None)
+    if t0 is not None:
+        _seconds[stage] += time.perf_counter() - t0
+        _calls[stage] += 1
+
+
+@hookimpl
+def engine_tokenize_before(request) -> None:
+    _start("tokenize")
+
+
+@hookimpl
+def engine_tokenize_after(request) -> None:
+    _stop("tokenize")
+
+
+@hookimpl
+def engine_forward_before(batch, rids) -> None:
+    _start("forward")
+
+
+@hookimpl
+def engine_forward_after(batch, rids, logits) -> None:
+    _stop("forward")
+    _start("sample")
+
+
+@hookimpl
+def engine_sample_after(rids, next_ids, logprobs) -> None:
+    _stop("sample")
+
+
+@hookimpl
+def engine_detokenize(rids, token_ids, finished) -> None:
+    _start("detokenize")
+    return None  # time it, do not replace it
+
+
+@hookimpl
+def engine_detokenize_after(rids, texts) -> None:
+    _stop("detokenize")
+
+
+@hookimpl
+def engine_stats(role: str) -> dict:
+    return {"seconds": dict(_seconds), "calls": dict(_calls)}
+
+
+def summary(stats: dict) -> dict:
+    """Per process and summed: {"per_process": {role: {stage: seconds}}, "total": {stage: seconds}}."""
+    per_process: dict[str, dict[str, float]] = {}
+    total: dict[str, float] = defaultdict(float)
+    for role, plugins in stats.get("plugins", {}).items():
+        mine = plugins.get("stagetimer")
+        if not mine:
+            continue
+        per_process[role] = dict(mine["seconds"])
+        for stage, seconds in mine["seconds"].items():
+            total[stage] += seconds
+    return {"per_process": per_process, "total": dict(total)}
+
+
+@hookimpl
+def engine_shutdown_report(stats: dict) -> None:
+    s = summary(stats)
+    lines = ["stagetimer: seconds per stage"]
+    for role, stages in s["per_process"].items():
+        lines.append(f"  {role:<12}" + "  ".join(f"{k} {v:.3f}" for k, v in sorted(stages.items())))
+    lines.append(f"  {'total':<12}" + "  ".join(f"{k} {v:.3f}" for k, v in sorted(s["total"].items())))
+    print("\n".join(lines), file=sys.stderr)

@@ -1,0 +1,122 @@
+"""A plugin for the tests: records every hook call (with process role and pid) to the file named by
+ENGINE_TEST_PROBE, and changes behaviour for marked requests:
+
+- a prompt starting "REWRITE:" is replaced by the text after the colon (tokenize_before);
+- requests whose rid starts "hold-" are held back for HOLD_STEPS scheduling turns (engine_schedule);
+- requests whose rid starts "ban-" never get token BANNED (engine_process_logits);
+- a request whose rid starts "boom-" makes engine_request_admitted raise;
+- a prompt containing "EXPLODE" makes engine_tokenize_before raise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import os
+import time
+
+from engine import hooks
+from engine.hooks import hookimpl
+
+HOLD_STEPS = 3
+BANNED = 13
+_held: dict[str, int] = {}
+
+
+def _record(hook: str, **info) -> None:
+    path = os.environ.get("ENGINE_TEST_PROBE")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"hook": hook, "role": hooks.current_role(), "pid": os.getpid(), "t": time.time(), **info}) + "\n")
+
+
+@hookimpl
+def engine_process_start(role, pid):
+    _record("engine_process_start", arg_role=role, arg_pid=pid)
+
+
+@hookimpl
+def engine_process_ready(role, pid, info):
+    _record("engine_process_ready", arg_role=role, info_keys=sorted(info))
+
+
+@hookimpl
+def engine_process_stop(role, pid):
+    _record("engine_process_stop", arg_role=role)
+
+
+@hookimpl
+def engine_tokenize_before(request):
+    if request.prompt is not None and "EXPLODE" in request.prompt:
+        raise RuntimeError("exploded on purpose")
+    if request.prompt is not None and request.prompt.startswith("REWRITE:"):
+        request.prompt = request.prompt[len("REWRITE:"):]
+    _record("engine_tokenize_before", index=request.index, prompt=request.prompt)
+
+
+@hookimpl
+def engine_tokenize_after(request):
+    _record("engine_tokenize_after", index=request.index, n_ids=len(request.input_ids))
+
+
+@hookimpl
+def engine_schedule(waiting, running):
+    for req in list(waiting):
+        if req.rid.startswith("hold-") and _held.get(req.rid, 0) < HOLD_STEPS:
+            _held[req.rid] = _held.get(req.rid, 0) + 1
+            waiting.remove(req)
+    _record("engine_schedule", rids=[r.rid for r in waiting], running=running)
+
+
+@hookimpl
+def engine_request_admitted(req, cached_tokens):
+    if req.rid.startswith("boom-"):
+        raise ValueError("admission refused on purpose")
+    _record("engine_request_admitted", rid=req.rid, cached_tokens=cached_tokens)
+
+
+@hookimpl
+def engine_request_finished(req, finish_reason):
+    _record("engine_request_finished", rid=req.rid, finish_reason=finish_reason)
+
+
+@hookimpl
+def engine_forward_before(batch, rids):
+    _record("engine_forward_before", rids=list(rids), mode=batch.mode.value, tokens=int(batch.input_ids.numel()))
+
+
+@hookimpl
+def engine_forward_after(batch, rids, logits):
+    _record("engine_forward_after", rids=list(rids), logits_shape=list(logits.shape))
+
+
+@hookimpl
+def engine_process_logits(logits, rids, reqs):
+    for row, rid in enumerate(rids):
+        if rid.startswith("ban-"):
+            logits[row, BANNED] = float("-inf")
+    _record("engine_process_logits", rids=list(rids), shape=list(logits.shape), reqs=[r.rid for r in reqs])
+
+
+@hookimpl
+def engine_sample_after(rids, next_ids, logprobs):
+    _record("engine_sample_after", rids=list(rids), next_ids=next_ids.tolist())
+
+
+@hookimpl
+def engine_detokenize(rids, token_ids, finished):
+    _record("engine_detokenize", rids=list(rids), token_ids=list(token_ids), finished=list(finished))
+
+
+@hookimpl
+def engine_detokenize_after(rids, texts):
+    _record("engine_detokenize_after", rids=list(rids), texts=list(texts))
+
+
+@hookimpl
+def engine_output(result):
+    result["meta_info"]["seen_by_test_plugin"] = True
+    _record("engine_output", rid=result["meta_info"]["id"])
+
+
+plugin = sys.modules[__name__]  # ENGINE_PLUGINS=engine_test_plugin:plugin registers this module
