@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.bench_prompts import build_prompts
+from engine.bench_plugins import print_plugins, run_plugins
 from engine.bench_shared_prefix import print_shared_prefix, run_shared_prefix
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,19 +48,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size for transformers generate")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
-    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix"), default="all",
-                   help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off")
+    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins"), default="all",
+                   help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
+                        "plugins: hook cost (no plugin vs noop) and the skipdetok saving")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
     p.add_argument("--prefix-requests", type=int, default=64, help="shared-prefix workload: requests")
     p.add_argument("--prefix-new-tokens", type=int, default=64, help="shared-prefix workload: new tokens each")
     p.add_argument("--prefix-dtype", default="auto", help="shared-prefix workload: engine dtype")
+    p.add_argument("--plugin-dtype", default="auto", help="plugins workload: engine dtype")
+    p.add_argument("--plugin-rounds", type=int, default=3, help="plugins workload: timed rounds per configuration")
+    p.add_argument("--plugin-new-tokens", type=int, default=64, help="plugins workload: new tokens per request")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
     if bad or not args.dtypes:
         p.error(f"--dtypes must list some of {sorted(TORCH_DTYPES)}, got {bad or 'nothing'}")
     for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size", "prefix_len",
-                 "prefix_requests", "prefix_new_tokens"):
+                 "prefix_requests", "prefix_new_tokens", "plugin_rounds", "plugin_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
@@ -220,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
         shared_prefix = run_shared_prefix(args, load_hf_tokenizer(resolve_model_dir(None)))
         print_shared_prefix(shared_prefix)
+    plugins = None
+    if args.workload in ("all", "plugins"):
+        plugins = run_plugins(args)
+        print_plugins(plugins)
     lens = [len(p) for p in prompts or []] or [0]
     report = {
         "command": [sys.executable, "-m", "engine.bench", *(sys.argv[1:] if argv is None else argv)],
@@ -231,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                      "hf_batch_size": args.hf_batch_size},
         "results": results,
         "shared_prefix": shared_prefix,
+        "plugins": plugins,
     }  # fmt: skip
     with contextlib.suppress(ImportError):
         import transformers

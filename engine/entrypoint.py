@@ -26,22 +26,26 @@ SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "si
 def _child_env(plugins: str) -> dict[str, str]:
     """With plugins: ENGINE_PLUGINS for the children, and our sitecustomize first on their path."""
     if not plugins:
-        return {}
+        return {ENV: ""}  # none: also when the variable is set but Engine(plugins="") says otherwise
     path = os.environ.get("PYTHONPATH", "")
     return {ENV: plugins, "PYTHONPATH": SITECUSTOMIZE_DIR + (os.pathsep + path if path else "")}
 
 
 def _shutdown_hooks(tm: TokenizerManager) -> None:
-    """A regular shutdown: plugins get the final stats (all processes' figures), then the stop hook."""
-    try:
-        if hooks.has("engine_shutdown_report"):
-            hooks.call("engine_shutdown_report", stats=tm.get_stats(timeout=10.0))
-        if hooks.has("engine_process_stop"):
-            hooks.call("engine_process_stop", role="user", pid=os.getpid())
-    except Exception as exc:  # noqa: BLE001 - shutdown goes on
-        import sys
+    """A regular shutdown: plugins get the final stats (all processes' figures), then the stop hook.
+    Nothing here may stop the shutdown itself, not even a fatal plugin error."""
+    import sys
 
-        print(f"engine: {exc}", file=sys.stderr)
+    if hooks.has("engine_shutdown_report"):
+        try:
+            hooks.call("engine_shutdown_report", stats=tm.get_stats(timeout=10.0))
+        except BaseException as exc:  # noqa: BLE001
+            print(f"engine: {exc}", file=sys.stderr)
+    if hooks.has("engine_process_stop"):
+        try:
+            hooks.call("engine_process_stop", role="user", pid=os.getpid())
+        except BaseException as exc:  # noqa: BLE001
+            print(f"engine: {exc}", file=sys.stderr)
 
 
 class _Resources:
@@ -53,6 +57,7 @@ class _Resources:
         self.tokenizer_manager: TokenizerManager | None = None
         self.lock = threading.Lock()
         self.closed = False
+        self.started = False  # every process is ready and serving
 
     def kill_children(self, reason: str) -> None:
         """Called by the tokenizer manager when a child died: the rest must not linger."""
@@ -66,7 +71,7 @@ class _Resources:
                 return
             self.closed = True
         tm = self.tokenizer_manager
-        if tm is not None and tm.dead is None and self.children:
+        if tm is not None and tm.dead is None and self.started:
             _shutdown_hooks(tm)
         if tm is not None:
             tm.close()
@@ -113,6 +118,7 @@ class Engine:
         self.tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
+        res.started = True
         if hooks.has("engine_process_ready"):
             hooks.call("engine_process_ready", role="user", pid=os.getpid(), info=dict(self.server_info))
 

@@ -416,9 +416,13 @@ class TokenizerManager:
 
     @staticmethod
     def output(result: dict) -> dict:
-        """The output stage: a finished result passes the output hook before the caller gets it."""
+        """The output stage: a finished result passes the output hook before the caller gets it. If
+        the hook fails, that result (only) comes back marked aborted, with the plugin's error."""
         if hooks.has("engine_output"):
-            hooks.call("engine_output", result=result)
+            try:
+                hooks.call("engine_output", result=result)
+            except hooks.HookError as exc:
+                result["meta_info"]["finish_reason"] = {"type": "abort", "message": str(exc)}
         return result
 
     def get_stats(self, timeout: float = 30.0) -> dict:

@@ -5,7 +5,9 @@ ENGINE_TEST_PROBE, and changes behaviour for marked requests:
 - requests whose rid starts "hold-" are held back for HOLD_STEPS scheduling turns (engine_schedule);
 - requests whose rid starts "ban-" never get token BANNED (engine_process_logits);
 - a request whose rid starts "boom-" makes engine_request_admitted raise;
-- a prompt containing "EXPLODE" makes engine_tokenize_before raise.
+- a prompt containing "EXPLODE" makes engine_tokenize_before raise;
+- a batch with a rid starting "badtexts-" gets one text too many from engine_detokenize;
+- a result whose rid starts "badoutput-" makes engine_output raise.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ def engine_sample_after(rids, next_ids, logprobs):
 @hookimpl
 def engine_detokenize(rids, token_ids, finished):
     _record("engine_detokenize", rids=list(rids), token_ids=list(token_ids), finished=list(finished))
+    if any(r.startswith("badtexts-") for r in rids):
+        return ["x"] * (len(rids) + 1)  # one text too many: the engine must refuse it
+    return None
 
 
 @hookimpl
@@ -115,6 +120,8 @@ def engine_detokenize_after(rids, texts):
 
 @hookimpl
 def engine_output(result):
+    if result["meta_info"]["id"].startswith("badoutput-"):
+        raise KeyError("output refused on purpose")
     result["meta_info"]["seen_by_test_plugin"] = True
     _record("engine_output", rid=result["meta_info"]["id"])
 

@@ -189,3 +189,24 @@ def test_fatal_switch_makes_plugin_errors_escape(monkeypatch):
     finally:
         plugin_manager().unregister(plugin)
         refresh()
+
+
+def test_bad_detokenize_result_and_failing_output_hook_fail_only_their_requests(probe):
+    eng, _ = probe
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    out = eng.generate(PROMPTS[0], params, rid="badtexts-1")
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "engine_detokenize" in reason["message"] and PLUGIN in reason["message"]
+    outs = eng.generate([PROMPTS[1], PROMPTS[2]], params, rid=["badoutput-1", "fine-2"])
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "engine_output" in outs[0]["meta_info"]["finish_reason"]["message"]
+    assert outs[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] == "length"
+    stats = eng.get_stats()
+    assert stats["running"] == 0 and stats["cache_lock_refs"] == 0
+
+
+def test_engine_plugins_argument_overrides_the_variable(monkeypatch):
+    monkeypatch.setenv("ENGINE_PLUGINS", "no_such_plugin")
+    with Engine(dtype="float32", max_total_tokens=512, plugins="") as eng:  # the children load nothing
+        assert eng.generate(PROMPTS[0], {"max_new_tokens": 2})["output_ids"]

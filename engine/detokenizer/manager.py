@@ -38,6 +38,15 @@ class StopState:
     tokens: int = 0
 
 
+def _check_texts(hook: str, texts, n: int, allow_none: bool = False) -> None:
+    """What a hook returned or left must be one str per request, or the batch's callers would hang."""
+    if texts is None and allow_none:
+        return
+    if not isinstance(texts, (list, tuple)) or len(texts) != n or not all(isinstance(t, str) for t in texts):
+        plugins = ", ".join(hooks.implementers(hook))
+        raise HookError(plugins, hook, TypeError(f"texts must be a list of {n} strings, got {texts!r:.200}"))
+
+
 class DetokenizerManager:
     def __init__(self, model_dir: str, endpoints: dict) -> None:
         self.incremental = IncrementalDetokenizer(BatchDecoder(model_dir))
@@ -96,6 +105,7 @@ class DetokenizerManager:
         deltas = None
         if hooks.has("engine_detokenize"):
             deltas = hooks.call_first("engine_detokenize", rids=out.rids, token_ids=out.token_ids, finished=finished)
+            _check_texts("engine_detokenize", deltas, len(out.rids), allow_none=True)
         if deltas is None:
             deltas = self.incremental.step(out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished)
         else:
@@ -105,6 +115,7 @@ class DetokenizerManager:
                     self.incremental.forget(rid)
         if hooks.has("engine_detokenize_after"):
             hooks.call("engine_detokenize_after", rids=out.rids, texts=deltas)
+            _check_texts("engine_detokenize_after", deltas, len(out.rids))
         return deltas
 
     def _fail_batch(self, out: BatchTokenOut, message: str) -> BatchTextOut:
@@ -117,8 +128,7 @@ class DetokenizerManager:
             self.stopped.update(running)
             self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(running, message)))
         n = len(out.rids)
-        finished = [f if f is not None else reason for f in out.finished]
-        return BatchTextOut(out.rids, [""] * n, out.token_ids, finished, out.meta, out.headers, out.logprobs)
+        return BatchTextOut(out.rids, [""] * n, out.token_ids, [reason] * n, out.meta, out.headers, out.logprobs)
 
     def _match_stop_strings(self, out: BatchTokenOut, deltas: list[str]) -> None:
         stopping: list[str] = []

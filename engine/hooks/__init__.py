@@ -19,11 +19,12 @@ from engine.hooks.runtime import (
     current_role,
     has,
     hookimpl,
+    implementers,
     plugin_manager,
     set_role,
 )
 
 __all__ = [
-    "FatalHookError", "HookError", "PluginLoadError", "call", "call_first", "call_named", "current_role", "has", "hookimpl", "plugin_manager",
+    "FatalHookError", "HookError", "PluginLoadError", "call", "call_first", "call_named", "current_role", "has", "hookimpl", "implementers", "plugin_manager",
     "set_role",
 ]  # fmt: skip

@@ -60,14 +60,20 @@ def load_plugins(spec: str | None, strict: bool = True) -> list[str]:
             if strict:
                 raise
             continue
-        pm.register(obj, name=name)
-        _loaded[name] = obj
         provide = getattr(obj, "engine_logit_processors", None)
-        if provide is not None:
+        if provide is not None:  # before registering: a plugin that fails here is not half loaded
             from engine.sampling.processors import register_logit_processor
 
-            for proc_name, cls in (provide() or {}).items():
-                register_logit_processor(proc_name, cls)
+            try:
+                for proc_name, cls in (provide() or {}).items():
+                    register_logit_processor(proc_name, cls)
+            except Exception as exc:
+                raise PluginLoadError(f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}") from exc
+        try:
+            pm.register(obj, name=name)
+        except Exception as exc:  # pluggy: the same object under two names, or a bad hook signature
+            raise PluginLoadError(f"plugin {name!r} cannot be registered: {exc}") from exc
+        _loaded[name] = obj
     refresh()
     return names
 

@@ -61,6 +61,11 @@ def has(name: str) -> bool:
     return name in _impls
 
 
+def implementers(name: str) -> list[str]:
+    """The plugins implementing a hook, in call order."""
+    return [plugin for plugin, _, _ in _impls.get(name, ())]
+
+
 def _fatal() -> bool:
     return os.environ.get("ENGINE_PLUGIN_ERRORS", "") == "raise"
 

@@ -52,9 +52,11 @@ class EngineSpecs:
     @hookspec
     def engine_schedule(self, waiting: list, running: int) -> None:
         """Before the scheduler picks requests for a prefill step, in the order it will try them.
-        Scheduler, once per step in which requests wait. `waiting` is a list of Req the hook may
-        reorder or remove items from (a removed request is held back for this step, not dropped);
-        `running` is the number of decoding requests."""
+        Scheduler, each time it plans a prefill while requests wait and the step has budget left
+        (about once per step; more often while nothing can start). `waiting` is a list of Req the
+        hook may reorder or remove items from (a removed request is held back this time, not
+        dropped; adding or duplicating requests is an error); `running` is the number of decoding
+        requests."""
 
     @hookspec
     def engine_request_admitted(self, req, cached_tokens: int) -> None:
@@ -76,8 +78,10 @@ class EngineSpecs:
 
     @hookspec
     def engine_forward_after(self, batch, rids: list, logits) -> None:
-        """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32 (one row per
-        request that samples this step). Read-only (change logits in engine_process_logits)."""
+        """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32: first one
+        row per request that samples this step, then, in a prefill, rows for prompt logprobs; `rids`
+        are all requests in the step (a prompt chunk that samples nothing yet has no row). Read-only
+        (change logits in engine_process_logits)."""
 
     # ------------------------------------------------------------------ sample (scheduler)
 
@@ -113,7 +117,8 @@ class EngineSpecs:
     @hookspec
     def engine_output(self, result: dict) -> None:
         """A finished result in the user process, before generate returns it (not for stream chunks).
-        Once per request. May change the dict in place."""
+        Once per request. May change the dict in place. If it raises, that result comes back with
+        finish_reason abort and the error; the call's other results are untouched."""
 
     # ------------------------------------------------------------------ plugin services
 

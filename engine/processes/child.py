@@ -57,7 +57,7 @@ def _process_hook(name: str, **kwargs) -> None:
     if hooks.has(name):
         try:
             hooks.call(name, role=hooks.current_role(), pid=os.getpid(), **kwargs)
-        except Exception as exc:  # noqa: BLE001 - a stop hook must not keep the process alive
+        except BaseException as exc:  # noqa: BLE001 - a stop hook must not keep the process alive
             print(f"engine::{hooks.current_role()}: {exc}", file=sys.stderr)
 
 

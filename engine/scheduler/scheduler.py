@@ -392,10 +392,15 @@ class Scheduler:
         taken: set[int] = set()
         ordered = order_waiting(self.waiting, self.config.schedule_policy, kv.cache, in_progress)
         if hooks.has("engine_schedule"):
+            shown = list(ordered)
             try:
                 hooks.call("engine_schedule", waiting=ordered, running=len(self.running))
+                ids = [id(r) for r in ordered]
+                if len(set(ids)) != len(ids) or not set(ids) <= {id(r) for r in shown}:
+                    raise HookError(", ".join(hooks.implementers("engine_schedule")), "engine_schedule",
+                                    ValueError("may only reorder or remove the waiting requests"))  # fmt: skip
             except HookError as exc:  # it touched every waiting request it was shown
-                self._abort_rids({r.rid for r in ordered}, str(exc))
+                self._abort_rids({r.rid for r in shown}, str(exc))
                 return entries
         for req in ordered:
             if budget <= 0 or not self.req_to_token.available:
@@ -614,8 +619,9 @@ class Scheduler:
         if not gone:
             return
         reason = FinishReason("abort", message=message)
+        stopped = message == STOP_STRING_MATCHED  # a normal finish the detokenizer saw first
         for req, kv_len in gone:
-            req.finished = reason
+            req.finished = FinishReason("stop", message=message) if stopped else reason
             if req.slot is not None:
                 self.kv.free_request(req, kv_len)
             self._finished_hook(req)
