@@ -1,0 +1,130 @@
+"""Samples -> the engine's stages, the top functions by own time, and a one-line reading.
+
+A sample belongs to the outermost stage function on its stack (TokenizerManager.tokenize,
+Scheduler.schedule / forward / sample / process_results, DetokenizerManager.detokenize); a stack
+with none whose innermost frames wait on a socket, a poll or an event is "waiting on ZMQ"; the
+rest is "other" (start-up, imports, model loading, message handling). A child's parent-lifeline
+thread, asleep all the time, is left out. `busy_stages_pct` shares out the samples that neither
+wait nor belong to start-up: where the process's work goes once it serves.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+STAGES = ("tokenize", "schedule", "forward", "sample", "process_results", "detokenize", "waiting on ZMQ", "other")
+STAGE_FUNCTIONS = {
+    "TokenizerManager.tokenize": "tokenize",
+    "Scheduler.schedule": "schedule",
+    "Scheduler.forward": "forward",
+    "Scheduler.sample": "sample",
+    "Scheduler.process_results": "process_results",
+    "DetokenizerManager.detokenize": "detokenize",
+}
+WAIT_HINTS = ("poll", "recv", "wait", "select", "sleep", "zmq/sugar/poll")
+HOUSEKEEPING = ("_watch_parent",)  # a child's parent-lifeline thread: always asleep, not the process's work
+
+
+def _blocking_lines() -> set[str]:
+    """"Function (file:line)" of the engine's own blocking socket calls. zmq's recv and poll run in C,
+    so a sample waiting there shows the calling line as its innermost Python frame."""
+    import inspect
+    import os
+
+    import engine
+    from engine.detokenizer.manager import DetokenizerManager
+    from engine.scheduler.scheduler import Scheduler
+    from engine.tokenizer_manager import TokenizerManager
+
+    out = set()
+    for func, marker in ((DetokenizerManager.serve_forever, ".recv("), (Scheduler.recv_requests, ".poll("),
+                         (TokenizerManager._recv_loop, "poller.poll(")):  # fmt: skip
+        lines, first = inspect.getsourcelines(func)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
+        short = os.path.relpath(inspect.getsourcefile(func), root)  # py-spy shows paths relative to sys.path
+        for offset, text in enumerate(lines):
+            if marker in text:
+                out.add(f"{func.__qualname__} ({short}:{first + offset})")
+    return out
+
+
+_BLOCKING: set[str] | None = None
+
+
+def _func(frame: str) -> str:
+    return frame.split(" (")[0]
+
+
+def stage_of(stack: tuple[str, ...]) -> str:
+    for frame in stack:
+        stage = STAGE_FUNCTIONS.get(_func(frame))
+        if stage:
+            return stage
+    global _BLOCKING
+    if _BLOCKING is None:
+        _BLOCKING = _blocking_lines()
+    if stack[-1] in _BLOCKING or any(hint in _func(stack[-1]).lower() for hint in WAIT_HINTS):
+        return "waiting on ZMQ"
+    return "other"
+
+
+def _startup(stack: tuple[str, ...]) -> bool:
+    """Building the process: a child's build (model loading, tokenizer) or Engine() in the user process."""
+    return any(_func(f).endswith((".build", "Engine.__init__")) for f in stack)
+
+
+def breakdown(stacks: Counter, top: int = 10) -> dict:
+    stacks = Counter({k: v for k, v in stacks.items() if not any(_func(f).endswith(HOUSEKEEPING) for f in k)})
+    total = sum(stacks.values())
+    per_stage: Counter = Counter()
+    own: Counter = Counter()
+    startup = 0
+    for stack, count in stacks.items():
+        stage = stage_of(stack)
+        per_stage[stage] += count
+        own[stack[-1]] += count
+        if stage == "other" and _startup(stack):  # waiting during start-up stays "waiting"
+            startup += count
+    shares = {s: (100.0 * per_stage[s] / total if total else 0.0) for s in STAGES}
+    busy = total - per_stage["waiting on ZMQ"] - startup
+    per_stage["other"] -= startup  # start-up is "other" in the shares of all samples, left out of the busy ones
+    busy_shares = {s: (100.0 * per_stage[s] / busy if busy else 0.0) for s in STAGES if s != "waiting on ZMQ"}
+    return {
+        "samples": total,
+        "stages_pct": shares,  # of all samples: sums to 100
+        "busy_stages_pct": busy_shares,  # of the samples neither waiting nor starting up: where the work goes
+        "startup_pct": 100.0 * startup / total if total else 0.0,
+        "top_own": [{"function": f, "samples": n, "pct": 100.0 * n / total} for f, n in own.most_common(top)],
+    }
+
+
+def reading(role: str, b: dict) -> str:
+    """One line in the spirit of the reference's symptom table."""
+    s = b["stages_pct"]
+    busy = 100.0 - s["waiting on ZMQ"]
+    if not b["samples"]:
+        return f"{role}: no samples"
+    if role == "detokenizer":
+        work = b["busy_stages_pct"]["detokenize"]
+        if s["detokenize"] >= 30:
+            return f"detokenizer busy {s['detokenize']:.0f}% of wall in batch decode: if nobody reads the text, try ENGINE_PLUGINS=skipdetok"
+        if work >= 50:
+            return (f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall; {work:.0f}% of its work is batch decode: "
+                    "cheap here, but if nobody reads the text, ENGINE_PLUGINS=skipdetok removes it")  # fmt: skip
+        return f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall, decodes {s['detokenize']:.0f}%: decoding is not a bottleneck"
+    if role == "scheduler":
+        w = b["busy_stages_pct"]  # once serving: start-up (model loading) and waiting left out
+        if w["sample"] >= 20:
+            return f"scheduler spends {w['sample']:.0f}% of its work sampling: a slow custom logit processor or a heavy sample hook?"
+        if w["process_results"] >= 15:
+            return f"scheduler spends {w['process_results']:.0f}% of its work in process_results: per-request bookkeeping in Python"
+        if w["schedule"] >= 15:
+            return f"scheduler spends {w['schedule']:.0f}% of its work in schedule: admission or prefix matching is expensive"
+        if w["forward"] >= 50:
+            return f"scheduler spends {w['forward']:.0f}% of its work in the model forward: compute-bound, as it should be"
+        return f"scheduler: forward {w['forward']:.0f}% of its work, other {w['other']:.0f}%: look at its top functions"
+    if s["tokenize"] >= 20:
+        return f"user process spends {s['tokenize']:.0f}% tokenizing: pass input_ids, or batch prompts in one call"
+    if s["waiting on ZMQ"] >= 60:
+        return f"user process waits on the engine {s['waiting on ZMQ']:.0f}% of samples: the engine is the bottleneck, as it should be"
+    return f"user process busy {busy:.0f}% of samples outside the engine's stages: look at its top functions"

@@ -1,0 +1,134 @@
+"""engine profile [options] -- command ... ; engine dump [--pid PID]
+
+profile runs the command, finds the engine's processes as they start, runs `py-spy record` on each,
+and writes per role a flamegraph SVG, a speedscope JSON and the collapsed stacks, then prints and
+writes (breakdown.json) the per-stage breakdown. dump prints a py-spy dump of every process of the
+running engines, labelled by role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from engine.profiling.breakdown import STAGES, breakdown, reading
+from engine.profiling.discover import engine_processes
+from engine.profiling.pyspy import ProfileError, dump, explain, find_pyspy, record_args
+from engine.profiling.stacks import parse_collapsed, write_flamegraph, write_speedscope
+
+ROLES = ("user", "scheduler", "detokenizer")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine", description="py-spy profiling of the engine's processes")
+    sub = p.add_subparsers(dest="command", required=True)
+    prof = sub.add_parser("profile", help="run a command and profile its engine: engine profile [options] -- cmd ...")
+    prof.add_argument("--rate", type=int, default=100, help="samples per second")
+    prof.add_argument("--duration", type=float, default=None, help="seconds to sample (default: until the command ends)")
+    prof.add_argument("--idle", action=argparse.BooleanOptionalAction, default=True,
+                      help="include idle (waiting) frames; needed for the 'waiting on ZMQ' share")  # fmt: skip
+    prof.add_argument("--native", action=argparse.BooleanOptionalAction, default=False, help="include native frames")
+    prof.add_argument("--output", "-o", default="profile", help="output folder")
+    prof.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the engine to start")
+    prof.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    d = sub.add_parser("dump", help="py-spy dump of every process of the running engines")
+    d.add_argument("--pid", type=int, default=None, help="only the engine whose user process is PID")
+    return p
+
+
+def _wait_for_engine(child: subprocess.Popen, timeout: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise ProfileError(f"the command exited (code {child.returncode}) before an engine started")
+        found = engine_processes(child.pid)
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise ProfileError(f"no engine started within {timeout:.0f}s (--start-timeout)")
+
+
+def profile(args: argparse.Namespace) -> int:
+    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+    if not cmd:
+        raise ProfileError("give the command to run after --, e.g. engine profile -- python run.py")
+    pyspy = find_pyspy()
+    os.makedirs(args.output, exist_ok=True)
+    child = subprocess.Popen(cmd)
+    try:
+        pids = _wait_for_engine(child, args.start_timeout)
+        print(f"engine profile: user {pids['user']}, scheduler {pids['scheduler']}, detokenizer {pids['detokenizer']}",
+              file=sys.stderr)  # fmt: skip
+        recorders = {}
+        for role in ROLES:
+            raw = os.path.join(args.output, f"{role}.txt")
+            argv = record_args(pyspy, pids[role], raw, args.rate, args.duration, args.idle, args.native)
+            recorders[role] = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), raw)
+        code = child.wait()
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    report: dict = {"command": cmd, "exit_code": code, "pids": pids, "processes": {}}
+    failures = []
+    for role, (rec, raw) in recorders.items():
+        _, err = rec.communicate(timeout=60)
+        if not os.path.exists(raw) or os.path.getsize(raw) == 0:
+            failures.append(f"{role}: {explain(err, pids[role])}")
+            continue
+        stacks = parse_collapsed(open(raw).read())
+        write_flamegraph(stacks, f"engine::{role} (pid {pids[role]})", os.path.join(args.output, f"{role}.svg"))
+        write_speedscope(stacks, f"engine::{role}", os.path.join(args.output, f"{role}.speedscope.json"))
+        b = breakdown(stacks)
+        b["reading"] = reading(role, b)
+        report["processes"][role] = b
+    with open(os.path.join(args.output, "breakdown.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    _print(report)
+    if failures:
+        raise ProfileError("; ".join(failures))
+    return code
+
+
+def _print(report: dict) -> None:
+    print(f"\nper-stage share of samples (%), command exit code {report['exit_code']}")
+    print(f"  {'stage':<18}" + "".join(f"{r:>13}" for r in report["processes"]))
+    for stage in STAGES:
+        print(f"  {stage:<18}" + "".join(f"{p['stages_pct'][stage]:13.1f}" for p in report["processes"].values()))
+    for role, p in report["processes"].items():
+        print(f"\n{role} ({p['samples']} samples): {p['reading']}")
+        for entry in p["top_own"][:5]:
+            print(f"  {entry['pct']:5.1f}%  {entry['function']}")
+
+
+def dump_all(args: argparse.Namespace) -> int:
+    pyspy = find_pyspy()
+    engines = engine_processes()
+    if args.pid is not None:
+        engines = [e for e in engines if e["user"] == args.pid]
+    if not engines:
+        raise ProfileError("no running engine found (looked for processes titled engine::scheduler)")
+    for pids in engines:
+        for role in ROLES:
+            print(f"==== {role} (pid {pids[role]}) ====")
+            print(dump(pyspy, pids[role]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return profile(args) if args.command == "profile" else dump_all(args)
+    except ProfileError as exc:
+        print(f"engine {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""engine profile / engine dump with the real py-spy against real engines, and their failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ENGINE_CLI = [sys.executable, "-m", "engine.profiling.cli"]
+
+WORKLOAD = textwrap.dedent(
+    """
+    import sys
+    from engine import Engine
+
+    if __name__ == "__main__":
+        kind = sys.argv[1]
+        with Engine(dtype="float32", max_total_tokens=40000, max_running_requests=2048) as engine:
+            if kind == "short":
+                engine.generate(["The sky is", "Two plus two is"], {"max_new_tokens": 16, "temperature": 0})
+            else:  # detokenization-heavy: many candidates sharing a prompt, few tokens each
+                prompt = engine.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+                for r in range(2):
+                    engine.generate(input_ids=[prompt + [100 + i + r] for i in range(2000)],
+                                    sampling_params={"max_new_tokens": 3, "temperature": 0})
+    """
+)
+
+
+def profile(tmp_path, kind: str, env_extra: dict | None = None, name: str = "out") -> tuple[subprocess.CompletedProcess, dict]:
+    (tmp_path / "workload.py").write_text(WORKLOAD)
+    out = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PLUGINS"}
+    env.update(env_extra or {})
+    proc = subprocess.run(
+        [*ENGINE_CLI, "profile", "--rate", "500", "-o", str(out), "--", sys.executable, "workload.py", kind],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads((out / "breakdown.json").read_text())
+
+
+def test_profile_writes_three_flamegraphs_and_a_breakdown(tmp_path):
+    proc, report = profile(tmp_path, "short")
+    assert set(report["processes"]) == {"user", "scheduler", "detokenizer"}
+    for role, p in report["processes"].items():
+        svg = (tmp_path / "out" / f"{role}.svg").read_text()
+        assert svg.startswith("<svg") and "<rect" in svg
+        speedscope = json.loads((tmp_path / "out" / f"{role}.speedscope.json").read_text())
+        assert p["samples"] > 0 and sum(speedscope["profiles"][0]["weights"]) >= p["samples"]
+        assert sum(p["stages_pct"].values()) == pytest.approx(100.0)
+        assert p["reading"] and p["top_own"]
+    assert report["processes"]["scheduler"]["stages_pct"]["forward"] > 0
+    assert "per-stage share of samples" in proc.stdout
+
+
+def test_detokenizer_heavy_workload_and_skipdetok(tmp_path):
+    _, plain = profile(tmp_path, "detok", name="plain")
+    _, skipped = profile(tmp_path, "detok", {"ENGINE_PLUGINS": "skipdetok"}, name="skipped")
+    busy = plain["processes"]["detokenizer"]["busy_stages_pct"]
+    assert busy["detokenize"] > 50, busy  # the decode stage dominates the detokenizer's work
+    assert "skipdetok" in plain["processes"]["detokenizer"]["reading"]
+    decode_plain = busy["detokenize"]
+    decode_skipped = skipped["processes"]["detokenizer"]["busy_stages_pct"]["detokenize"]
+    assert decode_skipped < decode_plain / 2, (decode_plain, decode_skipped)
+
+
+def test_dump_lists_the_three_roles(engine):
+    proc = subprocess.run([*ENGINE_CLI, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for role in ("user", "scheduler", "detokenizer"):
+        assert f"==== {role} (pid {engine.pids[role]}) ====" in proc.stdout
+    assert "serve_forever" in proc.stdout
+
+
+def test_failures_are_one_line_and_non_zero(tmp_path):
+    def run(args, env_extra=None):
+        env = {**os.environ, **(env_extra or {})}
+        return subprocess.run([*ENGINE_CLI, *args], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+    missing = run(["profile", "--", sys.executable, "-c", "pass"], {"ENGINE_PYSPY": str(tmp_path / "nope")})
+    assert missing.returncode == 2 and "py-spy not found" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+    early = run(["profile", "--start-timeout", "60", "--", sys.executable, "-c", "pass"])
+    assert early.returncode == 2 and "exited (code 0) before an engine started" in early.stderr
+
+    fake = tmp_path / "py-spy"  # a py-spy that is refused as in a container without SYS_PTRACE
+    fake.write_text("#!/bin/sh\necho 'Error: Permission Denied (os error 13)' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    (tmp_path / "workload.py").write_text(WORKLOAD)
+    denied = run(["profile", "-o", "p", "--", sys.executable, "workload.py", "short"], {"ENGINE_PYSPY": str(fake)})
+    assert denied.returncode == 2 and "ptrace" in denied.stderr and "SYS_PTRACE" in denied.stderr
+
+    no_engine = run(["dump", "--pid", "1"])
+    assert no_engine.returncode == 2 and "no running engine" in no_engine.stderr
+
+    no_cmd = run(["profile"])
+    assert no_cmd.returncode == 2 and "give the command" in no_cmd.stderr
