@@ -31,6 +31,15 @@ def _child_env(plugins: str) -> dict[str, str]:
     return {ENV: plugins, "PYTHONPATH": SITECUSTOMIZE_DIR + (os.pathsep + path if path else "")}
 
 
+def _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
+                 logprob_start_len) -> dict:  # fmt: skip
+    """generate's and async_generate's request arguments, as TokenizerManager.submit takes them."""
+    return dict(
+        prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
+        return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+    )  # fmt: skip
+
+
 def _shutdown_hooks(tm: TokenizerManager) -> None:
     """A regular shutdown: plugins get the final stats (all processes' figures), then the stop hook.
     Nothing here may stop the shutdown itself, not even a fatal plugin error."""
@@ -139,10 +148,8 @@ class Engine:
         Raises ValueError before anything is queued if any input is bad.
         """
         tm = self._tm()
-        submit = dict(
-            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-        )  # fmt: skip
+        submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
+                              logprob_start_len)  # fmt: skip
         if stream:
             return sync_stream(tm, submit)
         bar = None
@@ -170,10 +177,8 @@ class Engine:
         `async for chunk in await engine.async_generate(..., stream=True)` streams. Cancelling the
         awaiting task aborts the requests."""
         tm = self._tm()
-        submit = dict(
-            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-        )  # fmt: skip
+        submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
+                              logprob_start_len)  # fmt: skip
         if stream:
             return async_stream(tm, submit)
         return await async_collect(tm, submit)
