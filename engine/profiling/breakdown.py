@@ -94,6 +94,7 @@ def breakdown(stacks: Counter, top: int = 10) -> dict:
         "stages_pct": shares,  # of all samples: sums to 100
         "busy_stages_pct": busy_shares,  # of the samples neither waiting nor starting up: where the work goes
         "startup_pct": 100.0 * startup / total if total else 0.0,
+        "stage_samples": {s: per_stage[s] for s in STAGES},  # counts ("other" without start-up)
         "top_own": [{"function": f, "samples": n, "pct": 100.0 * n / total} for f, n in own.most_common(top)],
     }
 
