@@ -1,4 +1,4 @@
-"""Process helpers for lifecycle tests."""
+"""Helpers shared by the tests: process checks, and the engine's idle state."""
 
 from __future__ import annotations
 
@@ -31,3 +31,15 @@ def wait_path_gone(path: str, timeout: float) -> bool:
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.1)
     return not os.path.exists(path)
+
+
+def engine_idle(stats: dict) -> bool:
+    """Nothing running or queued; every slot free; every pool token free or cached; no lock in the tree."""
+    return (
+        stats["running"] == 0
+        and stats["waiting"] == 0
+        and stats["free_slots"] == stats["max_running_requests"]
+        and stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
+        and stats["cache_locked_tokens"] == 0
+        and stats["cache_lock_refs"] == 0
+    )

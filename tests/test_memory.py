@@ -7,22 +7,13 @@ import pytest
 
 from conftest import PROMPTS
 from engine import Engine
-
-
-def _idle(stats: dict) -> bool:
-    return (
-        stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
-        and stats["cache_lock_refs"] == 0
-        and stats["free_slots"] == stats["max_running_requests"]
-        and stats["running"] == 0
-        and stats["waiting"] == 0
-    )
+from helpers import engine_idle
 
 
 def test_pool_empty_after_batch(engine):
     outs = engine.generate(PROMPTS, {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9})
     assert len(outs) == len(PROMPTS)
-    assert _idle(engine.get_stats())
+    assert engine_idle(engine.get_stats())
 
 
 def test_small_pool_queues_and_completes_all(engine, tokenizer):
@@ -39,7 +30,7 @@ def test_small_pool_queues_and_completes_all(engine, tokenizer):
         assert small.get_stats()["prompt_tokens"] == stats["prompt_tokens"]
     assert [o["output_ids"] for o in outs] == expected
     assert len({o["meta_info"]["id"] for o in outs}) == len(prompts)
-    assert _idle(stats)
+    assert engine_idle(stats)
     assert stats["prefill_steps"] >= len(prompts) // 2, "requests were not queued behind each other"
     assert stats["retracted_requests"] == 0  # the default estimate of new tokens is cautious enough here
     assert stats["finished_requests"] == len(prompts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import PROMPTS, hf_greedy
+from helpers import engine_idle
 from engine import Engine
 
 SYSTEM = (
@@ -36,17 +37,6 @@ def expected(hf_model, workload) -> list[list[int]]:
     return [hf_greedy(hf_model, ids, NEW_TOKENS) for ids in workload]
 
 
-def idle(stats: dict) -> bool:
-    """Nothing running or queued; every pool token is free or cached; no lock held in the tree."""
-    return (
-        stats["running"] == 0
-        and stats["waiting"] == 0
-        and stats["free_slots"] == stats["max_running_requests"]
-        and stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
-        and stats["cache_locked_tokens"] == 0
-        and stats["cache_lock_refs"] == 0
-    )
-
 
 def run_workload(eng: Engine, prompts: list[list[int]]) -> tuple[list[dict], dict, dict]:
     before = eng.get_stats()
@@ -63,7 +53,7 @@ def check_complete_once(outs: list[dict], before: dict, after: dict, n: int) -> 
     assert after["finished_requests"] - before["finished_requests"] == n
     assert after["aborted_requests"] == before["aborted_requests"]
     assert after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS  # nothing emitted twice
-    assert idle(after)
+    assert engine_idle(after)
 
 
 def test_cache_off_and_chunking_off_match_transformers(workload, expected):
@@ -133,7 +123,7 @@ def test_concurrent_requests_share_a_long_prefix(engine):
     outs = engine.generate(input_ids=[a, b], sampling_params={"max_new_tokens": 4, "temperature": 0})
     assert outs[0]["meta_info"]["cached_tokens"] == 0
     assert outs[1]["meta_info"]["cached_tokens"] >= len(shared)
-    assert idle(engine.get_stats())
+    assert engine_idle(engine.get_stats())
 
 
 def test_fcfs_policy_matches(workload, expected):

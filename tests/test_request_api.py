@@ -11,15 +11,8 @@ import pytest
 import torch
 
 from conftest import PROMPTS, hf_greedy
+from helpers import engine_idle
 
-
-def idle(stats: dict) -> bool:
-    return (
-        stats["running"] == 0 and stats["waiting"] == 0
-        and stats["free_slots"] == stats["max_running_requests"]
-        and stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"]
-        and stats["cache_lock_refs"] == 0
-    )  # fmt: skip
 
 
 def test_top_k_1_and_temperature_0_are_greedy(engine, hf_model, tokenizer):
@@ -108,7 +101,7 @@ def test_stop_strings_spanning_tokens(engine, tokenizer):
         assert out["text"] == text[:start]
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] <= k + span + 2  # stopped promptly
-    assert idle(engine.get_stats())
+    assert engine_idle(engine.get_stats())
 
 
 def test_min_new_tokens_suppresses_eos(engine, tokenizer):
@@ -179,7 +172,7 @@ def test_abort_frees_memory(engine):
             engine.abort("to-abort")
     # the stream ended with the abort's chunk
     stats = engine.get_stats()
-    assert idle(stats)
+    assert engine_idle(stats)
     out = None
     for _ in range(1):
         out = engine.generate(PROMPTS[1], {"max_new_tokens": 4, "temperature": 0})
@@ -197,7 +190,7 @@ def test_abort_reports_the_reason(engine):
     t.join(30)
     assert result["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by the caller"}
     assert 0 < len(result["output_ids"]) < 3000
-    assert idle(engine.get_stats())
+    assert engine_idle(engine.get_stats())
 
 
 def test_cancelling_an_async_task_aborts_its_request(engine):
@@ -210,9 +203,9 @@ def test_cancelling_an_async_task_aborts_its_request(engine):
 
     asyncio.run(main())
     deadline = time.monotonic() + 10
-    while not idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+    while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert idle(stats)
+    assert engine_idle(stats)
 
 
 def test_abandoned_stream_aborts_its_request(engine):
@@ -220,9 +213,9 @@ def test_abandoned_stream_aborts_its_request(engine):
     next(stream)
     stream.close()
     deadline = time.monotonic() + 10
-    while not idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+    while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert idle(stats)
+    assert engine_idle(stats)
 
 
 def test_custom_processor_bans_tokens(engine):
@@ -261,9 +254,9 @@ def test_stream_closed_before_reading_aborts_its_request(engine):
     stream = engine.generate(PROMPTS[6], {"max_new_tokens": 3000, "ignore_eos": True}, stream=True)
     stream.close()  # never iterated
     deadline = time.monotonic() + 10
-    while not idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+    while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert idle(stats)
+    assert engine_idle(stats)
 
 
 def test_stop_string_counts_as_a_finish_not_an_abort(engine):
