@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 
@@ -10,14 +11,15 @@ from engine import hooks
 from engine.config import EngineConfig
 from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
-from engine.hooks.loader import ENV, load_plugins
+from engine.hooks.loader import ENV, load_plugins, parse_spec
 from engine.ipc.channels import Endpoints
-from engine.model.resolve import resolve_model_dir
+from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
 from engine.streaming import async_collect, async_stream, sync_stream
 from engine.tokenizer import load_hf_tokenizer
 from engine.tokenizer_manager import TokenizerManager
+from engine.tracing.switch import tracing_enabled
 
 
 SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize")
@@ -32,24 +34,28 @@ def _child_env(plugins: str) -> dict[str, str]:
 
 
 def _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
-                 logprob_start_len) -> dict:  # fmt: skip
+                 logprob_start_len, trace_context) -> dict:  # fmt: skip
     """generate's and async_generate's request arguments, as TokenizerManager.submit takes them."""
     return dict(
         prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+        trace_context=trace_context,
     )  # fmt: skip
 
 
-def _shutdown_hooks(tm: TokenizerManager) -> None:
-    """A regular shutdown: plugins get the final stats (all processes' figures), then the stop hook.
-    Nothing here may stop the shutdown itself, not even a fatal plugin error."""
-    import sys
-
+def _shutdown_report(tm: TokenizerManager) -> None:
+    """A regular shutdown: plugins get the final stats (all processes' figures) while the children
+    still answer. Nothing here may stop the shutdown itself, not even a fatal plugin error."""
     if hooks.has("engine_shutdown_report"):
         try:
             hooks.call("engine_shutdown_report", stats=tm.get_stats(timeout=10.0))
         except BaseException as exc:  # noqa: BLE001
             print(f"engine: {exc}", file=sys.stderr)
+
+
+def _user_stop_hook() -> None:
+    """The user process's stop hook, last: requests cut short by the shutdown have ended by now (a
+    tracing plugin flushes their spans here)."""
     if hooks.has("engine_process_stop"):
         try:
             hooks.call("engine_process_stop", role="user", pid=os.getpid())
@@ -80,13 +86,16 @@ class _Resources:
                 return
             self.closed = True
         tm = self.tokenizer_manager
-        if tm is not None and tm.dead is None and self.started:
-            _shutdown_hooks(tm)
+        regular = tm is not None and tm.dead is None and self.started
+        if regular:
+            _shutdown_report(tm)
         if tm is not None:
             tm.close()
         stop_children(self.children)
         if self.endpoints is not None:
             self.endpoints.remove()
+        if regular:
+            _user_stop_hook()
 
 
 class Engine:
@@ -99,6 +108,8 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         plugins = self.config.plugins if self.config.plugins is not None else os.environ.get(ENV, "")
+        if tracing_enabled() and "tracing" not in parse_spec(plugins):
+            plugins = ",".join(parse_spec(plugins) + ["tracing"])  # ENGINE_TRACING=1: the tracing plugin, everywhere
         load_plugins(plugins)  # an unknown name stops here, listing the available plugins
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role="user", pid=os.getpid())
@@ -123,7 +134,7 @@ class Engine:
         except BaseException:
             self._finalizer()
             raise
-        self.server_info = dict(res.children[0].info)
+        self.server_info = dict(res.children[0].info, model=model_name(self.config.model_path))
         self.tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
@@ -136,6 +147,7 @@ class Engine:
     def generate(
         self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, progress=False,
         stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+        trace_context=None,
     ):  # fmt: skip
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts, in order).
 
@@ -145,11 +157,13 @@ class Engine:
         prompt, prompt by prompt. stream=True returns an iterator of chunks instead (docs/api.md).
         return_logprob adds the logprobs of the output tokens to meta_info, top_logprobs_num the most
         likely alternatives, logprob_start_len >= 0 the prompt's from that position on.
+        trace_context (a W3C traceparent string or a dict of trace headers) makes the request's spans
+        part of the caller's trace when tracing is on (docs/tracing.md).
         Raises ValueError before anything is queued if any input is bad.
         """
         tm = self._tm()
         submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
-                              logprob_start_len)  # fmt: skip
+                              logprob_start_len, trace_context)  # fmt: skip
         if stream:
             return sync_stream(tm, submit)
         bar = None
@@ -171,14 +185,14 @@ class Engine:
 
     async def async_generate(
         self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, stream: bool = False,
-        return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+        return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1, trace_context=None,
     ):  # fmt: skip
         """generate() for asyncio: `await engine.async_generate(...)` gives the result(s);
         `async for chunk in await engine.async_generate(..., stream=True)` streams. Cancelling the
         awaiting task aborts the requests."""
         tm = self._tm()
         submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
-                              logprob_start_len)  # fmt: skip
+                              logprob_start_len, trace_context)  # fmt: skip
         if stream:
             return async_stream(tm, submit)
         return await async_collect(tm, submit)

@@ -7,6 +7,7 @@ so a child's death is noticed at once and every waiting caller gets EngineDeadEr
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import uuid
@@ -37,6 +38,7 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, parse_sampling_params
+from engine.tracing.context import normalize_trace_context
 
 MAX_TOP_LOGPROBS = 100
 
@@ -58,6 +60,14 @@ def _lp_tuples(logprobs: list, token_ids: list[int]) -> list[tuple]:
 
 def _top_tuples(top) -> list[tuple] | None:
     return None if top is None else [(lp, t, None) for t, lp in zip(top.token_ids, top.logprobs)]
+
+
+def _done_hook(state: "ReqState", error: str | None) -> None:
+    """engine_request_done, from the receiver thread: a plugin error is printed, never raised there."""
+    try:
+        hooks.call("engine_request_done", rid=state.rid, meta_info=state.meta_info(), error=error)
+    except BaseException as exc:  # noqa: BLE001 - the receiver must go on (a fatal error too: it would hang callers)
+        print(f"engine: {exc}", file=sys.stderr)
 
 
 @dataclass
@@ -170,10 +180,13 @@ class TokenizerManager:
         with self.states_lock:
             states, self.states = list(self.states.values()), {}
             stats, self.pending_stats = list(self.pending_stats.values()), {}
+        done_hook = hooks.has("engine_request_done")
         for state in states:
             state.error = EngineDeadError(self.dead)
             state.finished_at = time.perf_counter()
             state.done.set()
+            if done_hook:
+                _done_hook(state, self.dead)
             if state.listener is not None:
                 with contextlib.suppress(Exception):
                     state.listener(state, None, None)
@@ -248,6 +261,8 @@ class TokenizerManager:
                     if state.group is not None and not any(r in states for r in self.groups.get(state.group, ())):
                         self.groups.pop(state.group, None)
                 state.done.set()
+                if hooks.has("engine_request_done"):
+                    _done_hook(state, None)
                 if state.on_finish is not None:
                     with contextlib.suppress(Exception):  # a progress callback must not stop the receiver
                         state.on_finish(state)
@@ -257,13 +272,14 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ stages
 
-    def tokenize(self, prompt=None, input_ids=None, messages=None) -> tuple[list[list[int]], bool]:
-        """The tokenize stage, with its hooks around each prompt. Returns the id lists and whether the
-        caller passed a batch."""
+    def tokenize(self, prompt=None, input_ids=None, messages=None) -> tuple[list[list[int]], bool, list[PromptRequest]]:
+        """The tokenize stage, with its hooks around each prompt. Returns the id lists, whether the
+        caller passed a batch, and the PromptRequests (timed, for the submit hook)."""
         items, is_batch = self._inputs(prompt, input_ids, messages)
         before, after = hooks.has("engine_tokenize_before"), hooks.has("engine_tokenize_after")
         out = []
         for item in items:
+            item.tokenize_start_ns = time.time_ns()
             if before:
                 hooks.call("engine_tokenize_before", request=item)
             if item.input_ids is None:
@@ -273,8 +289,9 @@ class TokenizerManager:
                     item.input_ids = self._apply_chat_template(item.messages)
             if after:
                 hooks.call("engine_tokenize_after", request=item)
+            item.tokenize_end_ns = time.time_ns()
             out.append(list(item.input_ids))
-        return out, is_batch
+        return out, is_batch, items
 
     @staticmethod
     def _inputs(prompt, input_ids, messages) -> tuple[list[PromptRequest], bool]:
@@ -334,7 +351,7 @@ class TokenizerManager:
     def submit(
         self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None,
         on_finish: Callable[[ReqState], None] | None = None, return_logprob: bool = False,
-        top_logprobs_num: int = 0, logprob_start_len: int = -1, listener=None,
+        top_logprobs_num: int = 0, logprob_start_len: int = -1, listener=None, trace_context=None,
     ) -> tuple[list[ReqState], bool]:  # fmt: skip
         """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error.
 
@@ -344,7 +361,8 @@ class TokenizerManager:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        id_lists, is_batch = self.tokenize(prompt, input_ids, messages)
+        carrier = normalize_trace_context(trace_context)
+        id_lists, is_batch, items = self.tokenize(prompt, input_ids, messages)
         n_prompts = len(id_lists)
         if isinstance(sampling_params, list):
             if len(sampling_params) != n_prompts:
@@ -361,12 +379,16 @@ class TokenizerManager:
         base_rids = self._rids(rid, n_prompts, is_batch)
         reqs: list[TokenizedRequest] = []
         states: list[ReqState] = []
-        for base, ids, p in zip(base_rids, id_lists, params):
+        submitted = hooks.has("engine_request_submitted")
+        for base, ids, p, item in zip(base_rids, id_lists, params, items):
             copies = p.n
             for j in range(copies):
                 r = base if copies == 1 else f"{base}-{j}"
                 pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                reqs.append(TokenizedRequest(r, ids, pj, "", return_logprob, top_logprobs_num, logprob_start_len))
+                headers = dict(carrier)
+                if submitted:
+                    hooks.call("engine_request_submitted", rid=r, request=item, sampling=pj, trace_context=headers)
+                reqs.append(TokenizedRequest(r, ids, pj, headers, return_logprob, top_logprobs_num, logprob_start_len))
                 states.append(ReqState(
                     r, ids, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
                     on_finish=on_finish, listener=listener,

@@ -72,6 +72,11 @@ class DetokenizerManager:
                 message = self.detokenize(message)
                 if message is None:
                     continue
+                if hooks.has("engine_detokenize_output"):
+                    try:
+                        hooks.call("engine_detokenize_output", output=message)
+                    except HookError as exc:  # read-only and after the fact: report, send as is
+                        print(f"engine::detokenizer: {exc}", file=sys.stderr)
             elif hooks.has("engine_stats"):  # Stats on its way to the user process: add this process's figures
                 try:
                     message.plugins["detokenizer"] = hooks.call_named("engine_stats", role="detokenizer")

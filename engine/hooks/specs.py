@@ -47,6 +47,22 @@ class EngineSpecs:
         """After tokenization, before validation. User process, once per prompt. May rewrite
         request.input_ids (the ids that will be sent)."""
 
+    @hookspec
+    def engine_request_submitted(self, rid: str, request, sampling, trace_context: dict) -> None:
+        """A request is about to be sent to the scheduler. User process, in the caller's thread, once per
+        request (n > 1: once per copy), after every request of the call was validated. `request` is its
+        PromptRequest (with tokenize_start_ns/tokenize_end_ns), `sampling` its SamplingParams.
+        `trace_context` is the dict of W3C trace headers (strings) that travels with the request to the
+        scheduler and detokenizer, holding what the caller passed; a plugin may replace its entries
+        (the tracing plugin puts its root span there). If it raises, nothing of the call is sent."""
+
+    @hookspec
+    def engine_request_done(self, rid: str, meta_info: dict, error: str | None) -> None:
+        """A request ended in the user process: its last output arrived (any finish reason, streams
+        and aborts included; `meta_info` as in the result), or the engine stopped first (`error` says
+        why, meta_info holds what was known). Once per submitted request, in the receiver thread (the
+        shutting-down thread for the latter). Changes nothing; errors are printed, not raised."""
+
     # ------------------------------------------------------------------ schedule (scheduler)
 
     @hookspec
@@ -66,7 +82,9 @@ class EngineSpecs:
     @hookspec
     def engine_request_finished(self, req, finish_reason: dict) -> None:
         """A request finished (stop, length or abort) in the scheduler. Once per request. Changes
-        nothing; an error here is reported but cannot fail the request any more."""
+        nothing; an error here is reported but cannot fail the request any more. `req` carries its
+        wall-clock times (arrived_ns, admitted_ns, first_token_ns; 0 where it never got there),
+        admissions (more than one: retracted) and trace_context."""
 
     # ------------------------------------------------------------------ forward (scheduler)
 
@@ -98,6 +116,13 @@ class EngineSpecs:
         [rows] float32 under the model's distribution, or None when no request asked for them.
         Read-only."""
 
+    @hookspec
+    def engine_step_end(self, step) -> None:
+        """A step ran (or failed). Scheduler, once per step, after its output was sent. `step` is an
+        engine.hooks.types.StepRecord: mode, the requests served, tokens computed, and the wall-clock
+        start of each stage (schedule, forward, sample, process results) and end. Read-only. Its
+        requests carry arrived_ns / admitted_ns / first_token_ns and their trace_context."""
+
     # ------------------------------------------------------------------ detokenize (detokenizer)
 
     @hookspec(firstresult=True)
@@ -111,6 +136,13 @@ class EngineSpecs:
     def engine_detokenize_after(self, rids: list, texts: list) -> None:
         """After decoding one batch. Detokenizer, once per scheduler step. May change `texts` (a list of
         text deltas, one per request) in place."""
+
+    @hookspec
+    def engine_detokenize_output(self, output) -> None:
+        """One batch's text, as it leaves for the user process (stop strings applied: `finished` is
+        final). Detokenizer, once per scheduler step. `output` is the BatchTextOut (rids,
+        text_deltas, token_ids, finished, meta, headers: a request's first output carries its
+        RequestHeader, with its trace_context). Read-only."""
 
     # ------------------------------------------------------------------ output (user process)
 

@@ -16,12 +16,13 @@ from engine.sampling_params import SamplingParams
 
 
 class TokenizedRequest(msgspec.Struct, array_like=True):
-    """One request after tokenization. `traceparent` is reserved for W3C trace context (a plain string)."""
+    """One request after tokenization. `trace_context` holds W3C trace headers (traceparent,
+    tracestate) as plain strings: the parent of the spans the scheduler and detokenizer make."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    traceparent: str = ""
+    trace_context: dict[str, str] = {}
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
@@ -95,6 +96,7 @@ class RequestHeader(msgspec.Struct, array_like=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     input_logprobs: list[Union[float, None]] = []  # prompt tokens from logprob_start_len on
     input_top: list[Union["TopLogprobs", None]] = []
+    trace_context: dict[str, str] = {}  # the request's W3C trace headers, for the detokenizer's spans
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):

@@ -29,3 +29,10 @@ def resolve_model_dir(model_path: str | None, announce=print) -> str:
     if not is_converted(converted_dir_for(gguf)) and announce is not None:
         announce(f"Dequantizing {gguf.name} once into {converted_dir_for(gguf)} ...")
     return str(convert_gguf(gguf))
+
+
+def model_name(model_path: str | None) -> str:
+    """The name spans and stats report (gen_ai.request.model): the file or folder name, no suffix."""
+    path = embedded_gguf_path() if model_path is None else Path(os.path.expanduser(model_path))
+    name = path.name if path.is_dir() else path.stem
+    return name.split(".")[0] if path.suffix == ".gguf" else name

@@ -28,6 +28,7 @@ import zmq
 from engine import hooks
 from engine.config import EngineConfig
 from engine.hooks import HookError
+from engine.hooks.types import StepRecord
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.messages import (
     AbortRequest,
@@ -164,6 +165,8 @@ class Scheduler:
         if step is None:
             return False
         t1 = clock()
+        t2 = t3 = None
+        reqs = step.extend_reqs or step.rows.reqs  # kept: finishing requests leave step.rows
         try:
             logits = self.forward(step)
             t2 = clock()
@@ -171,14 +174,31 @@ class Scheduler:
             t3 = clock()
             self.process_results(step, sampled)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
-            self._abort_step(step, f"{type(exc).__name__}: {exc}")
+            message = f"{type(exc).__name__}: {exc}"
+            self._abort_step(step, message)
+            if hooks.has("engine_step_end"):
+                self._step_end_hook(step, reqs, (t0, t1, t2, t3, clock()), message)
             return True
         t4 = clock()
         busy["schedule"] += t1 - t0
         busy[f"forward_{step.mode.value}"] += t2 - t1
         busy["sample"] += t3 - t2
         busy["process_results"] += t4 - t3
+        if hooks.has("engine_step_end"):
+            self._step_end_hook(step, reqs, (t0, t1, t2, t3, t4), None)
         return True
+
+    @staticmethod
+    def _step_end_hook(step: Step, reqs: list[Req], times: tuple, error: str | None) -> None:
+        """engine_step_end with wall-clock times: the loop's perf_counter marks, anchored once."""
+        wall, perf = time.time_ns(), time.perf_counter()
+        t0, t1, t2, t3, t4 = (None if t is None else wall - int((perf - t) * 1e9) for t in times)
+        mode = "prefill" if step.mode is ForwardMode.EXTEND else "decode"
+        record = StepRecord(mode, reqs, int(step.forward_batch.input_ids.numel()), t0, t1, t2, t3, t4, error)
+        try:
+            hooks.call("engine_step_end", step=record)
+        except HookError as exc:  # the step is over: report, nothing to fail
+            print(f"engine::scheduler: {exc}", file=sys.stderr)
 
     def close(self) -> None:
         """Close the sockets (the process exits without this; in-process users such as tests need it)."""
@@ -204,13 +224,15 @@ class Scheduler:
                 continue
             if isinstance(message, GenerateBatch):
                 eos = self.model_config.eos_token_ids
+                now = time.time_ns()
                 for r in message.reqs:
                     sampling = r.sampling
                     room = self.context_len - len(r.input_ids)
                     if 1 <= room < sampling.max_new_tokens:  # the user process does this too; be safe
                         sampling = msgspec.structs.replace(sampling, max_new_tokens=room)
                     self.waiting.append(Req(
-                        r.rid, r.input_ids, sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len
+                        r.rid, r.input_ids, sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
+                        r.trace_context, now,
                     ))  # fmt: skip
             elif isinstance(message, AbortRequest):
                 self._abort_rids(set(message.rids), message.message)
@@ -320,15 +342,17 @@ class Scheduler:
     def _headers(self, reqs: list[Req]) -> list:
         """A RequestHeader for each request whose first output this is (prefill steps only)."""
         headers: list = []
+        now = time.time_ns()
         for req in reqs:
             if req.header_sent:
                 headers.append(None)
                 continue
             req.header_sent = True
+            req.first_token_ns = now
             p = req.sampling
             headers.append(RequestHeader(
                 req.prompt_len, req.cached_tokens, p.stop, p.min_new_tokens, p.skip_special_tokens,
-                p.spaces_between_special_tokens, req.input_logprobs, req.input_top,
+                p.spaces_between_special_tokens, req.input_logprobs, req.input_top, req.trace_context,
             ))  # fmt: skip
         return headers if any(h is not None for h in headers) else []
 
@@ -424,6 +448,7 @@ class Scheduler:
                 break
             kv.assign_slot(req)
             if req.admissions == 0:
+                req.admitted_ns = time.time_ns()
                 req.cached_tokens = min(prefix, req.prompt_len)
                 self.counters["prompt_tokens"] += req.prompt_len
             req.admissions += 1
