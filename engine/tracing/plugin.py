@@ -1,0 +1,247 @@
+"""tracing: OpenTelemetry spans for every request, across the three processes, built on the hooks.
+
+Loaded by ENGINE_TRACING=1 (or as the plugin `tracing`); when off it is not loaded at all, so it costs
+nothing. Spans are made from the times the engine records anyway, mostly after the fact with explicit
+start and end times, so the scheduler's step pays a few dict lookups per request, not a span per token.
+
+    <op> <model>            user process, root (or child of the caller's trace_context)
+    |- tokenize             user process
+    |- queue                scheduler: arrival to first admission
+    |- prefill              scheduler: admission to first token (all chunks)
+    |- decode               scheduler: first token to finish
+    '- detokenize           detokenizer: first output to last
+    <mode> step             scheduler, one trace per step, linked to each request it served
+    |- schedule, forward, sample, process_results
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from engine.hooks import hookimpl
+from engine.tracing.context import parse_traceparent
+
+SCOPE = "engine"
+FLUSH_MILLIS = 4000  # a child has 5 s to stop before it is terminated
+_propagator = TraceContextTextMapPropagator()
+
+
+def remote_span_context(headers: dict[str, str]) -> SpanContext | None:
+    """The span a request's trace headers point at (its root span in the user process)."""
+    parsed = parse_traceparent(headers.get("traceparent", "")) if headers else None
+    if parsed is None:
+        return None
+    trace_id, span_id, flags = parsed
+    state = TraceState.from_header([headers["tracestate"]]) if headers.get("tracestate") else None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1), trace_state=state)
+
+
+def _request_attributes(sampling, model: str, operation: str) -> dict:
+    attrs = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": sampling.max_new_tokens,
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+    }
+    if sampling.top_k > 0:
+        attrs["gen_ai.request.top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        attrs["gen_ai.request.seed"] = sampling.seed
+    if sampling.frequency_penalty:
+        attrs["gen_ai.request.frequency_penalty"] = sampling.frequency_penalty
+    if sampling.presence_penalty:
+        attrs["gen_ai.request.presence_penalty"] = sampling.presence_penalty
+    if sampling.stop:
+        attrs["gen_ai.request.stop_sequences"] = list(sampling.stop)
+    return attrs
+
+
+def _set_error(span, message: str, error_type: str = "abort") -> None:
+    span.set_attribute("error.type", error_type)
+    span.set_status(Status(StatusCode.ERROR, message))
+
+
+class TracingPlugin:
+    """One instance per process; what it does depends on the process's role."""
+
+    def __init__(self) -> None:
+        self.provider = None
+        self.tracer = None
+        self.role = ""
+        self.model = ""
+        self.lock = threading.Lock()
+        self.roots: dict[str, object] = {}  # user process: rid -> open root span
+        self.detok: dict[str, tuple[int, dict]] = {}  # detokenizer: rid -> (first output ns, trace headers)
+        self.links: dict[str, Link | None] = {}  # scheduler: rid -> link to its root span
+
+    # ------------------------------------------------------------------ life cycle (every process)
+
+    @hookimpl
+    def engine_process_start(self, role: str, pid: int) -> None:
+        if self.provider is not None:  # a second Engine in the same process keeps the provider
+            return
+        from engine.tracing.setup import make_provider
+
+        self.role = role
+        self.provider = make_provider(role, pid)
+        self.tracer = self.provider.get_tracer(SCOPE)
+        if role == "user":
+            atexit.register(self.flush)
+
+    @hookimpl
+    def engine_process_ready(self, role: str, pid: int, info: dict) -> None:
+        self.model = str(info.get("model", "")) or self.model
+
+    @hookimpl
+    def engine_process_stop(self, role: str, pid: int) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        if self.provider is not None:
+            self.provider.force_flush(FLUSH_MILLIS)
+
+    # ------------------------------------------------------------------ user process
+
+    @hookimpl
+    def engine_request_submitted(self, rid: str, request, sampling, trace_context: dict) -> None:
+        if self.tracer is None:
+            return
+        parent = _propagator.extract(trace_context) if "traceparent" in trace_context else None  # None: current
+        operation = "chat" if request.messages is not None else "text_completion"
+        attrs = _request_attributes(sampling, self.model, operation)
+        attrs["engine.request_id"] = attrs["gen_ai.response.id"] = rid
+        start = request.tokenize_start_ns or time.time_ns()
+        root = self.tracer.start_span(f"{operation} {self.model}".strip(), context=parent, attributes=attrs, start_time=start)
+        ctx = set_span_in_context(root)
+        tokenize = self.tracer.start_span(
+            "tokenize", context=ctx, start_time=start,
+            attributes={"engine.request_id": rid, "gen_ai.usage.input_tokens": len(request.input_ids or ())},
+        )  # fmt: skip
+        tokenize.end(end_time=request.tokenize_end_ns or time.time_ns())
+        for key in ("traceparent", "tracestate"):
+            trace_context.pop(key, None)
+        _propagator.inject(trace_context, context=ctx)
+        with self.lock:
+            self.roots[rid] = root
+
+    @hookimpl
+    def engine_request_done(self, rid: str, meta_info: dict, error: str | None) -> None:
+        with self.lock:
+            root = self.roots.pop(rid, None)
+        if root is None:
+            return
+        finish = meta_info.get("finish_reason") or {}
+        root.set_attributes({
+            "gen_ai.usage.input_tokens": meta_info.get("prompt_tokens", 0),
+            "gen_ai.usage.output_tokens": meta_info.get("completion_tokens", 0),
+            "gen_ai.response.finish_reasons": [finish.get("type", "error" if error else "unknown")],
+            "engine.cached_tokens": meta_info.get("cached_tokens", 0),
+            "engine.time_to_first_token_s": float(meta_info.get("first_token_latency", 0.0)),
+        })  # fmt: skip
+        if error is not None:
+            _set_error(root, error, "EngineDeadError")
+        elif finish.get("type") == "abort":
+            _set_error(root, str(finish.get("message", "aborted")))
+        root.end()
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _link(self, req) -> Link | None:
+        link = self.links.get(req.rid, False)
+        if link is False:
+            sc = remote_span_context(req.trace_context)
+            link = None if sc is None else Link(sc, {"engine.request_id": req.rid})
+            if req.finished is None:  # finished requests are not cached: nothing would drop them
+                self.links[req.rid] = link
+        return link
+
+    @hookimpl
+    def engine_request_finished(self, req, finish_reason: dict) -> None:
+        if self.tracer is None:
+            return
+        self.links.pop(req.rid, None)
+        sc = remote_span_context(req.trace_context)
+        parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
+        now, rid = time.time_ns(), req.rid
+        queue_end = req.admitted_ns or now
+        stages = [("queue", req.arrived_ns or queue_end, queue_end, {"engine.request_id": rid})]
+        if req.admitted_ns:
+            stages.append(("prefill", req.admitted_ns, req.first_token_ns or now, {
+                "engine.request_id": rid, "gen_ai.usage.input_tokens": req.prompt_len,
+                "engine.cached_tokens": req.cached_tokens,
+            }))  # fmt: skip
+        if req.first_token_ns and (len(req.output_ids) > 1 or finish_reason.get("type") == "abort"):
+            stages.append(("decode", req.first_token_ns, now, {
+                "engine.request_id": rid, "gen_ai.usage.output_tokens": len(req.output_ids),
+                "gen_ai.response.finish_reasons": [finish_reason.get("type", "unknown")],
+                "engine.retractions": max(req.admissions - 1, 0),
+            }))  # fmt: skip
+        for k, (name, start, stop, attrs) in enumerate(stages):
+            span = self.tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
+            if k == len(stages) - 1 and finish_reason.get("type") == "abort":  # where it ended
+                _set_error(span, str(finish_reason.get("message", "aborted")))
+            span.end(end_time=stop)
+
+    @hookimpl
+    def engine_step_end(self, step) -> None:
+        if self.tracer is None:
+            return
+        links = [link for link in map(self._link, step.reqs) if link is not None]
+        attrs = {"engine.step.mode": step.mode, "engine.batch_size": len(step.reqs), "engine.step.tokens": step.tokens}
+        root = self.tracer.start_span(
+            f"{step.mode} step", context=otel_context.Context(), start_time=step.schedule_start_ns,
+            attributes=attrs, links=links,
+        )  # fmt: skip
+        if not root.is_recording():
+            return
+        ctx = set_span_in_context(root)
+        end = step.end_ns
+        stages = [("schedule", step.schedule_start_ns, step.forward_start_ns),
+                  ("forward", step.forward_start_ns, step.sample_start_ns or end)]  # fmt: skip
+        if step.sample_start_ns is not None:
+            stages.append(("sample", step.sample_start_ns, step.results_start_ns or end))
+        if step.results_start_ns is not None:
+            stages.append(("process_results", step.results_start_ns, end))
+        for name, start, stop in stages:
+            span = self.tracer.start_span(name, context=ctx, start_time=start, attributes=attrs, links=links)
+            if step.error is not None and name == stages[-1][0]:
+                _set_error(span, step.error, "step_failed")
+            span.end(end_time=stop)
+        if step.error is not None:
+            _set_error(root, step.error, "step_failed")
+        root.end(end_time=end)
+
+    # ------------------------------------------------------------------ detokenizer
+
+    @hookimpl
+    def engine_detokenize_output(self, output) -> None:
+        if self.tracer is None:
+            return
+        now = time.time_ns()
+        if output.headers:
+            for rid, header in zip(output.rids, output.headers):
+                if header is not None:
+                    self.detok[rid] = (now, header.trace_context)
+        for i in [i for i, f in enumerate(output.finished) if f is not None]:
+            started = self.detok.pop(output.rids[i], None)
+            if started is None:
+                continue
+            start, headers = started
+            sc = remote_span_context(headers)
+            parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
+            finish, meta = output.finished[i], output.meta[i]
+            attrs = {"engine.request_id": output.rids[i], "gen_ai.response.finish_reasons": [finish.type]}
+            if meta is not None:
+                attrs["gen_ai.usage.output_tokens"] = meta.completion_tokens
+            span = self.tracer.start_span("detokenize", context=parent, start_time=start, attributes=attrs)
+            if finish.type == "abort":
+                _set_error(span, finish.message or "aborted")
+            span.end(end_time=now)

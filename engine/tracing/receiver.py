@@ -1,0 +1,146 @@
+"""A small OTLP trace receiver on 127.0.0.1: gRPC (the TraceService from opentelemetry-proto) and
+HTTP (POST /v1/traces, protobuf or JSON). It keeps what it receives and can append it to an
+OTLP/JSON lines file. The tests and the tracing benchmark export to it; `engine trace receive`
+runs it as a stand-in for a collector when no Jaeger is at hand.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import zlib
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from engine.tracing.otlp_json import SpanRecord, ids_to_base64, records_from_dict, request_to_dict
+
+ExportRequest = trace_service_pb2.ExportTraceServiceRequest
+
+
+class OTLPReceiver:
+    """with OTLPReceiver() as rx: ... rx.grpc_endpoint, rx.http_endpoint, rx.spans()"""
+
+    def __init__(self, grpc_port: int = 0, http_port: int = 0, out_path: str | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.out_path = out_path
+        self.lock = threading.Lock()
+        self.requests: list[dict] = []  # OTLP/JSON dicts, in arrival order
+        self.transports: list[str] = []  # "grpc" or "http", per request
+        self.arrived = threading.Condition(self.lock)
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self), self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
+        if not self.grpc_port:
+            raise OSError(f"cannot listen for OTLP/gRPC on {host}:{grpc_port}")
+        self._http = ThreadingHTTPServer((host, http_port), _handler(self))
+        self.http_port = self._http.server_address[1]
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="otlp-http", daemon=True)
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"http://{self.host}:{self.grpc_port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def start(self) -> "OTLPReceiver":
+        self._grpc.start()
+        self._http_thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._grpc.stop(grace=1).wait()
+        self._http.shutdown()
+        self._http.server_close()
+
+    def __enter__(self) -> "OTLPReceiver":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def add(self, request, transport: str) -> None:
+        data = request_to_dict(request)
+        with self.lock:
+            self.requests.append(data)
+            self.transports.append(transport)
+            if self.out_path:
+                with open(self.out_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(data, separators=(",", ":")) + "\n")
+            self.arrived.notify_all()
+
+    def spans(self) -> list[SpanRecord]:
+        with self.lock:
+            requests = list(self.requests)
+        return [span for data in requests for span in records_from_dict(data)]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.transports.clear()
+
+    def wait_for(self, predicate, timeout: float) -> bool:
+        """Block until predicate(spans) is true or the timeout passes; returns whether it became true."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if predicate(self.spans()):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self.lock:
+                self.arrived.wait(min(remaining, 0.5))
+
+
+class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, receiver: OTLPReceiver) -> None:
+        self.receiver = receiver
+
+    def Export(self, request, context):  # noqa: N802 - the gRPC method's name
+        self.receiver.add(request, "grpc")
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def _handler(receiver: OTLPReceiver):
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path.rstrip("/") != "/v1/traces":
+                self.send_error(404, "only /v1/traces is served")
+                return
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            encoding = (self.headers.get("Content-Encoding") or "").lower()
+            if encoding == "gzip":
+                body = gzip.decompress(body)
+            elif encoding == "deflate":
+                body = zlib.decompress(body)
+            request = ExportRequest()
+            try:
+                if "json" in (self.headers.get("Content-Type") or ""):
+                    data = json.loads(body)
+                    ids_to_base64(data)
+                    json_format.ParseDict(data, request, ignore_unknown_fields=True)
+                else:
+                    request.ParseFromString(body)
+            except Exception as exc:  # noqa: BLE001 - a bad body is the client's problem
+                self.send_error(400, f"not an ExportTraceServiceRequest: {exc}")
+                return
+            receiver.add(request, "http")
+            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    return Handler

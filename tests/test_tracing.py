@@ -1,0 +1,374 @@
+"""OpenTelemetry tracing end to end: a real OTLP receiver on 127.0.0.1 (gRPC and HTTP, the services of
+opentelemetry-proto), a real engine with ENGINE_TRACING=1 exporting to it over the network.
+
+Checked: one trace per request with spans from all three processes (by their resource), parents across
+the hops, true order in time, links from every step span to the requests it served, the GenAI
+attributes equal to meta_info, errors on spans, a caller's traceparent (or current span) as parent,
+OTLP over HTTP, the file exporter, and every span delivered when a script ends without shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine.tracing.otlp_json import SpanRecord, read_spans
+from engine.tracing.receiver import OTLPReceiver
+
+ROLES = {"user", "scheduler", "detokenizer"}
+PROMPTS = ["The capital of France is", "Write one word about the sea:", "1, 2, 3,"]
+CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CALLER_SPAN = "b7ad6b7169203331"
+SPAN_WAIT = 60.0
+
+
+# first: these load and unload the plugin themselves, before the module's traced engine exists
+@pytest.mark.parametrize("env, message", [
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"),
+    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin' is not supported"),
+    ({"ENGINE_TRACE_FILE": "/no/such/folder/spans.jsonl"}, "does not exist"),
+])  # fmt: skip
+def test_bad_tracing_settings_stop_the_engine_with_a_clear_error(monkeypatch, env, message):
+    from engine import Engine
+    from engine.errors import EngineStartError
+    from engine.hooks import HookError
+    from engine.hooks.loader import unload_plugins
+
+    monkeypatch.setenv("ENGINE_TRACING", "1")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        # HookError from the user process; EngineStartError if it was configured before (a child fails)
+        with pytest.raises((HookError, EngineStartError), match="tracing.*engine_process_start") as info:
+            Engine(dtype="float32", max_total_tokens=2048)
+        assert message in str(info.value)
+    finally:
+        unload_plugins(["tracing"])
+
+
+def test_tracing_switch_values(monkeypatch):
+    from engine.tracing.switch import tracing_enabled
+
+    for value, on in (("1", True), ("true", True), ("0", False), ("", False), ("off", False)):
+        monkeypatch.setenv("ENGINE_TRACING", value)
+        assert tracing_enabled() is on
+    monkeypatch.setenv("ENGINE_TRACING", "maybe")
+    with pytest.raises(ValueError, match="ENGINE_TRACING='maybe'"):
+        tracing_enabled()
+
+
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spans") / "received.jsonl"
+    with OTLPReceiver(out_path=str(out)) as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def traced(receiver):
+    """An engine whose three processes export over OTLP/gRPC to the receiver."""
+    from engine import Engine
+    from engine.hooks.loader import loaded_plugins, unload_plugins
+
+    assert "tracing" not in loaded_plugins()
+    env = {"ENGINE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "OTEL_SERVICE_NAME": "engine-test"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        eng = Engine(dtype="float32", max_total_tokens=4096)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield eng
+    eng.shutdown()
+    from engine.hooks.loader import _loaded
+
+    plugin = _loaded.get("tracing")
+    unload_plugins(["tracing"])  # the rest of the session runs untraced
+    if plugin is not None and plugin.provider is not None:
+        plugin.provider.shutdown()
+
+
+def _root(spans: list[SpanRecord], rid: str) -> SpanRecord:
+    found = [s for s in spans if s.role == "user" and "gen_ai.operation.name" in s.attributes
+             and s.attributes.get("engine.request_id") == rid]  # fmt: skip
+    assert len(found) == 1, f"{len(found)} root spans for {rid}"
+    return found[0]
+
+
+def _request_spans(spans: list[SpanRecord], rid: str) -> dict[str, SpanRecord]:
+    """The request's spans by name (root under "root"), all in the root's trace."""
+    root = _root(spans, rid)
+    mine = [s for s in spans if s.attributes.get("engine.request_id") == rid and s is not root]
+    out = {"root": root}
+    for s in mine:
+        assert s.name not in out, f"two {s.name} spans for {rid}"
+        out[s.name] = s
+    return out
+
+
+def _complete(rids: list[str], names: set[str]):
+    def check(spans: list[SpanRecord]) -> bool:
+        for rid in rids:
+            have = {s.name for s in spans if s.attributes.get("engine.request_id") == rid}
+            if not names <= have or not any("gen_ai.operation.name" in s.attributes and s.attributes.get("engine.request_id") == rid for s in spans):
+                return False
+        return True
+
+    return check
+
+
+STAGES = {"tokenize", "queue", "prefill", "decode", "detokenize"}
+
+
+@pytest.fixture(scope="module")
+def batch(traced, receiver):
+    """Three greedy requests in one call; their spans once all have arrived."""
+    params = [{"max_new_tokens": n, "temperature": 0, "top_p": 0.9, "ignore_eos": True} for n in (6, 9, 4)]
+    results = traced.generate(PROMPTS, params)
+    rids = [r["meta_info"]["id"] for r in results]
+    assert receiver.wait_for(_complete(rids, STAGES), SPAN_WAIT), "spans did not all arrive"
+    return results, receiver.spans()
+
+
+def test_one_trace_per_request_with_spans_from_all_three_processes(traced, batch):
+    results, spans = batch
+    pids = traced.pids
+    traces = set()
+    for r in results:
+        rid = r["meta_info"]["id"]
+        found = _request_spans(spans, rid)
+        assert set(found) == STAGES | {"root"}
+        trace_ids = {s.trace_id for s in found.values()}
+        assert len(trace_ids) == 1, trace_ids
+        traces |= trace_ids
+        by_role = {s.role for s in found.values()}
+        assert by_role == ROLES
+        for s in found.values():
+            assert s.pid == pids[s.role], (s.name, s.resource)
+            assert s.resource["service.name"] == "engine-test"
+        root = found["root"]
+        assert root.parent_span_id == ""  # no caller context: the engine's span is the root
+        assert found["tokenize"].role == "user"
+        assert found["queue"].role == found["prefill"].role == found["decode"].role == "scheduler"
+        assert found["detokenize"].role == "detokenizer"
+        for name in STAGES:  # each stage is a child of the root, across the process hops
+            assert found[name].parent_span_id == root.span_id, name
+    assert len(traces) == len(results)
+
+
+def test_spans_are_in_true_order_and_nested_in_time(batch):
+    results, spans = batch
+    for r in results:
+        s = _request_spans(spans, r["meta_info"]["id"])
+        root = s["root"]
+        for name in STAGES:
+            assert root.start_ns <= s[name].start_ns <= s[name].end_ns <= root.end_ns, name
+        assert s["tokenize"].end_ns <= s["queue"].start_ns  # sent after tokenizing
+        assert s["queue"].end_ns == s["prefill"].start_ns  # admitted
+        assert s["prefill"].end_ns == s["decode"].start_ns  # first token
+        assert s["prefill"].start_ns <= s["detokenize"].start_ns  # first output after the prefill
+        assert s["decode"].end_ns <= s["detokenize"].end_ns  # the last output leaves the scheduler first
+
+
+def test_genai_attributes_equal_meta_info(traced, batch):
+    results, spans = batch
+    for r, max_new in zip(results, (6, 9, 4)):
+        meta = r["meta_info"]
+        s = _request_spans(spans, meta["id"])
+        a = s["root"].attributes
+        assert s["root"].name == f"text_completion {traced.server_info['model']}"
+        assert a["gen_ai.operation.name"] == "text_completion"
+        assert a["gen_ai.request.model"] == traced.server_info["model"] == "SmolLM2-135M-Instruct"
+        assert a["gen_ai.request.max_tokens"] == max_new
+        assert a["gen_ai.request.temperature"] == 0.0
+        assert a["gen_ai.request.top_p"] == pytest.approx(0.9)
+        assert a["gen_ai.usage.input_tokens"] == meta["prompt_tokens"]
+        assert a["gen_ai.usage.output_tokens"] == meta["completion_tokens"] == len(r["output_ids"]) == max_new
+        assert a["gen_ai.response.finish_reasons"] == [meta["finish_reason"]["type"]] == ["length"]
+        assert a["engine.cached_tokens"] == meta["cached_tokens"]
+        assert a["engine.request_id"] == a["gen_ai.response.id"] == meta["id"]
+        assert s["root"].status_code != 2
+        assert s["tokenize"].attributes["gen_ai.usage.input_tokens"] == meta["prompt_tokens"]
+        assert s["prefill"].attributes["gen_ai.usage.input_tokens"] == meta["prompt_tokens"]
+        assert s["prefill"].attributes["engine.cached_tokens"] == meta["cached_tokens"]
+        assert s["decode"].attributes["gen_ai.usage.output_tokens"] == meta["completion_tokens"]
+        assert s["decode"].attributes["gen_ai.response.finish_reasons"] == ["length"]
+        assert s["detokenize"].attributes["gen_ai.usage.output_tokens"] == meta["completion_tokens"]
+
+
+def test_step_spans_link_to_every_request_they_served(traced, batch):
+    results, spans = batch
+    roots = {r["meta_info"]["id"]: _root(spans, r["meta_info"]["id"]) for r in results}
+    steps = [s for s in spans if "engine.step.mode" in s.attributes and not s.parent_span_id]
+    assert steps and all(s.role == "scheduler" and s.pid == traced.pids["scheduler"] for s in steps)
+    served: dict[str, dict[str, int]] = {rid: {"prefill": 0, "decode": 0} for rid in roots}
+    for step in steps:
+        links = step.links
+        assert len(links) == step.attributes["engine.batch_size"]
+        assert step.name == f"{step.attributes['engine.step.mode']} step"
+        for link in links:
+            rid = link["attributes"]["engine.request_id"]
+            if rid in roots:
+                assert (link["trace_id"], link["span_id"]) == (roots[rid].trace_id, roots[rid].span_id)
+                served[rid][step.attributes["engine.step.mode"]] += 1
+        children = [s for s in spans if s.trace_id == step.trace_id and s.parent_span_id == step.span_id]
+        assert [c.name for c in sorted(children, key=lambda c: c.start_ns)] == ["schedule", "forward", "sample", "process_results"]
+        for c in children:
+            assert step.start_ns <= c.start_ns <= c.end_ns <= step.end_ns
+            assert len(c.links) == len(links)
+            assert c.attributes["engine.batch_size"] == step.attributes["engine.batch_size"]
+    for r in results:  # one prefill (all three fit one step) and a decode step per token after the first
+        rid = r["meta_info"]["id"]
+        assert served[rid]["prefill"] == 1
+        assert served[rid]["decode"] == r["meta_info"]["completion_tokens"] - 1
+    prefill = [s for s in steps if s.attributes["engine.step.mode"] == "prefill"
+               and {ln["attributes"]["engine.request_id"] for ln in s.links} & set(roots)]  # fmt: skip
+    assert len(prefill) == 1 and prefill[0].attributes["engine.batch_size"] == 3
+    assert prefill[0].attributes["engine.step.tokens"] == sum(r["meta_info"]["prompt_tokens"] for r in results)
+
+
+def test_caller_traceparent_becomes_the_parent(traced, receiver):
+    parent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
+    out = traced.generate("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, trace_context=parent)
+    rid = out["meta_info"]["id"]
+    out2 = traced.generate("Hi", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+                           trace_context={"traceparent": parent, "tracestate": "vendor=abc"})  # fmt: skip
+    rid2 = out2["meta_info"]["id"]
+    assert receiver.wait_for(_complete([rid, rid2], STAGES), SPAN_WAIT)
+    spans = receiver.spans()
+    for r in (rid, rid2):
+        s = _request_spans(spans, r)
+        assert s["root"].trace_id == CALLER_TRACE and s["root"].parent_span_id == CALLER_SPAN
+        assert {x.trace_id for x in s.values()} == {CALLER_TRACE}
+        assert all(s[name].parent_span_id == s["root"].span_id for name in STAGES)
+    assert _root(spans, rid).span_id != _root(spans, rid2).span_id
+
+
+def test_current_span_of_the_caller_becomes_the_parent(traced, receiver):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    caller = TracerProvider().get_tracer("caller")  # the user's own OpenTelemetry, not exported here
+    with caller.start_as_current_span("handle http request") as span:
+        out = traced.generate("Hi", {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        ctx = span.get_span_context()
+    rid = out["meta_info"]["id"]
+    assert receiver.wait_for(_complete([rid], STAGES), SPAN_WAIT)
+    root = _root(receiver.spans(), rid)
+    assert root.trace_id == f"{ctx.trace_id:032x}" and root.parent_span_id == f"{ctx.span_id:016x}"
+
+
+@pytest.mark.parametrize("bad", ["not-a-traceparent", "00-" + "0" * 32 + "-b7ad6b7169203331-01", {"tracestate": "a=b"}, 42])
+def test_bad_trace_context_is_refused_before_queueing(traced, bad):
+    before = traced.get_stats()["prompt_tokens"]
+    with pytest.raises(ValueError, match="trace_context"):
+        traced.generate("Hi", {"max_new_tokens": 2}, trace_context=bad)
+    assert traced.get_stats()["prompt_tokens"] == before
+
+
+def test_aborted_request_has_error_status(traced, receiver):
+    stream = traced.generate("Count: 1, 2, 3,", {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}, stream=True)
+    first = next(iter(stream))
+    rid = first["meta_info"]["id"]
+    traced.abort(rid)
+    chunks = list(stream)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert receiver.wait_for(_complete([rid], {"queue", "prefill", "decode", "detokenize"}), SPAN_WAIT)
+    s = _request_spans(receiver.spans(), rid)
+    for name in ("root", "decode", "detokenize"):
+        assert s[name].status_code == 2, name  # ERROR
+        assert "aborted by the caller" in s[name].status_message
+        assert s[name].attributes["error.type"] == "abort"
+    assert s["prefill"].status_code != 2
+    assert s["root"].attributes["gen_ai.response.finish_reasons"] == ["abort"]
+    assert s["root"].attributes["gen_ai.usage.output_tokens"] == chunks[-1]["meta_info"]["completion_tokens"]
+
+
+def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
+    from PIL import Image
+
+    results, _ = batch
+    path = receiver.out_path
+    spans = read_spans(path)
+    assert len(spans) == len(receiver.spans())
+    out = tmp_path / "trace.json"
+    cli = [sys.executable, "-m", "engine.cli", "trace"]
+    run = subprocess.run(cli + ["perfetto", path, "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    events = data["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(n.split(" ")[0] for n in names.values()) == sorted(ROLES)  # one track per process
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == len(spans)
+    lanes: dict[tuple, list] = {}
+    for e in xs:
+        lanes.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for intervals in lanes.values():  # within a lane, spans nest or follow each other (never cross)
+        intervals.sort(key=lambda iv: (iv[0], -iv[1]))
+        stack: list[float] = []
+        for start, end in intervals:
+            while stack and stack[-1] <= start + 1e-3:
+                stack.pop()
+            assert not stack or end <= stack[-1] + 1e-3, "spans cross in one lane"
+            stack.append(end)
+    rid = results[1]["meta_info"]["id"]
+    png = tmp_path / "request.png"
+    run = subprocess.run(cli + ["timeline", path, "--request", rid, "-o", str(png)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert _root(spans, rid).trace_id in run.stdout
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.width == 1400 and img.height > 200
+    run = subprocess.run(cli + ["timeline", path, "--request", "no-such-request", "-o", str(png)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "no-such-request" in run.stderr
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json
+    from engine import Engine
+
+    if __name__ == "__main__":
+        engine = Engine(dtype="float32", max_total_tokens=2048)
+        out = engine.generate(["Hello", "The sky is"], {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+        print("RESULT " + json.dumps({"rids": [o["meta_info"]["id"] for o in out], "pids": engine.pids}))
+        # no shutdown: the script just ends
+    """
+)
+
+
+def test_http_export_file_exporter_and_spans_delivered_when_the_script_just_ends(tmp_path):
+    from helpers import wait_gone
+
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    trace_file = tmp_path / "spans.jsonl"
+    with OTLPReceiver() as rx:
+        env = dict(os.environ, ENGINE_TRACING="1", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                   OTEL_EXPORTER_OTLP_ENDPOINT=rx.http_endpoint, OTEL_TRACES_EXPORTER="otlp",
+                   ENGINE_TRACE_FILE=str(trace_file))  # fmt: skip
+        env.pop("OTEL_BSP_SCHEDULE_DELAY", None)  # the default 5 s: spans can only arrive by the exit flush
+        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+        assert not wait_gone(result["pids"].values(), 10)
+        spans = rx.spans()
+        assert rx.transports and set(rx.transports) == {"http"}
+    for rid in result["rids"]:
+        found = _request_spans(spans, rid)
+        assert set(found) == STAGES | {"root"}
+        assert {s.pid for s in found.values()} == set(result["pids"].values())
+        assert all(found[name].parent_span_id == found["root"].span_id for name in STAGES)
+    assert any("engine.step.mode" in s.attributes for s in spans)
+    in_file = read_spans(str(trace_file))  # the file exporter wrote the same spans, from all three processes
+    assert sorted(s.span_id for s in in_file) == sorted(s.span_id for s in spans)
+    assert {s.role for s in in_file} == ROLES
