@@ -6,8 +6,9 @@ workload and dtype, and how far it is from what the machine's matrix-multiply ra
 model's own shapes. The workload is deterministic: seeded windows of standard-library docstrings
 (engine/bench_prompts.py), one batch of requests, every request generating exactly --max-new-tokens.
 
-    python -m engine.bench                                  # everything: both dtypes, both workloads
+    python -m engine.bench                                  # everything: both dtypes, every workload
     python -m engine.bench --workload shared-prefix         # prefix cache on against off only
+    python -m engine.bench --workload tracing               # tracing off against on
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -28,6 +29,7 @@ import torch
 from engine.bench_prompts import build_prompts
 from engine.bench_plugins import print_plugins, run_plugins
 from engine.bench_shared_prefix import print_shared_prefix, run_shared_prefix
+from engine.bench_tracing import print_tracing, run_tracing
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_M = 512  # rows of the prefill matmuls: a few hundred prompt tokens in one step
@@ -48,15 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size for transformers generate")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
-    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins"), default="all",
+    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing"), default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
-                        "plugins: hook cost (no plugin vs noop) and the skipdetok saving")
+                        "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
     p.add_argument("--prefix-requests", type=int, default=64, help="shared-prefix workload: requests")
     p.add_argument("--prefix-new-tokens", type=int, default=64, help="shared-prefix workload: new tokens each")
     p.add_argument("--prefix-dtype", default="auto", help="shared-prefix workload: engine dtype")
     p.add_argument("--plugin-dtype", default="auto", help="plugins workload: engine dtype")
-    p.add_argument("--plugin-rounds", type=int, default=3, help="plugins workload: timed rounds per configuration")
+    p.add_argument("--plugin-rounds", type=int, default=3, help="plugins and tracing workloads: rounds per configuration")
     p.add_argument("--plugin-new-tokens", type=int, default=64, help="plugins workload: new tokens per request")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -229,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload in ("all", "plugins"):
         plugins = run_plugins(args)
         print_plugins(plugins)
+    tracing = None
+    if args.workload in ("all", "tracing"):
+        tracing = run_tracing(args)
+        print_tracing(tracing)
     lens = [len(p) for p in prompts or []] or [0]
     report = {
         "command": [sys.executable, "-m", "engine.bench", *(sys.argv[1:] if argv is None else argv)],
@@ -241,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "shared_prefix": shared_prefix,
         "plugins": plugins,
+        "tracing": tracing,
     }  # fmt: skip
     with contextlib.suppress(ImportError):
         import transformers

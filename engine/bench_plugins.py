@@ -18,7 +18,7 @@ import time
 
 from engine.bench_prompts import build_prompts
 
-HOOK_SITES_PER_STEP = 9  # forward before/after, process_logits, sample_after, detokenize, detokenize_after, ...
+HOOK_SITES_PER_STEP = 11  # forward before/after, process_logits, sample_after, step_end, detokenize, detokenize_after, detokenize_output, ...
 
 
 def _throughput(eng, prompts: list[list[int]], new_tokens: int) -> float:

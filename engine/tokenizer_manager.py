@@ -184,9 +184,9 @@ class TokenizerManager:
         for state in states:
             state.error = EngineDeadError(self.dead)
             state.finished_at = time.perf_counter()
-            state.done.set()
             if done_hook:
                 _done_hook(state, self.dead)
+            state.done.set()
             if state.listener is not None:
                 with contextlib.suppress(Exception):
                     state.listener(state, None, None)
@@ -260,9 +260,9 @@ class TokenizerManager:
                     states.pop(rid, None)
                     if state.group is not None and not any(r in states for r in self.groups.get(state.group, ())):
                         self.groups.pop(state.group, None)
-                state.done.set()
-                if hooks.has("engine_request_done"):
+                if hooks.has("engine_request_done"):  # before the caller wakes: its spans end first
                     _done_hook(state, None)
+                state.done.set()
                 if state.on_finish is not None:
                     with contextlib.suppress(Exception):  # a progress callback must not stop the receiver
                         state.on_finish(state)

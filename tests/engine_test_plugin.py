@@ -126,4 +126,29 @@ def engine_output(result):
     _record("engine_output", rid=result["meta_info"]["id"])
 
 
+@hookimpl
+def engine_request_submitted(rid, request, sampling, trace_context):
+    _record("engine_request_submitted", rid=rid, index=request.index, max_new=sampling.max_new_tokens,
+            trace_context=dict(trace_context), tokenize_ns=[request.tokenize_start_ns, request.tokenize_end_ns])  # fmt: skip
+
+
+@hookimpl
+def engine_request_done(rid, meta_info, error):
+    _record("engine_request_done", rid=rid, completion_tokens=meta_info["completion_tokens"],
+            finish_reason=meta_info["finish_reason"], error=error)  # fmt: skip
+
+
+@hookimpl
+def engine_step_end(step):
+    times = [step.schedule_start_ns, step.forward_start_ns, step.sample_start_ns, step.results_start_ns, step.end_ns]
+    _record("engine_step_end", mode=step.mode, rids=[r.rid for r in step.reqs], tokens=step.tokens, times=times,
+            error=step.error, first_token_ns=[r.first_token_ns for r in step.reqs])  # fmt: skip
+
+
+@hookimpl
+def engine_detokenize_output(output):
+    _record("engine_detokenize_output", rids=list(output.rids), texts=list(output.text_deltas),
+            finished=[None if f is None else f.type for f in output.finished])  # fmt: skip
+
+
 plugin = sys.modules[__name__]  # ENGINE_PLUGINS=engine_test_plugin:plugin registers this module

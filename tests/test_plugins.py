@@ -37,7 +37,7 @@ def events(path) -> list[dict]:
 
 
 SCHEDULER_HOOKS = ("engine_schedule", "engine_request_admitted", "engine_forward_before", "engine_forward_after",
-                   "engine_process_logits", "engine_sample_after", "engine_request_finished")  # fmt: skip
+                   "engine_process_logits", "engine_sample_after", "engine_request_finished", "engine_step_end")  # fmt: skip
 
 
 def test_every_hook_fires_in_its_process_in_stage_order(probe):
@@ -49,8 +49,9 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     pids = eng.pids
     role_of = {pids["user"]: "user", pids["scheduler"]: "scheduler", pids["detokenizer"]: "detokenizer"}
     expected_role = {"engine_tokenize_before": "user", "engine_tokenize_after": "user", "engine_output": "user",
+                     "engine_request_submitted": "user", "engine_request_done": "user",
                      "engine_detokenize": "detokenizer", "engine_detokenize_after": "detokenizer",
-                     **{h: "scheduler" for h in SCHEDULER_HOOKS}}  # fmt: skip
+                     "engine_detokenize_output": "detokenizer", **{h: "scheduler" for h in SCHEDULER_HOOKS}}  # fmt: skip
     seen = {e["hook"] for e in ev}
     assert seen == set(expected_role), seen ^ set(expected_role)
     for e in ev:
@@ -62,11 +63,13 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     def last(hook):
         return max(e["t"] for e in ev if e["hook"] == hook)
 
-    order = ["engine_tokenize_before", "engine_tokenize_after", "engine_schedule", "engine_request_admitted",
-             "engine_forward_before", "engine_forward_after", "engine_process_logits", "engine_sample_after",
-             "engine_detokenize", "engine_detokenize_after"]  # fmt: skip
+    order = ["engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_schedule",
+             "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
+             "engine_sample_after", "engine_step_end", "engine_detokenize", "engine_detokenize_after",
+             "engine_detokenize_output"]  # fmt: skip
     assert [first(h) for h in order] == sorted(first(h) for h in order)
-    assert last("engine_request_finished") <= last("engine_detokenize") <= first("engine_output")
+    assert last("engine_request_finished") <= last("engine_detokenize") <= last("engine_detokenize_output")
+    assert last("engine_detokenize_output") <= first("engine_request_done") <= first("engine_output")
     # documented arguments
     by = {h: [e for e in ev if e["hook"] == h] for h in seen}
     assert by["engine_tokenize_before"][0]["prompt"] == PROMPTS[0]
@@ -79,6 +82,22 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     assert [t for e in by["engine_detokenize"] for t in e["token_ids"]] == out["output_ids"]
     assert "".join(t for e in by["engine_detokenize_after"] for t in e["texts"]) == out["text"]
     assert by["engine_request_finished"][0]["finish_reason"] == {"type": "length", "length": 4}
+    (submitted,) = by["engine_request_submitted"]
+    assert submitted["rid"] == "probe-1" and submitted["max_new"] == 4 and submitted["trace_context"] == {}
+    assert 0 < submitted["tokenize_ns"][0] <= submitted["tokenize_ns"][1]
+    (done,) = by["engine_request_done"]
+    assert done["rid"] == "probe-1" and done["completion_tokens"] == 4 and done["error"] is None
+    assert done["finish_reason"] == {"type": "length", "length": 4}
+    steps = by["engine_step_end"]
+    assert [e["mode"] for e in steps] == ["prefill"] + ["decode"] * 3
+    assert all(e["rids"] == ["probe-1"] and e["error"] is None for e in steps)
+    assert [e["tokens"] for e in steps] == [out["meta_info"]["prompt_tokens"], 1, 1, 1]
+    for e in steps:  # wall-clock stage starts, in order
+        assert e["times"] == sorted(e["times"]) and e["times"][0] > 0
+    assert steps[0]["first_token_ns"][0] >= steps[0]["times"][3]  # set while processing the prefill's results
+    outputs = by["engine_detokenize_output"]
+    assert "".join(t for e in outputs for t in e["texts"]) == out["text"]
+    assert [f for e in outputs for f in e["finished"]] == [None] * 3 + ["length"]
 
 
 def test_lifecycle_hooks_ran_in_all_three_processes(probe):

@@ -27,6 +27,78 @@ CALLER_SPAN = "b7ad6b7169203331"
 SPAN_WAIT = 60.0
 
 
+def test_otlp_json_lines_round_trip_and_http_json_body():
+    """SDK spans -> an OTLP/JSON line (the file format) -> records; the same line POSTed as an OTLP/JSON
+    body to the receiver's HTTP endpoint arrives with the same ids (hex in JSON, bytes on the wire)."""
+    import urllib.request
+
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.tracing.otlp_json import records_from_lines, spans_to_line
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"engine.process.role": "user", "process.pid": 7}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("parent", attributes={"n": 3, "f": 0.5, "s": "x", "l": ["a", "b"]}) as parent:
+        with tracer.start_as_current_span("child", links=[]):
+            pass
+    line = spans_to_line(memory.get_finished_spans())
+    records = {r.name: r for r in records_from_lines([line])}
+    ctx = parent.get_span_context()
+    assert records["parent"].trace_id == f"{ctx.trace_id:032x}" and records["parent"].span_id == f"{ctx.span_id:016x}"
+    assert records["child"].parent_span_id == records["parent"].span_id
+    assert records["parent"].attributes == {"n": 3, "f": 0.5, "s": "x", "l": ["a", "b"]}
+    assert records["parent"].role == "user" and records["parent"].pid == 7
+    assert records["parent"].start_ns < records["child"].start_ns <= records["child"].end_ns < records["parent"].end_ns
+    with OTLPReceiver() as rx:
+        post = urllib.request.Request(rx.http_endpoint + "/v1/traces", data=line.encode(), method="POST",
+                                      headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(post, timeout=10) as reply:
+            assert reply.status == 200
+        received = {r.name: r for r in rx.spans()}
+    assert {n: (r.trace_id, r.span_id, r.parent_span_id) for n, r in received.items()} == {
+        n: (r.trace_id, r.span_id, r.parent_span_id) for n, r in records.items()
+    }
+
+
+def test_trace_steps_keeps_one_step_in_n_and_every_failed_step(monkeypatch):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.hooks.types import StepRecord
+    from engine.tracing.plugin import TracingPlugin
+    from engine.tracing.setup import step_sampling
+
+    monkeypatch.setenv("ENGINE_TRACE_STEPS", "3")
+    assert step_sampling() == 3
+    monkeypatch.setenv("ENGINE_TRACE_STEPS", "some")
+    with pytest.raises(ValueError, match="ENGINE_TRACE_STEPS='some'"):
+        step_sampling()
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
+    plugin.tracer, plugin.step_every = plugin.provider.get_tracer("t"), 3
+    ok = StepRecord("decode", [], 0, 1, 2, 3, 4, 5)
+    failed = StepRecord("decode", [], 0, 1, 2, None, None, 5, error="RuntimeError: boom")
+    for record in [ok] * 7 + [failed]:
+        plugin.engine_step_end(step=record)
+    steps = [s for s in memory.get_finished_spans() if s.name == "decode step"]
+    assert len(steps) == 2 + 1  # steps 3 and 6, and the failed one
+    assert steps[-1].status.status_code.name == "ERROR" and "boom" in steps[-1].status.description
+    assert [s.name for s in memory.get_finished_spans() if s.parent and s.parent.span_id == steps[-1].context.span_id] == [
+        "schedule", "forward"]  # the failed step: forward raised, no sample
+    plugin.step_every = 0
+    memory.clear()
+    plugin.engine_step_end(step=ok)
+    assert memory.get_finished_spans() == ()
+
+
 # first: these load and unload the plugin themselves, before the module's traced engine exists
 @pytest.mark.parametrize("env, message", [
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"),
@@ -212,27 +284,29 @@ def test_step_spans_link_to_every_request_they_served(traced, batch):
     steps = [s for s in spans if "engine.step.mode" in s.attributes and not s.parent_span_id]
     assert steps and all(s.role == "scheduler" and s.pid == traced.pids["scheduler"] for s in steps)
     served: dict[str, dict[str, int]] = {rid: {"prefill": 0, "decode": 0} for rid in roots}
+    all_roots = {(s.trace_id, s.span_id): s.attributes["engine.request_id"] for s in spans
+                 if s.role == "user" and "gen_ai.operation.name" in s.attributes}  # fmt: skip
     for step in steps:
         links = step.links
         assert len(links) == step.attributes["engine.batch_size"]
         assert step.name == f"{step.attributes['engine.step.mode']} step"
-        for link in links:
-            rid = link["attributes"]["engine.request_id"]
+        linked = [all_roots.get((ln["trace_id"], ln["span_id"])) for ln in links]  # each link: a request's root
+        assert linked == list(step.attributes["engine.request_ids"])
+        for rid in linked:
             if rid in roots:
-                assert (link["trace_id"], link["span_id"]) == (roots[rid].trace_id, roots[rid].span_id)
                 served[rid][step.attributes["engine.step.mode"]] += 1
         children = [s for s in spans if s.trace_id == step.trace_id and s.parent_span_id == step.span_id]
         assert [c.name for c in sorted(children, key=lambda c: c.start_ns)] == ["schedule", "forward", "sample", "process_results"]
         for c in children:
             assert step.start_ns <= c.start_ns <= c.end_ns <= step.end_ns
-            assert len(c.links) == len(links)
+            assert c.links == (links if c.name != "process_results" else [])  # the batch spans carry the links
             assert c.attributes["engine.batch_size"] == step.attributes["engine.batch_size"]
     for r in results:  # one prefill (all three fit one step) and a decode step per token after the first
         rid = r["meta_info"]["id"]
         assert served[rid]["prefill"] == 1
         assert served[rid]["decode"] == r["meta_info"]["completion_tokens"] - 1
     prefill = [s for s in steps if s.attributes["engine.step.mode"] == "prefill"
-               and {ln["attributes"]["engine.request_id"] for ln in s.links} & set(roots)]  # fmt: skip
+               and set(s.attributes["engine.request_ids"]) & set(roots)]  # fmt: skip
     assert len(prefill) == 1 and prefill[0].attributes["engine.batch_size"] == 3
     assert prefill[0].attributes["engine.step.tokens"] == sum(r["meta_info"]["prompt_tokens"] for r in results)
 

@@ -82,6 +82,26 @@ def engine_output(result):
 
 
 @hookimpl
+def engine_request_submitted(rid, request, sampling, trace_context):
+    return None
+
+
+@hookimpl
+def engine_request_done(rid, meta_info, error):
+    return None
+
+
+@hookimpl
+def engine_step_end(step):
+    return None
+
+
+@hookimpl
+def engine_detokenize_output(output):
+    return None
+
+
+@hookimpl
 def engine_stats(role):
     return None
 

@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     rx = sub.add_parser("receive", help="run an OTLP receiver that appends what it gets to a file")
     rx.add_argument("--grpc-port", type=int, default=4317)
     rx.add_argument("--http-port", type=int, default=4318)
-    rx.add_argument("--output", "-o", default="spans.jsonl", help="OTLP/JSON lines file (appended)")
+    rx.add_argument("--output", "-o", default=None, help="OTLP/JSON lines file to append to (default: only count)")
     rx.add_argument("--quiet", action="store_true", help="print only the endpoints line")
     ls = sub.add_parser("list", help="the requests in an OTLP/JSON lines file")
     ls.add_argument("file")
@@ -36,18 +36,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _receive(args) -> int:
+    import signal
+
     from engine.tracing.receiver import OTLPReceiver
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # print the final count on terminate too
     with OTLPReceiver(args.grpc_port, args.http_port, out_path=args.output) as rx:
-        print(f"OTLP receiver: gRPC {rx.grpc_endpoint}, HTTP {rx.http_endpoint}/v1/traces -> {args.output} (Ctrl-C stops)",
+        where = args.output or "counted only"
+        print(f"OTLP receiver: gRPC {rx.grpc_endpoint}, HTTP {rx.http_endpoint}/v1/traces -> {where} (Ctrl-C stops)",
               flush=True)  # fmt: skip
         seen = 0
-        while True:
-            time.sleep(1.0)
-            n = len(rx.requests)
-            if n != seen and not args.quiet:
-                print(f"  {n} exports, {len(rx.spans())} spans", flush=True)
-                seen = n
+        try:
+            while True:
+                time.sleep(1.0)
+                n = len(rx.requests)
+                if n != seen and not args.quiet:
+                    print(f"  {n} exports, {rx.span_count} spans", flush=True)
+                    seen = n
+        finally:
+            print(f"received {rx.span_count} spans in {len(rx.requests)} exports", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,36 +17,28 @@ from google.protobuf import json_format
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
-def _hex_ids(node) -> None:
-    """protobuf's JSON writes bytes as base64; OTLP/JSON wants trace and span ids as hex."""
+def _map_ids(node, convert) -> None:
+    """Apply convert to every trace/span id in a JSON tree, in place."""
     if isinstance(node, dict):
         for key, value in node.items():
             if key in _ID_FIELDS and isinstance(value, str):
-                node[key] = base64.b64decode(value).hex()
+                node[key] = convert(value)
             else:
-                _hex_ids(value)
+                _map_ids(value, convert)
     elif isinstance(node, list):
         for item in node:
-            _hex_ids(item)
+            _map_ids(item, convert)
 
 
 def ids_to_base64(node) -> None:
-    """The inverse of _hex_ids, so protobuf's JSON parser reads an OTLP/JSON body."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _ID_FIELDS and isinstance(value, str):
-                node[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
-            else:
-                ids_to_base64(value)
-    elif isinstance(node, list):
-        for item in node:
-            ids_to_base64(item)
+    """OTLP/JSON's hex ids as protobuf's JSON parser wants them (base64), in place."""
+    _map_ids(node, lambda v: base64.b64encode(bytes.fromhex(v)).decode("ascii"))
 
 
 def request_to_dict(request) -> dict:
     """An ExportTraceServiceRequest (protobuf) as an OTLP/JSON dict."""
     data = json_format.MessageToDict(request, use_integers_for_enums=True)
-    _hex_ids(data)
+    _map_ids(data, lambda v: base64.b64decode(v).hex())  # protobuf's JSON writes bytes as base64
     return data
 
 

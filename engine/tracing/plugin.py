@@ -1,8 +1,9 @@
 """tracing: OpenTelemetry spans for every request, across the three processes, built on the hooks.
 
 Loaded by ENGINE_TRACING=1 (or as the plugin `tracing`); when off it is not loaded at all, so it costs
-nothing. Spans are made from the times the engine records anyway, mostly after the fact with explicit
-start and end times, so the scheduler's step pays a few dict lookups per request, not a span per token.
+nothing. Spans are made from the times the engine records anyway, after the fact with explicit start
+and end times: nothing per token; per request a few spans when it ends; per scheduler step one short
+trace with a link per request served (ENGINE_TRACE_STEPS=N keeps one step in N, 0 none).
 
     <op> <model>            user process, root (or child of the caller's trace_context)
     |- tokenize             user process
@@ -11,7 +12,7 @@ start and end times, so the scheduler's step pays a few dict lookups per request
     |- decode               scheduler: first token to finish
     '- detokenize           detokenizer: first output to last
     <mode> step             scheduler, one trace per step, linked to each request it served
-    |- schedule, forward, sample, process_results
+    |- schedule, forward, sample (linked too), process_results
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.tracing.context import parse_traceparent
 
 SCOPE = "engine"
 FLUSH_MILLIS = 4000  # a child has 5 s to stop before it is terminated
+LINKED_STAGES = ("schedule", "forward", "sample")  # besides the step span: the stages that serve the batch
 _propagator = TraceContextTextMapPropagator()
 
 
@@ -81,6 +83,8 @@ class TracingPlugin:
         self.roots: dict[str, object] = {}  # user process: rid -> open root span
         self.detok: dict[str, tuple[int, dict]] = {}  # detokenizer: rid -> (first output ns, trace headers)
         self.links: dict[str, Link | None] = {}  # scheduler: rid -> link to its root span
+        self.step_every = 1  # scheduler: trace one step in this many (ENGINE_TRACE_STEPS; 0: none)
+        self.steps_seen = 0
 
     # ------------------------------------------------------------------ life cycle (every process)
 
@@ -88,8 +92,9 @@ class TracingPlugin:
     def engine_process_start(self, role: str, pid: int) -> None:
         if self.provider is not None:  # a second Engine in the same process keeps the provider
             return
-        from engine.tracing.setup import make_provider
+        from engine.tracing.setup import make_provider, step_sampling
 
+        self.step_every = step_sampling()
         self.role = role
         self.provider = make_provider(role, pid)
         self.tracer = self.provider.get_tracer(SCOPE)
@@ -158,7 +163,7 @@ class TracingPlugin:
         link = self.links.get(req.rid, False)
         if link is False:
             sc = remote_span_context(req.trace_context)
-            link = None if sc is None else Link(sc, {"engine.request_id": req.rid})
+            link = None if sc is None else Link(sc)  # no attributes: they triple a link's cost
             if req.finished is None:  # finished requests are not cached: nothing would drop them
                 self.links[req.rid] = link
         return link
@@ -192,13 +197,16 @@ class TracingPlugin:
 
     @hookimpl
     def engine_step_end(self, step) -> None:
-        if self.tracer is None:
+        if self.tracer is None or not self.step_every:
+            return
+        self.steps_seen += 1
+        if self.steps_seen % self.step_every and step.error is None:
             return
         links = [link for link in map(self._link, step.reqs) if link is not None]
         attrs = {"engine.step.mode": step.mode, "engine.batch_size": len(step.reqs), "engine.step.tokens": step.tokens}
         root = self.tracer.start_span(
             f"{step.mode} step", context=otel_context.Context(), start_time=step.schedule_start_ns,
-            attributes=attrs, links=links,
+            attributes={**attrs, "engine.request_ids": [r.rid for r in step.reqs]}, links=links,
         )  # fmt: skip
         if not root.is_recording():
             return
@@ -211,7 +219,8 @@ class TracingPlugin:
         if step.results_start_ns is not None:
             stages.append(("process_results", step.results_start_ns, end))
         for name, start, stop in stages:
-            span = self.tracer.start_span(name, context=ctx, start_time=start, attributes=attrs, links=links)
+            linked = links if name in LINKED_STAGES else None
+            span = self.tracer.start_span(name, context=ctx, start_time=start, attributes=attrs, links=linked)
             if step.error is not None and name == stages[-1][0]:
                 _set_error(span, step.error, "step_failed")
             span.end(end_time=stop)

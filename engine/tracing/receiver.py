@@ -29,7 +29,9 @@ class OTLPReceiver:
         self.host = host
         self.out_path = out_path
         self.lock = threading.Lock()
-        self.requests: list[dict] = []  # OTLP/JSON dicts, in arrival order
+        self.requests: list = []  # ExportTraceServiceRequest messages, in arrival order
+        self._dicts: list[dict] = []  # their OTLP/JSON form, converted when first asked for
+        self.span_count = 0
         self.transports: list[str] = []  # "grpc" or "http", per request
         self.arrived = threading.Condition(self.lock)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -66,24 +68,36 @@ class OTLPReceiver:
         self.stop()
 
     def add(self, request, transport: str) -> None:
-        data = request_to_dict(request)
+        """Keep the message; the (pure Python, slow) JSON conversion waits until someone asks, unless
+        a file is being written, so a receiver on the same machine takes little CPU from the engine."""
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
         with self.lock:
-            self.requests.append(data)
+            self.requests.append(request)
             self.transports.append(transport)
+            self.span_count += n
             if self.out_path:
+                data = self._as_dicts()[-1]
                 with open(self.out_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(data, separators=(",", ":")) + "\n")
             self.arrived.notify_all()
 
+    def _as_dicts(self) -> list[dict]:
+        """Under the lock: every request received so far, as OTLP/JSON dicts."""
+        for request in self.requests[len(self._dicts) :]:
+            self._dicts.append(request_to_dict(request))
+        return self._dicts
+
     def spans(self) -> list[SpanRecord]:
         with self.lock:
-            requests = list(self.requests)
-        return [span for data in requests for span in records_from_dict(data)]
+            dicts = list(self._as_dicts())
+        return [span for data in dicts for span in records_from_dict(data)]
 
     def clear(self) -> None:
         with self.lock:
             self.requests.clear()
+            self._dicts.clear()
             self.transports.clear()
+            self.span_count = 0
 
     def wait_for(self, predicate, timeout: float) -> bool:
         """Block until predicate(spans) is true or the timeout passes; returns whether it became true."""

@@ -5,8 +5,10 @@
     OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT / _HEADERS / _TIMEOUT / _COMPRESSION   read by the exporters
     OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG      read by the SDK (default parentbased_always_on)
     OTEL_BSP_*                  the batch span processor's queue, batch size and delay
+    OTEL_SPAN_LINK_COUNT_LIMIT  links per span (default here 4096, not the SDK's 128: a step links every request)
     OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES       the resource (service.name defaults to "engine")
     ENGINE_TRACE_FILE           also append OTLP/JSON lines to this file (then the default exporter is none)
+    ENGINE_TRACE_STEPS          trace one scheduler step in N (default 1: every step; 0: no step traces)
 
 The provider is the process's own: the global one (a user's own OpenTelemetry set-up) is left alone.
 """
@@ -16,11 +18,14 @@ from __future__ import annotations
 import os
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 FILE_ENV = "ENGINE_TRACE_FILE"
+STEPS_ENV = "ENGINE_TRACE_STEPS"
 SERVICE_NAME = "engine"
+# a step span links to every request it served; the SDK's default of 128 links would cut big batches
+MAX_LINKS = 4096
 
 
 def _env(*names: str, default: str = "") -> str:
@@ -66,6 +71,14 @@ def make_exporters() -> list[SpanExporter]:
     return exporters
 
 
+def step_sampling() -> int:
+    """ENGINE_TRACE_STEPS: trace one step in this many (0: none). Failed steps are always traced."""
+    raw = os.environ.get(STEPS_ENV, "").strip() or "1"
+    if not raw.isdigit():
+        raise ValueError(f"{STEPS_ENV}={raw!r}: give a whole number of steps (1: every step, 0: none)")
+    return int(raw)
+
+
 def make_resource(role: str, pid: int) -> Resource:
     """service.name (OTEL_SERVICE_NAME, else "engine"), the process's role and pid, OTEL_RESOURCE_ATTRIBUTES."""
     resource = Resource.create({"engine.process.role": role, "process.pid": pid})
@@ -77,7 +90,8 @@ def make_resource(role: str, pid: int) -> Resource:
 def make_provider(role: str, pid: int) -> TracerProvider:
     # no shutdown at interpreter exit: spans of requests that the engine's own exit handler ends would
     # be dropped by a provider shut down before it; the plugin flushes instead
-    provider = TracerProvider(resource=make_resource(role, pid), shutdown_on_exit=False)
+    limits = None if os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT") else SpanLimits(max_links=MAX_LINKS)
+    provider = TracerProvider(resource=make_resource(role, pid), shutdown_on_exit=False, span_limits=limits)
     for exporter in make_exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
