@@ -70,6 +70,19 @@ def _done_hook(state: "ReqState", error: str | None) -> None:
         print(f"engine: {exc}", file=sys.stderr)
 
 
+def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
+    """The call failed after engine_request_submitted saw these requests: they end here, unsent."""
+    if not announced or not hooks.has("engine_request_done"):
+        return
+    for req in announced:
+        meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": 0, "cached_tokens": 0,
+                "finish_reason": None}  # fmt: skip
+        try:
+            hooks.call("engine_request_done", rid=req.rid, meta_info=meta, error=f"not sent: {type(exc).__name__}: {exc}")
+        except BaseException as hook_exc:  # noqa: BLE001 - the caller gets the original error
+            print(f"engine: {hook_exc}", file=sys.stderr)
+
+
 @dataclass
 class ReqState:
     """What the user process knows about one request while it runs."""
@@ -379,34 +392,50 @@ class TokenizerManager:
         base_rids = self._rids(rid, n_prompts, is_batch)
         reqs: list[TokenizedRequest] = []
         states: list[ReqState] = []
-        submitted = hooks.has("engine_request_submitted")
+        items_of: list[PromptRequest] = []
         for base, ids, p, item in zip(base_rids, id_lists, params, items):
             copies = p.n
             for j in range(copies):
                 r = base if copies == 1 else f"{base}-{j}"
                 pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                headers = dict(carrier)
-                if submitted:
-                    hooks.call("engine_request_submitted", rid=r, request=item, sampling=pj, trace_context=headers)
-                reqs.append(TokenizedRequest(r, ids, pj, headers, return_logprob, top_logprobs_num, logprob_start_len))
+                reqs.append(TokenizedRequest(r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len))
+                items_of.append(item)
                 states.append(ReqState(
                     r, ids, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
                     on_finish=on_finish, listener=listener,
                 ))  # fmt: skip
+        with self.states_lock:  # before the hooks see them (checked again, atomically, when registering)
+            self._check_clash(states)
+        announced: list[TokenizedRequest] = []
+        try:
+            if hooks.has("engine_request_submitted"):
+                for req, item in zip(reqs, items_of):
+                    hooks.call("engine_request_submitted", rid=req.rid, request=item, sampling=req.sampling,
+                               trace_context=req.trace_context)  # fmt: skip
+                    announced.append(req)
+            self._register(states, base_rids, params)
+        except BaseException as exc:
+            _not_sent(announced, exc)
+            raise
+        with self.send_lock:
+            self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
+        return states, is_batch or any(p.n > 1 for p in params)
+
+    def _register(self, states: list[ReqState], base_rids: list[str], params: list[SamplingParams]) -> None:
         with self.states_lock:
             if self.dead is not None:  # checked under the lock that _mark_dead takes: no state is orphaned
                 raise EngineDeadError(self.dead)
-            clash = [s.rid for s in states if s.rid in self.states]
-            if clash:
-                raise ValueError(f"request id(s) already running: {clash}")
+            self._check_clash(states)
             for state in states:
                 self.states[state.rid] = state
             for base, p in zip(base_rids, params):
                 if p.n > 1:
                     self.groups[base] = [f"{base}-{j}" for j in range(p.n)]
-        with self.send_lock:
-            self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
-        return states, is_batch or any(p.n > 1 for p in params)
+
+    def _check_clash(self, states: list[ReqState]) -> None:
+        clash = [s.rid for s in states if s.rid in self.states]
+        if clash:
+            raise ValueError(f"request id(s) already running: {clash}")
 
     def parse_params(self, params) -> SamplingParams:
         return parse_sampling_params(params, self.vocab_size, get_logit_processor)

@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 
+from engine.hooks import hookimpl
 from engine.tracing.otlp_json import SpanRecord, read_spans
 from engine.tracing.receiver import OTLPReceiver
 
@@ -365,6 +366,38 @@ def test_aborted_request_has_error_status(traced, receiver):
     assert s["prefill"].status_code != 2
     assert s["root"].attributes["gen_ai.response.finish_reasons"] == ["abort"]
     assert s["root"].attributes["gen_ai.usage.output_tokens"] == chunks[-1]["meta_info"]["completion_tokens"]
+
+
+class _RefuseSubmit:
+    """A second user-process plugin whose submit hook refuses one request of a call."""
+
+    @hookimpl
+    def engine_request_submitted(self, rid, request, sampling, trace_context):
+        if rid == "refuse-me":
+            raise RuntimeError("refused on purpose")
+
+
+def test_a_call_failing_after_its_root_began_ends_that_root_with_an_error(traced, receiver):
+    from engine.hooks import HookError
+    from engine.hooks.runtime import plugin_manager, refresh
+
+    refuser = _RefuseSubmit()
+    plugin_manager().register(refuser, name="refuser")
+    refresh()
+    try:
+        with pytest.raises(HookError, match="refused on purpose"):
+            traced.generate(["One", "Two"], {"max_new_tokens": 2}, rid=["sent-not", "refuse-me"])
+    finally:
+        plugin_manager().unregister(refuser)
+        refresh()
+    ok = traced.generate("Three", {"max_new_tokens": 2, "temperature": 0}, rid="after-refusal")
+    assert receiver.wait_for(_complete(["after-refusal"], STAGES), SPAN_WAIT)
+    spans = receiver.spans()
+    root = _root(spans, "sent-not")
+    assert root.status_code == 2 and root.attributes["error.type"] == "not_sent"
+    assert "refused on purpose" in root.status_message
+    assert {s.name for s in spans if s.trace_id == root.trace_id} == {root.name, "tokenize"}  # nothing was sent
+    assert ok["meta_info"]["completion_tokens"] == 2
 
 
 def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):

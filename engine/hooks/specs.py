@@ -59,9 +59,11 @@ class EngineSpecs:
     @hookspec
     def engine_request_done(self, rid: str, meta_info: dict, error: str | None) -> None:
         """A request ended in the user process: its last output arrived (any finish reason, streams
-        and aborts included; `meta_info` as in the result), or the engine stopped first (`error` says
-        why, meta_info holds what was known). Once per submitted request, in the receiver thread (the
-        shutting-down thread for the latter). Changes nothing; errors are printed, not raised."""
+        and aborts included; `meta_info` as in the result), or the engine stopped first, or its call
+        failed after engine_request_submitted saw it and nothing was sent (`error` says why;
+        meta_info holds what was known). Once per request engine_request_submitted saw: in the
+        receiver thread, before the caller wakes (the failing or shutting-down thread otherwise).
+        Changes nothing; errors are printed, not raised."""
 
     # ------------------------------------------------------------------ schedule (scheduler)
 

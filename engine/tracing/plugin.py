@@ -151,8 +151,8 @@ class TracingPlugin:
             "engine.cached_tokens": meta_info.get("cached_tokens", 0),
             "engine.time_to_first_token_s": float(meta_info.get("first_token_latency", 0.0)),
         })  # fmt: skip
-        if error is not None:
-            _set_error(root, error, "EngineDeadError")
+        if error is not None:  # never sent (a later hook or check failed), or the engine stopped first
+            _set_error(root, error, "not_sent" if error.startswith("not sent:") else "engine_stopped")
         elif finish.get("type") == "abort":
             _set_error(root, str(finish.get("message", "aborted")))
         root.end()

@@ -118,8 +118,10 @@ def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = N
         y = top + len(rows) * row_h
         d.text((pad, y + 5), f"steps serving it ({len(steps)})", fill="black", font=font)
         d.text((label_w - 95, y + 6), "scheduler", fill=COLORS["scheduler"], font=small)
-        for s in steps:
+        for k, s in enumerate(sorted(steps, key=lambda s: s.start_ns)):
             color = STEP_COLORS.get(str(s.attributes.get("engine.step.mode")), (128, 128, 128))
+            if k % 2:  # every other step a shade lighter, so neighbours stay apart at any scale
+                color = tuple(min(255, c + 45) for c in color)
             d.rectangle([x(s.start_ns), y + 4, max(x(s.end_ns) - 1, x(s.start_ns) + 1), y + row_h - 4], fill=color)
     legend = [("user", COLORS["user"]), ("scheduler", COLORS["scheduler"]), ("detokenizer", COLORS["detokenizer"])]
     if steps:
