@@ -410,14 +410,17 @@ class TokenizerManager:
         try:
             if hooks.has("engine_request_submitted"):
                 for req, item in zip(reqs, items_of):
+                    announced.append(req)  # first: a plugin called before the one that raises saw it
                     hooks.call("engine_request_submitted", rid=req.rid, request=item, sampling=req.sampling,
                                trace_context=req.trace_context)  # fmt: skip
-                    announced.append(req)
             self._register(states, base_rids, params)
         except BaseException as exc:
             _not_sent(announced, exc)
             raise
         with self.send_lock:
+            now = time.time_ns()
+            for req in reqs:
+                req.submitted_ns = now
             self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
         return states, is_batch or any(p.n > 1 for p in params)
 

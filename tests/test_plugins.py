@@ -65,9 +65,10 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
 
     order = ["engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_schedule",
              "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
-             "engine_sample_after", "engine_step_end", "engine_detokenize", "engine_detokenize_after",
-             "engine_detokenize_output"]  # fmt: skip
+             "engine_sample_after", "engine_detokenize", "engine_detokenize_after", "engine_detokenize_output"]  # fmt: skip
     assert [first(h) for h in order] == sorted(first(h) for h in order)
+    # after the step's output was sent: the detokenizer may already be at work on it
+    assert first("engine_sample_after") <= first("engine_step_end")
     assert last("engine_request_finished") <= last("engine_detokenize") <= last("engine_detokenize_output")
     assert last("engine_detokenize_output") <= first("engine_request_done") <= first("engine_output")
     # documented arguments

@@ -247,6 +247,8 @@ def test_spans_are_in_true_order_and_nested_in_time(batch):
         for name in STAGES:
             assert root.start_ns <= s[name].start_ns <= s[name].end_ns <= root.end_ns, name
         assert s["tokenize"].end_ns <= s["queue"].start_ns  # sent after tokenizing
+        (received,) = [e for e in s["queue"].events if e["name"] == "received by the scheduler"]
+        assert s["queue"].start_ns <= received["time_ns"] <= s["queue"].end_ns
         assert s["queue"].end_ns == s["prefill"].start_ns  # admitted
         assert s["prefill"].end_ns == s["decode"].start_ns  # first token
         assert s["prefill"].start_ns <= s["detokenize"].start_ns  # first output after the prefill
@@ -316,12 +318,12 @@ def test_caller_traceparent_becomes_the_parent(traced, receiver):
     parent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
     out = traced.generate("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, trace_context=parent)
     rid = out["meta_info"]["id"]
-    out2 = traced.generate("Hi", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+    outs = traced.generate(["Hi", "Hey there"], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
                            trace_context={"traceparent": parent, "tracestate": "vendor=abc"})  # fmt: skip
-    rid2 = out2["meta_info"]["id"]
-    assert receiver.wait_for(_complete([rid, rid2], STAGES), SPAN_WAIT)
+    rid2, rid3 = (o["meta_info"]["id"] for o in outs)  # two requests at once in the caller's trace
+    assert receiver.wait_for(_complete([rid, rid2, rid3], STAGES), SPAN_WAIT)
     spans = receiver.spans()
-    for r in (rid, rid2):
+    for r in (rid, rid2, rid3):
         s = _request_spans(spans, r)
         assert s["root"].trace_id == CALLER_TRACE and s["root"].parent_span_id == CALLER_SPAN
         assert {x.trace_id for x in s.values()} == {CALLER_TRACE}
@@ -342,7 +344,10 @@ def test_current_span_of_the_caller_becomes_the_parent(traced, receiver):
     assert root.trace_id == f"{ctx.trace_id:032x}" and root.parent_span_id == f"{ctx.span_id:016x}"
 
 
-@pytest.mark.parametrize("bad", ["not-a-traceparent", "00-" + "0" * 32 + "-b7ad6b7169203331-01", {"tracestate": "a=b"}, 42])
+@pytest.mark.parametrize("bad", [
+    "not-a-traceparent", "00-" + "0" * 32 + "-b7ad6b7169203331-01", {"tracestate": "a=b"}, 42,
+    f"00-{CALLER_TRACE.upper()}-{CALLER_SPAN}-01",  # W3C: lowercase hex only
+])  # fmt: skip
 def test_bad_trace_context_is_refused_before_queueing(traced, bad):
     before = traced.get_stats()["prompt_tokens"]
     with pytest.raises(ValueError, match="trace_context"):
@@ -369,9 +374,10 @@ def test_aborted_request_has_error_status(traced, receiver):
 
 
 class _RefuseSubmit:
-    """A second user-process plugin whose submit hook refuses one request of a call."""
+    """A second user-process plugin whose submit hook refuses one request of a call (called after
+    tracing's, which has begun that request's root span by then)."""
 
-    @hookimpl
+    @hookimpl(trylast=True)
     def engine_request_submitted(self, rid, request, sampling, trace_context):
         if rid == "refuse-me":
             raise RuntimeError("refused on purpose")
@@ -393,10 +399,11 @@ def test_a_call_failing_after_its_root_began_ends_that_root_with_an_error(traced
     ok = traced.generate("Three", {"max_new_tokens": 2, "temperature": 0}, rid="after-refusal")
     assert receiver.wait_for(_complete(["after-refusal"], STAGES), SPAN_WAIT)
     spans = receiver.spans()
-    root = _root(spans, "sent-not")
-    assert root.status_code == 2 and root.attributes["error.type"] == "not_sent"
-    assert "refused on purpose" in root.status_message
-    assert {s.name for s in spans if s.trace_id == root.trace_id} == {root.name, "tokenize"}  # nothing was sent
+    for rid in ("sent-not", "refuse-me"):  # both roots had begun; both end, with the error
+        root = _root(spans, rid)
+        assert root.status_code == 2 and root.attributes["error.type"] == "not_sent"
+        assert "refused on purpose" in root.status_message
+        assert {s.name for s in spans if s.trace_id == root.trace_id} == {root.name, "tokenize"}  # nothing was sent
     assert ok["meta_info"]["completion_tokens"] == 2
 
 
@@ -447,7 +454,11 @@ SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         engine = Engine(dtype="float32", max_total_tokens=2048)
         out = engine.generate(["Hello", "The sky is"], {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
-        print("RESULT " + json.dumps({"rids": [o["meta_info"]["id"] for o in out], "pids": engine.pids}))
+        # a stop string: the result comes back before the scheduler has dropped the request
+        stop = engine.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8,", {"max_new_tokens": 200, "temperature": 0, "stop": [" 10"]})
+        assert stop["meta_info"]["finish_reason"]["matched"] == " 10", stop
+        rids = [o["meta_info"]["id"] for o in out] + [stop["meta_info"]["id"]]
+        print("RESULT " + json.dumps({"rids": rids, "pids": engine.pids}))
         # no shutdown: the script just ends
     """
 )
@@ -470,9 +481,9 @@ def test_http_export_file_exporter_and_spans_delivered_when_the_script_just_ends
         assert not wait_gone(result["pids"].values(), 10)
         spans = rx.spans()
         assert rx.transports and set(rx.transports) == {"http"}
-    for rid in result["rids"]:
+    for rid in result["rids"]:  # every request's spans from all three processes, the stop string's too
         found = _request_spans(spans, rid)
-        assert set(found) == STAGES | {"root"}
+        assert set(found) == STAGES | {"root"}, (rid, set(found))
         assert {s.pid for s in found.values()} == set(result["pids"].values())
         assert all(found[name].parent_span_id == found["root"].span_id for name in STAGES)
     assert any("engine.step.mode" in s.attributes for s in spans)

@@ -85,7 +85,8 @@ class EngineSpecs:
     def engine_request_finished(self, req, finish_reason: dict) -> None:
         """A request finished (stop, length or abort) in the scheduler. Once per request. Changes
         nothing; an error here is reported but cannot fail the request any more. `req` carries its
-        wall-clock times (arrived_ns, admitted_ns, first_token_ns; 0 where it never got there),
+        wall-clock times (arrived_ns: sent by the user process, received_ns, admitted_ns,
+        first_token_ns; 0 where it never got there),
         admissions (more than one: retracted) and trace_context."""
 
     # ------------------------------------------------------------------ forward (scheduler)

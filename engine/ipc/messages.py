@@ -26,6 +26,7 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
+    submitted_ns: int = 0  # wall-clock ns when the user process sent it: where its queue time starts
 
 
 STOP_STRING_MATCHED = "stopped: a stop string matched"  # AbortRequest.message from the detokenizer

@@ -13,13 +13,13 @@ class Req:
         "rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished",
         "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
         "return_logprob", "top_logprobs_num", "logprob_from", "logprob_start_len", "input_logprobs", "input_top",
-        "header_sent", "trace_context", "arrived_ns", "admitted_ns", "first_token_ns",
+        "header_sent", "trace_context", "arrived_ns", "received_ns", "admitted_ns", "first_token_ns",
     )  # fmt: skip
 
     def __init__(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...],
         return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
-        trace_context: dict[str, str] | None = None, arrived_ns: int = 0,
+        trace_context: dict[str, str] | None = None, arrived_ns: int = 0, received_ns: int = 0,
     ) -> None:  # fmt: skip
         self.rid = rid
         self.input_ids = input_ids
@@ -53,7 +53,8 @@ class Req:
         self.header_sent = False  # the first output carries a RequestHeader
         # W3C trace headers from the user process, and wall-clock times (ns, 0: not reached) for spans
         self.trace_context = trace_context or {}
-        self.arrived_ns = arrived_ns
+        self.arrived_ns = arrived_ns  # sent by the user process (its queue time starts there)
+        self.received_ns = received_ns  # read by the scheduler
         self.admitted_ns = 0  # first admission
         self.first_token_ns = 0
 

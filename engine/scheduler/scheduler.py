@@ -232,7 +232,7 @@ class Scheduler:
                         sampling = msgspec.structs.replace(sampling, max_new_tokens=room)
                     self.waiting.append(Req(
                         r.rid, r.input_ids, sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
-                        r.trace_context, now,
+                        r.trace_context, r.submitted_ns or now, now,
                     ))  # fmt: skip
             elif isinstance(message, AbortRequest):
                 self._abort_rids(set(message.rids), message.message)

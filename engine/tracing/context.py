@@ -14,7 +14,7 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) of a valid W3C traceparent, else None."""
-    m = _TRACEPARENT.match(value.strip().lower()) if isinstance(value, str) else None
+    m = _TRACEPARENT.match(value.strip()) if isinstance(value, str) else None  # W3C: lowercase hex only
     if m is None:
         return None
     version, trace_id, span_id, flags, rest = m.groups()

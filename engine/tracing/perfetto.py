@@ -1,8 +1,9 @@
 """OTLP/JSON spans -> a Chrome trace-event file (open it in https://ui.perfetto.dev or chrome://tracing).
 
 One process track per engine process (named by role and pid), ordered user, scheduler, detokenizer.
-Inside a process, each trace's spans share a lane (they nest), and traces that overlap in time get
-separate lanes: the scheduler's steps run one after another on a lane of their own.
+Inside a process, each request's spans share a lane (they nest or follow each other), and requests
+that overlap in time get separate lanes, also when they share a trace (a caller's trace context);
+the scheduler's steps run one after another on a lane of their own.
 """
 
 from __future__ import annotations
@@ -19,22 +20,28 @@ def _is_step(span: SpanRecord) -> bool:
     return "engine.step.mode" in span.attributes
 
 
+def _group(span: SpanRecord) -> str:
+    """What shares a lane: a request's spans (by request id), else a trace's."""
+    rid = span.attributes.get("engine.request_id")
+    return f"request:{rid}" if rid is not None else f"trace:{span.trace_id}"
+
+
 def _lanes(spans: list[SpanRecord]) -> dict[str, int]:
-    """trace id -> lane within one process: greedy interval packing of each trace's extent."""
+    """group -> lane within one process: greedy interval packing of each group's extent."""
     extent: dict[str, list[int]] = {}
     for s in spans:
-        e = extent.setdefault(s.trace_id, [s.start_ns, s.end_ns])
+        e = extent.setdefault(_group(s), [s.start_ns, s.end_ns])
         e[0], e[1] = min(e[0], s.start_ns), max(e[1], s.end_ns)
     lane_end: list[int] = []
     out: dict[str, int] = {}
-    for trace_id, (start, end) in sorted(extent.items(), key=lambda kv: kv[1][0]):
+    for group, (start, end) in sorted(extent.items(), key=lambda kv: kv[1][0]):
         for lane, last in enumerate(lane_end):
             if last <= start:
                 lane_end[lane] = end
-                out[trace_id] = lane
+                out[group] = lane
                 break
         else:
-            out[trace_id] = len(lane_end)
+            out[group] = len(lane_end)
             lane_end.append(end)
     return out
 
@@ -53,7 +60,7 @@ def to_chrome_trace(spans: list[SpanRecord]) -> dict:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": ROLE_ORDER.get(role, 9)}})
         steps = [s for s in group if _is_step(s)]
         others = [s for s in group if not _is_step(s)]
-        lanes = {"steps": {t: 0 for t in {s.trace_id for s in steps}}, "requests": _lanes(others)}
+        lanes = {"requests": _lanes(others)}
         base = 1 if steps else 0
         if steps:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "steps"}})
@@ -61,7 +68,7 @@ def to_chrome_trace(spans: list[SpanRecord]) -> dict:
             tid = base + lane + 1
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"requests {lane + 1}"}})
         for s in group:
-            tid = 1 if _is_step(s) else base + lanes["requests"][s.trace_id] + 1
+            tid = 1 if _is_step(s) else base + lanes["requests"][_group(s)] + 1
             args = {"trace_id": s.trace_id, "span_id": s.span_id, **{k: _plain(v) for k, v in s.attributes.items()}}
             if s.parent_span_id:
                 args["parent_span_id"] = s.parent_span_id

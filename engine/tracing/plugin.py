@@ -30,7 +30,8 @@ from engine.hooks import hookimpl
 from engine.tracing.context import parse_traceparent
 
 SCOPE = "engine"
-FLUSH_MILLIS = 4000  # a child has 5 s to stop before it is terminated
+FLUSH_SECONDS = 4.0  # a child has 5 s to stop before it is terminated
+CUT = "engine.cut_by_shutdown"  # on the last span of a request the engine stopped before it finished here
 LINKED_STAGES = ("schedule", "forward", "sample")  # besides the step span: the stages that serve the batch
 _propagator = TraceContextTextMapPropagator()
 
@@ -81,8 +82,10 @@ class TracingPlugin:
         self.model = ""
         self.lock = threading.Lock()
         self.roots: dict[str, object] = {}  # user process: rid -> open root span
-        self.detok: dict[str, tuple[int, dict]] = {}  # detokenizer: rid -> (first output ns, trace headers)
-        self.links: dict[str, Link | None] = {}  # scheduler: rid -> link to its root span
+        self.detok: dict[str, tuple[int, dict, str]] = {}  # detokenizer: rid -> (first output ns, trace headers, rid)
+        self.links: dict[str, tuple] = {}  # scheduler: rid -> (link to its root span, Req), while it runs
+        self.stopped = False  # the stop hook made the spans of what was still running
+        self.dirty = False  # user process: spans ended since the last flush
         self.step_every = 1  # scheduler: trace one step in this many (ENGINE_TRACE_STEPS; 0: none)
         self.steps_seen = 0
 
@@ -99,7 +102,7 @@ class TracingPlugin:
         self.provider = make_provider(role, pid)
         self.tracer = self.provider.get_tracer(SCOPE)
         if role == "user":
-            atexit.register(self.flush)
+            atexit.register(self._flush_at_exit)
 
     @hookimpl
     def engine_process_ready(self, role: str, pid: int, info: dict) -> None:
@@ -107,11 +110,33 @@ class TracingPlugin:
 
     @hookimpl
     def engine_process_stop(self, role: str, pid: int) -> None:
+        """Spans of requests still running here (the user may already have their result: a stop
+        string, or a script that ended), then flush. Runs beside the serving thread in a child."""
+        if self.tracer is not None:
+            with self.lock:
+                self.stopped = True
+                live = [req for _, req in self.links.values() if req.finished is None]
+                pending = list(self.detok.values())
+                self.links.clear()
+                self.detok.clear()
+            for req in live:
+                self._request_spans(req, None)
+            for start, headers, rid in pending:
+                self._detokenize_span(rid, start, headers, None, None)
         self.flush()
 
+    def _flush_at_exit(self) -> None:
+        if self.dirty:  # spans ended since the last flush (an engine still open closes after this)
+            self.flush()
+
     def flush(self) -> None:
+        """force_flush ignores its timeout in the SDK (it exports in the calling thread): bound it here,
+        so a collector that does not answer cannot hold a shutdown."""
+        self.dirty = False
         if self.provider is not None:
-            self.provider.force_flush(FLUSH_MILLIS)
+            worker = threading.Thread(target=self.provider.force_flush, name="engine-trace-flush", daemon=True)
+            worker.start()
+            worker.join(FLUSH_SECONDS)
 
     # ------------------------------------------------------------------ user process
 
@@ -136,6 +161,7 @@ class TracingPlugin:
         _propagator.inject(trace_context, context=ctx)
         with self.lock:
             self.roots[rid] = root
+        self.dirty = True
 
     @hookimpl
     def engine_request_done(self, rid: str, meta_info: dict, error: str | None) -> None:
@@ -156,26 +182,37 @@ class TracingPlugin:
         elif finish.get("type") == "abort":
             _set_error(root, str(finish.get("message", "aborted")))
         root.end()
+        self.dirty = True
 
     # ------------------------------------------------------------------ scheduler
 
     def _link(self, req) -> Link | None:
-        link = self.links.get(req.rid, False)
-        if link is False:
+        entry = self.links.get(req.rid)
+        if entry is None:
             sc = remote_span_context(req.trace_context)
-            link = None if sc is None else Link(sc)  # no attributes: they triple a link's cost
-            if req.finished is None:  # finished requests are not cached: nothing would drop them
-                self.links[req.rid] = link
-        return link
+            entry = (None if sc is None else Link(sc), req)  # no link attributes: they triple a link's cost
+            if req.finished is None:  # cached while it runs; dropped when it finishes
+                with self.lock:
+                    if not self.stopped:
+                        self.links[req.rid] = entry
+        return entry[0]
 
     @hookimpl
     def engine_request_finished(self, req, finish_reason: dict) -> None:
         if self.tracer is None:
             return
-        self.links.pop(req.rid, None)
+        with self.lock:
+            self.links.pop(req.rid, None)
+            if self.stopped:  # the stop hook made its spans already
+                return
+        self._request_spans(req, finish_reason)
+
+    def _request_spans(self, req, finish_reason: dict | None) -> None:
+        """queue, prefill, decode from the request's recorded times; finish_reason None: cut by shutdown."""
         sc = remote_span_context(req.trace_context)
         parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
         now, rid = time.time_ns(), req.rid
+        kind = "unknown" if finish_reason is None else finish_reason.get("type", "unknown")
         queue_end = req.admitted_ns or now
         stages = [("queue", req.arrived_ns or queue_end, queue_end, {"engine.request_id": rid})]
         if req.admitted_ns:
@@ -183,16 +220,21 @@ class TracingPlugin:
                 "engine.request_id": rid, "gen_ai.usage.input_tokens": req.prompt_len,
                 "engine.cached_tokens": req.cached_tokens,
             }))  # fmt: skip
-        if req.first_token_ns and (len(req.output_ids) > 1 or finish_reason.get("type") == "abort"):
-            stages.append(("decode", req.first_token_ns, now, {
-                "engine.request_id": rid, "gen_ai.usage.output_tokens": len(req.output_ids),
-                "gen_ai.response.finish_reasons": [finish_reason.get("type", "unknown")],
-                "engine.retractions": max(req.admissions - 1, 0),
-            }))  # fmt: skip
+        if req.first_token_ns and (len(req.output_ids) > 1 or kind != "stop" and kind != "length"):
+            decode = {"engine.request_id": rid, "gen_ai.usage.output_tokens": len(req.output_ids),
+                      "engine.retractions": max(req.admissions - 1, 0)}  # fmt: skip
+            if finish_reason is not None:
+                decode["gen_ai.response.finish_reasons"] = [kind]
+            stages.append(("decode", req.first_token_ns, now, decode))
         for k, (name, start, stop, attrs) in enumerate(stages):
             span = self.tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
-            if k == len(stages) - 1 and finish_reason.get("type") == "abort":  # where it ended
-                _set_error(span, str(finish_reason.get("message", "aborted")))
+            if name == "queue" and req.received_ns:
+                span.add_event("received by the scheduler", timestamp=req.received_ns)
+            if k == len(stages) - 1:  # where it ended
+                if finish_reason is None:
+                    span.set_attribute(CUT, True)
+                elif kind == "abort":
+                    _set_error(span, str(finish_reason.get("message", "aborted")))
             span.end(end_time=stop)
 
     @hookimpl
@@ -235,22 +277,32 @@ class TracingPlugin:
         if self.tracer is None:
             return
         now = time.time_ns()
-        if output.headers:
-            for rid, header in zip(output.rids, output.headers):
-                if header is not None:
-                    self.detok[rid] = (now, header.trace_context)
-        for i in [i for i, f in enumerate(output.finished) if f is not None]:
-            started = self.detok.pop(output.rids[i], None)
-            if started is None:
-                continue
-            start, headers = started
-            sc = remote_span_context(headers)
-            parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
-            finish, meta = output.finished[i], output.meta[i]
-            attrs = {"engine.request_id": output.rids[i], "gen_ai.response.finish_reasons": [finish.type]}
-            if meta is not None:
-                attrs["gen_ai.usage.output_tokens"] = meta.completion_tokens
-            span = self.tracer.start_span("detokenize", context=parent, start_time=start, attributes=attrs)
-            if finish.type == "abort":
-                _set_error(span, finish.message or "aborted")
-            span.end(end_time=now)
+        ended = []
+        with self.lock:
+            if self.stopped:
+                return
+            if output.headers:
+                for rid, header in zip(output.rids, output.headers):
+                    if header is not None:
+                        self.detok[rid] = (now, header.trace_context, rid)
+            for i in [i for i, f in enumerate(output.finished) if f is not None]:
+                started = self.detok.pop(output.rids[i], None)
+                if started is not None:
+                    ended.append((started, output.finished[i], output.meta[i]))
+        for (start, headers, rid), finish, meta in ended:
+            self._detokenize_span(rid, start, headers, finish, meta, now)
+
+    def _detokenize_span(self, rid: str, start: int, headers: dict, finish, meta, end: int | None = None) -> None:
+        sc = remote_span_context(headers)
+        parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
+        attrs: dict = {"engine.request_id": rid}
+        if finish is not None:
+            attrs["gen_ai.response.finish_reasons"] = [finish.type]
+        if meta is not None:
+            attrs["gen_ai.usage.output_tokens"] = meta.completion_tokens
+        span = self.tracer.start_span("detokenize", context=parent, start_time=start, attributes=attrs)
+        if finish is None:
+            span.set_attribute(CUT, True)
+        elif finish.type == "abort":
+            _set_error(span, finish.message or "aborted")
+        span.end(end_time=end or time.time_ns())

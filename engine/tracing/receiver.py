@@ -131,12 +131,12 @@ def _handler(receiver: OTLPReceiver):
                 return
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             encoding = (self.headers.get("Content-Encoding") or "").lower()
-            if encoding == "gzip":
-                body = gzip.decompress(body)
-            elif encoding == "deflate":
-                body = zlib.decompress(body)
             request = ExportRequest()
             try:
+                if encoding == "gzip":
+                    body = gzip.decompress(body)
+                elif encoding == "deflate":
+                    body = zlib.decompress(body)
                 if "json" in (self.headers.get("Content-Type") or ""):
                     data = json.loads(body)
                     ids_to_base64(data)

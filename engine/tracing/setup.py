@@ -38,6 +38,10 @@ def _env(*names: str, default: str = "") -> str:
 
 def _otlp_exporter() -> SpanExporter:
     protocol = _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL", default="grpc").lower()
+    return _otlp_for(protocol)
+
+
+def _otlp_for(protocol: str) -> SpanExporter:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -62,10 +66,15 @@ def make_exporters() -> list[SpanExporter]:
     for name in names:
         if name == "otlp":
             exporters.append(_otlp_exporter())
+        elif name in ("otlp_proto_grpc", "otlp_proto_http"):  # the Python SDK's own exporter names
+            exporters.append(_otlp_for("grpc" if name.endswith("grpc") else "http/protobuf"))
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
         elif name not in ("none", ""):
-            raise ValueError(f"OTEL_TRACES_EXPORTER={name!r} is not supported: use otlp, console or none")
+            raise ValueError(
+                f"OTEL_TRACES_EXPORTER={name!r} is not supported: use otlp (or otlp_proto_grpc, otlp_proto_http), "
+                "console or none"
+            )
     if path:
         exporters.append(FileSpanExporter(path))
     return exporters

@@ -20,21 +20,22 @@ def request_traces(spans: list[SpanRecord]) -> list[tuple[str, str, str]]:
     return [(s.trace_id, str(s.attributes["engine.request_id"]), s.name) for s in sorted(roots, key=lambda s: s.start_ns)]
 
 
-def pick_trace(spans: list[SpanRecord], request_id: str | None = None, trace_id: str | None = None) -> str:
+def pick(spans: list[SpanRecord], request_id: str | None = None, trace_id: str | None = None) -> tuple[str, str | None]:
+    """(trace id, request id or None: the whole trace) to draw; default the first request."""
     traces = request_traces(spans)
     if trace_id:
         if not any(s.trace_id == trace_id for s in spans):
             raise ValueError(f"no span of trace {trace_id} in the file")
-        return trace_id
+        return trace_id, None
     if request_id:
         for tid, rid, _ in traces:
             if rid == request_id:
-                return tid
+                return tid, rid
         listed = ", ".join(r for _, r, _ in traces[:10]) + (", ..." if len(traces) > 10 else "")
         raise ValueError(f"no request {request_id!r} in the file (requests: {listed or 'none'})")
     if not traces:
         raise ValueError("no request trace in the file (is it from an engine run with ENGINE_TRACING=1?)")
-    return traces[0][0]
+    return traces[0][0], traces[0][1]
 
 
 def _tree(spans: list[SpanRecord]) -> list[tuple[int, SpanRecord]]:
@@ -63,9 +64,10 @@ def _font(size: int):
 
 def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = None, trace_id: str | None = None,
                   width: int = 1400) -> str:  # fmt: skip
-    """Draw the chosen request's trace (default: the first request) to `path`; returns its trace id."""
-    tid = pick_trace(spans, request_id, trace_id)
-    mine = [s for s in spans if s.trace_id == tid]
+    """Draw the chosen request's spans (default: the first request), or a whole trace, to `path`;
+    returns the trace id. Requests sharing a caller's trace are told apart by their request id."""
+    tid, rid = pick(spans, request_id, trace_id)
+    mine = [s for s in spans if s.trace_id == tid and (rid is None or s.attributes.get("engine.request_id") == rid)]
     rows = _tree(mine)
     span_ids = {s.span_id for s in mine}
     steps = [s for s in spans if "engine.step.mode" in s.attributes and not s.parent_span_id
@@ -85,8 +87,8 @@ def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = N
         return label_w + (ns - t0) / span_ns * plot_w
 
     root = rows[0][1] if rows else mine[0]
-    rid = root.attributes.get("engine.request_id", "")
-    d.text((pad, 12), f"{root.name}   request {rid}   trace {tid}", fill="black", font=font)
+    shown = rid or root.attributes.get("engine.request_id", "")
+    d.text((pad, 12), f"{root.name}   request {shown}   trace {tid}", fill="black", font=font)
     # time axis: about 8 ticks at a round number of ms
     total_ms = span_ns / 1e6
     step_ms = next((m for m in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000) if total_ms / m <= 8), 20000)
