@@ -9,7 +9,6 @@ import re
 from collections.abc import Mapping
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
-TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
