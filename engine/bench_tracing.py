@@ -99,7 +99,7 @@ class _EncodeOnlyExporter:
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to release."""
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

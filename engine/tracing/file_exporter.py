@@ -39,7 +39,7 @@ class FileSpanExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to release: the file is opened for each export."""
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

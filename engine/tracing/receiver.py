@@ -155,6 +155,6 @@ def _handler(receiver: OTLPReceiver):
             self.wfile.write(reply)
 
         def log_message(self, *args) -> None:
-            pass
+            """Quiet: one line per export would drown the caller's output."""
 
     return Handler
