@@ -32,7 +32,8 @@ class EngineSpecs:
 
     @hookspec
     def engine_process_stop(self, role: str, pid: int) -> None:
-        """The process is about to stop on a regular shutdown (not after a crash or SIGKILL). Once."""
+        """The process is about to stop on a regular shutdown (not after a crash or SIGKILL). Once. In
+        the user process it runs last, after the children stopped and every request ended."""
 
     # ------------------------------------------------------------------ tokenize (user process)
 
