@@ -151,16 +151,10 @@ def traced(receiver):
     assert "tracing" not in loaded_plugins()
     env = {"ENGINE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
            "OTEL_SERVICE_NAME": "engine-test"}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the children take the variables at spawn; then they go
+        for key, value in env.items():
+            mp.setenv(key, value)
         eng = Engine(dtype="float32", max_total_tokens=4096)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield eng
     eng.shutdown()
     from engine.hooks.loader import _loaded

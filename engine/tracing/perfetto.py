@@ -60,15 +60,15 @@ def to_chrome_trace(spans: list[SpanRecord]) -> dict:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": ROLE_ORDER.get(role, 9)}})
         steps = [s for s in group if _is_step(s)]
         others = [s for s in group if not _is_step(s)]
-        lanes = {"requests": _lanes(others)}
+        lanes = _lanes(others)
         base = 1 if steps else 0
         if steps:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "steps"}})
-        for lane in range(max(lanes["requests"].values(), default=-1) + 1):
+        for lane in range(max(lanes.values(), default=-1) + 1):
             tid = base + lane + 1
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"requests {lane + 1}"}})
         for s in group:
-            tid = 1 if _is_step(s) else base + lanes["requests"][_group(s)] + 1
+            tid = 1 if _is_step(s) else base + lanes[_group(s)] + 1
             args = {"trace_id": s.trace_id, "span_id": s.span_id, **{k: _plain(v) for k, v in s.attributes.items()}}
             if s.parent_span_id:
                 args["parent_span_id"] = s.parent_span_id

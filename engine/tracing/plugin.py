@@ -46,6 +46,13 @@ def remote_span_context(headers: dict[str, str]) -> SpanContext | None:
     return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1), trace_state=state)
 
 
+def _parent_context(headers: dict[str, str]):
+    """The context whose current span is the request's root, for spans made in another process; an
+    empty one (a new trace) when the request carries no trace headers."""
+    sc = remote_span_context(headers)
+    return otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
+
+
 def _request_attributes(sampling, model: str, operation: str) -> dict:
     attrs = {
         "gen_ai.operation.name": operation,
@@ -209,8 +216,7 @@ class TracingPlugin:
 
     def _request_spans(self, req, finish_reason: dict | None) -> None:
         """queue, prefill, decode from the request's recorded times; finish_reason None: cut by shutdown."""
-        sc = remote_span_context(req.trace_context)
-        parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
+        parent = _parent_context(req.trace_context)
         now, rid = time.time_ns(), req.rid
         kind = "unknown" if finish_reason is None else finish_reason.get("type", "unknown")
         queue_end = req.admitted_ns or now
@@ -293,8 +299,7 @@ class TracingPlugin:
             self._detokenize_span(rid, start, headers, finish, meta, now)
 
     def _detokenize_span(self, rid: str, start: int, headers: dict, finish, meta, end: int | None = None) -> None:
-        sc = remote_span_context(headers)
-        parent = otel_context.Context() if sc is None else set_span_in_context(NonRecordingSpan(sc))
+        parent = _parent_context(headers)
         attrs: dict = {"engine.request_id": rid}
         if finish is not None:
             attrs["gen_ai.response.finish_reasons"] = [finish.type]
