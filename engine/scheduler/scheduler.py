@@ -19,6 +19,7 @@ import collections
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import msgspec
@@ -54,6 +55,7 @@ from engine.model.config import load_hf_config
 from engine.model.loader import load_model
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import SampleOutput, sample
+from engine.scheduler.admission import check_request, clip_to_context
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.policy import order_waiting
@@ -123,6 +125,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running = RunningBatch.empty(mc.vocab_size, self.device)
         self.chunked_req: Req | None = None  # a prompt part-way through a chunked prefill
+        self._planned: list[Req] = []  # requests the schedule now running has admitted (to fail if it raises)
+        self._phase = ForwardMode.EXTEND  # which half of schedule() is running
         self.last_mode: ForwardMode | None = None
         self.new_token_ratio = config.init_new_token_ratio
         self.processors = ProcessorSet()
@@ -144,7 +148,13 @@ class Scheduler:
 
     def serve_forever(self) -> None:
         while True:
-            if not self.run_once() and self.waiting:
+            try:
+                ran = self.run_once()
+            except Exception:  # noqa: BLE001 - the last guard: report, keep serving the other requests
+                traceback.print_exc()
+                ran = False
+                time.sleep(0.01)
+            if not ran and self.waiting:
                 time.sleep(0.001)  # requests wait but none could start (a plugin holds them back): no hot spin
 
     @torch.inference_mode()
@@ -161,7 +171,11 @@ class Scheduler:
         idle = not (self.waiting or len(self.running) or self.chunked_req)
         self.recv_requests(block=block and idle)
         t0 = clock()
-        step = self.schedule()
+        try:
+            step = self.schedule()
+        except Exception as exc:  # noqa: BLE001 - fail what the schedule touched, never the process
+            self._schedule_failed(f"{type(exc).__name__}: {exc}")
+            return True
         if step is None:
             return False
         t1 = clock()
@@ -209,7 +223,8 @@ class Scheduler:
     # ------------------------------------------------------------------ stages
 
     def recv_requests(self, block: bool) -> None:
-        """Drain the request socket; when nothing runs, block on it (no spinning on an idle machine)."""
+        """Drain the request socket; when nothing runs, block on it (no spinning on an idle machine).
+        A message that cannot be handled is reported and dropped: it never stops the loop."""
         if block:
             self.recv_sock.poll(timeout=None)
         while True:
@@ -222,29 +237,52 @@ class Scheduler:
             except msgspec.DecodeError as exc:  # not ours: drop it rather than die
                 print(f"engine::scheduler: dropped a malformed message ({exc})", file=sys.stderr)
                 continue
-            if isinstance(message, GenerateBatch):
-                eos = self.model_config.eos_token_ids
-                now = time.time_ns()
-                for r in message.reqs:
-                    sampling = r.sampling
-                    room = self.context_len - len(r.input_ids)
-                    if 1 <= room < sampling.max_new_tokens:  # the user process does this too; be safe
-                        sampling = msgspec.structs.replace(sampling, max_new_tokens=room)
-                    self.waiting.append(Req(
-                        r.rid, r.input_ids, sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
-                        r.trace_context, r.submitted_ns or now, now,
-                    ))  # fmt: skip
-            elif isinstance(message, AbortRequest):
-                self._abort_rids(set(message.rids), message.message)
-            elif isinstance(message, StatsRequest):
-                self.send_sock.send(self.send_codec.encode(self.stats(message.req_id)))
-            elif isinstance(message, FlushCache):
-                flushed = self.kv.cache.flush()
-                self.send_sock.send(self.send_codec.encode(self.stats(message.req_id, flushed)))
+            try:
+                self._handle(message)
+            except Exception as exc:  # noqa: BLE001 - one message must not take the process down
+                print(f"engine::scheduler: dropped a {type(message).__name__} message that failed "
+                      f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+
+    def _handle(self, message) -> None:
+        if isinstance(message, GenerateBatch):
+            self._admit_arrivals(message.reqs)
+        elif isinstance(message, AbortRequest):
+            self._abort_rids(set(message.rids), message.message)
+        elif isinstance(message, StatsRequest):
+            self.send_sock.send(self.send_codec.encode(self.stats(message.req_id)))
+        elif isinstance(message, FlushCache):
+            flushed = self.kv.cache.flush()
+            self.send_sock.send(self.send_codec.encode(self.stats(message.req_id, flushed)))
+
+    def _admit_arrivals(self, arrivals: list) -> None:
+        """Queue each request that passes the arrival checks; answer the others with an abort naming the
+        field at fault (each fails alone)."""
+        eos = self.model_config.eos_token_ids
+        now = time.time_ns()
+        vocab = self.model_config.vocab_size
+        for r in arrivals:
+            problem = check_request(r, vocab, self.context_len)
+            if problem is not None:
+                self._refuse(r, problem)
+                continue
+            r = clip_to_context(r, self.context_len)  # the user process does this too; be safe
+            self.waiting.append(Req(
+                r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
+                r.trace_context, r.submitted_ns or now, now,
+            ))  # fmt: skip
+
+    def _refuse(self, r, problem: str) -> None:
+        """Answer a request that failed the arrival checks: finished, reason abort, nothing queued."""
+        reason = FinishReason("abort", message=f"invalid request: {problem}")
+        out = BatchTokenOut([r.rid], [NO_TOKEN], [reason], [RequestMeta(len(r.input_ids), 0, 0)])
+        self.send_sock.send(self.send_codec.encode(out))
+        self.counters["aborted_requests"] += 1
 
     def schedule(self) -> Step | None:
         """A prefill step if anything can be admitted, else a decode step of the running batch. While a
         chunked prefill is in progress, decode steps alternate with its chunks."""
+        self._planned = []
+        self._phase = ForwardMode.EXTEND
         running = len(self.running) > 0
         interleave = self.chunked_req is not None and running and self.last_mode is ForwardMode.EXTEND
         if not interleave:
@@ -252,6 +290,7 @@ class Scheduler:
             if entries:
                 self.last_mode = ForwardMode.EXTEND
                 return self._prefill_step(entries)
+        self._phase = ForwardMode.DECODE
         if len(self.running) and self._make_room_for_decode():
             self.last_mode = ForwardMode.DECODE
             return self._decode_step()
@@ -406,6 +445,7 @@ class Scheduler:
             if take > kv.headroom - len(self.running):  # leave the running requests their next token
                 return []  # decode steps will finish requests and free memory
             entries.append((req, req.kv_len, take))
+            self._planned.append(req)
             budget -= take
             reserved += take
             if req.kv_len + take < len(req.fill_ids):
@@ -462,6 +502,7 @@ class Scheduler:
                     continue
             self.counters["cache_hit_tokens"] += prefix
             entries.append((req, prefix, take))
+            self._planned.append(req)
             taken.add(id(req))
             budget -= take
             reserved += need
@@ -593,6 +634,32 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------------------ failures
+
+    def _schedule_failed(self, message: str) -> None:
+        """schedule() raised (a bug, or a plugin's hook): fail the requests it was working on. A prefill
+        plan fails the requests it had admitted (they hold slots); a failure before any was admitted
+        fails the waiting queue, which would otherwise fail the same way every turn; a decode step
+        fails the running batch, whose tensors may be half-updated."""
+        traceback.print_exc()
+        planned, self._planned = self._planned, []
+        if self._phase is ForwardMode.DECODE or not (planned or self.waiting):
+            rows = self.running
+            self._abort_reqs(rows.reqs, rows.kv_lens.tolist(), message)
+            self.running = RunningBatch.empty(self.model_config.vocab_size, self.device)
+            return
+        if self.chunked_req is not None and any(r is self.chunked_req for r in planned):
+            self.chunked_req = None
+        if planned:
+            ids = {id(r) for r in planned}
+            self.waiting = [r for r in self.waiting if id(r) not in ids]
+            self._abort_reqs(planned, [r.kv_len for r in planned], message)
+            return
+        waiting, self.waiting = self.waiting, []
+        for req in waiting:
+            if req.slot is None:
+                self._finish_unstarted(req, message)
+            else:
+                self._abort_reqs([req], [req.kv_len], message)
 
     def _abort_step(self, step: Step, message: str) -> None:
         """A step raised: fail every request in it, free their memory (not cached: it may be garbage)."""

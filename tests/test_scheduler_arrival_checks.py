@@ -1,0 +1,92 @@
+"""Issue 13, item 4: a malformed request reaching the scheduler fails alone, with an abort naming the
+field at fault; the requests batched with it and the process go on. Real ZMQ, scheduler in-process."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.ipc.messages import TokenizedRequest
+from engine.sampling_params import SamplingParams
+from test_scheduler_steps import InProcess
+
+GOOD = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def run(tiny_llama_dir):
+    run = InProcess(tiny_llama_dir, max_total_tokens=512, max_running_requests=4)
+    yield run
+    run.close()
+
+
+def _finish_all(run) -> dict:
+    while run.sched.run_once(block=False):
+        pass
+    return {rid: f for m in run.messages() for rid, f in zip(m.rids, m.finished) if f is not None}
+
+
+BAD = {
+    "logit_bias": dict(sampling=msgspec.structs.replace(GOOD, logit_bias=((10**6, 5.0),))),
+    "input_ids": dict(input_ids=[1, 2, 10**6]),
+    "stop_token_ids": dict(sampling=msgspec.structs.replace(GOOD, stop_token_ids=(VOCAB,))),
+    "max_new_tokens": dict(sampling=msgspec.structs.replace(GOOD, max_new_tokens=0)),
+    "min_new_tokens": dict(sampling=msgspec.structs.replace(GOOD, min_new_tokens=-5)),
+    "top_k": dict(sampling=msgspec.structs.replace(GOOD, top_k=-7)),
+    "temperature": dict(sampling=msgspec.structs.replace(GOOD, temperature=float("nan"))),
+    "top_logprobs_num": dict(return_logprob=True, top_logprobs_num=10**6),
+    "logprob_start_len": dict(return_logprob=True, logprob_start_len=10**6),
+    "custom_logit_processor": dict(sampling=msgspec.structs.replace(GOOD, custom_logit_processor="no-such")),
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD))
+def test_bad_value_fails_only_its_request(run, field):
+    values = {"input_ids": [1, 2, 3], "sampling": GOOD, **BAD[field]}
+    run.submit(
+        TokenizedRequest(f"bad-{field}", values.pop("input_ids"), values.pop("sampling"), **values),
+        TokenizedRequest(f"good-{field}", [1, 4, 5, 6], GOOD),
+    )
+    finishes = _finish_all(run)
+    bad = finishes[f"bad-{field}"]
+    assert bad.type == "abort" and field in bad.message, bad
+    assert finishes[f"good-{field}"].type == "length"
+    stats = run.sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+
+
+def test_empty_prompt_and_too_long_prompt_are_refused(run):
+    run.submit(
+        TokenizedRequest("empty", [], GOOD),
+        TokenizedRequest("huge", [5] * 4096, GOOD),
+        TokenizedRequest("fine", [1, 2], GOOD),
+    )
+    finishes = _finish_all(run)
+    assert finishes["empty"].type == "abort" and "input_ids" in finishes["empty"].message
+    assert finishes["huge"].type == "abort" and "context_length" in finishes["huge"].message
+    assert finishes["fine"].type == "length"
+
+
+def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):
+    """schedule() raising (here: the radix cache, on one prompt) is not fatal: that request aborts with
+    the error, the running ones and later ones are served."""
+    run.submit(TokenizedRequest("runner", [1, 9, 9], msgspec.structs.replace(GOOD, max_new_tokens=8)))
+    assert run.sched.run_once(block=False)  # prefilled: it decodes from now on
+    real = run.sched.kv.lend_prefix
+
+    def lend(req):
+        if req.rid == "cursed":
+            raise KeyError("injected in schedule")
+        return real(req)
+
+    run.sched.kv.lend_prefix = lend
+    try:
+        run.submit(TokenizedRequest("cursed", [3, 3, 3], GOOD))
+        finishes = _finish_all(run)
+    finally:
+        run.sched.kv.lend_prefix = real
+    assert finishes["cursed"].type == "abort" and "injected in schedule" in finishes["cursed"].message
+    assert finishes["runner"].type == "length"
+    run.submit(TokenizedRequest("after", [1, 2], GOOD))
+    assert _finish_all(run)["after"].type == "length"
