@@ -352,8 +352,8 @@ class TokenizerManager:
                 "(a prompt must leave room for at least one new token)"
             )
         room = self.context_length - len(ids)
-        if params.max_new_tokens > room:
-            params = msgspec.structs.replace(params, max_new_tokens=room)
+        if params.max_new_tokens > room:  # min_new_tokens with it: it may never exceed max_new_tokens
+            params = msgspec.structs.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
         if len(ids) + params.max_new_tokens - 1 > self.max_total_tokens:
             raise ValueError(
                 f"{where}the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) needs more KV "

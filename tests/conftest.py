@@ -111,3 +111,16 @@ def tiny_llama_dir(tmp_path_factory, model_dir) -> str:
     folder = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_model("llama3-rope", folder, model_dir)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory, model_dir):
+    """One engine on a tiny Llama with head_dim 40, short context, default backend (tests/tiny_engine.py)."""
+    from engine import Engine
+    from tiny_engine import CONTEXT, save_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama-hd40")
+    save_tiny_llama(folder, model_dir)
+    eng = Engine(model_path=str(folder), dtype="float32", max_total_tokens=2048, context_length=CONTEXT)
+    yield eng
+    eng.shutdown()

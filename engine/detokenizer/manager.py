@@ -144,8 +144,8 @@ class DetokenizerManager:
             if out.token_ids[i] >= 0:
                 state.tokens += 1
             final = out.finished[i] is not None
-            if state.tokens < state.min_new_tokens:  # too early to stop: release everything
-                deltas[i] = state.matcher.release(deltas[i])
+            if state.tokens < state.min_new_tokens:  # too early to stop (a final output flushes what is held)
+                deltas[i] = state.matcher.release(deltas[i], final)
                 matched = None
             else:
                 deltas[i], matched = state.matcher.feed(deltas[i], final)

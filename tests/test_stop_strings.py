@@ -1,0 +1,132 @@
+"""Issue 13, items 2 and 3: stop strings against min_new_tokens.
+
+The matcher is driven as the detokenizer drives it (release before min_new_tokens, feed after, final
+on the last output) and compared with a plain reference over many random token splits. The
+detokenizer itself, in-process on real sockets, must flush held text on a final output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import zmq
+
+from engine.detokenizer.stop_strings import StopMatcher
+
+
+def reference(pieces: list[str], stops: tuple[str, ...], min_new: int) -> tuple[str, str | None]:
+    """The rule, from the whole text: the occurrence that ends first (longest on a tie), among those
+    ending after the text of the first min_new - 1 tokens."""
+    text = "".join(pieces)
+    boundary = len("".join(pieces[: max(min_new - 1, 0)]))
+    for end in range(boundary + 1, len(text) + 1):
+        hits = [s for s in stops if end >= len(s) and text[end - len(s) : end] == s]
+        if hits:
+            stop = max(hits, key=len)
+            return text[: end - len(stop)], stop
+    return text, None
+
+
+def streamed(pieces: list[str], stops: tuple[str, ...], min_new: int) -> tuple[str, str | None]:
+    """What the detokenizer releases, piece by piece, as in DetokenizerManager._match_stop_strings."""
+    m = StopMatcher(stops)
+    out = ""
+    for i, piece in enumerate(pieces):
+        final = i == len(pieces) - 1
+        if i + 1 < min_new:
+            out += m.release(piece, final)
+            continue
+        text, matched = m.feed(piece, final)
+        out += text
+        if matched is not None:
+            return out, matched
+    return out, None
+
+
+def _random_case(rng: random.Random):
+    alphabet = rng.choice(["ab", "ab\n", "abc", "\n."])
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24)))
+    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))})
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) if len(text) > 1 else []
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    if rng.random() < 0.2:  # tokens with no text (a partial UTF-8 character, a skipped special token)
+        pieces.insert(rng.randrange(len(pieces) + 1), "")
+    return pieces, stops, rng.randint(0, len(pieces) + 2)
+
+
+def test_matcher_agrees_with_the_reference_over_random_splits():
+    rng = random.Random(13)
+    for case in range(20000):
+        pieces, stops, min_new = _random_case(rng)
+        assert streamed(pieces, stops, min_new) == reference(pieces, stops, min_new), (case, pieces, stops, min_new)
+
+
+@pytest.mark.parametrize(
+    "pieces, min_new, expected",
+    [
+        (["a", "\n", "x", "y"], 3, ("a\nxy", None)),  # "\n" came before min_new_tokens: it does not stop
+        (["a", "\n", "\n", "y"], 3, ("a", "\n\n")),  # "\n\n" ends after the boundary: it stops, whole
+        (["a", "\n", "x", "\n"], 3, ("a\nx", "\n")),
+    ],
+)
+def test_stop_string_completed_before_min_new_tokens_does_not_stop_later(pieces, min_new, expected):
+    assert streamed(pieces, ("\n", "\n\n"), min_new) == expected
+
+
+def test_final_output_flushes_held_text_before_min_new_tokens():
+    assert streamed(["Hello", "\n"], ("\n\n",), 10) == ("Hello\n", None)
+
+
+@pytest.fixture()
+def detokenizer(model_dir):
+    """A DetokenizerManager in this process, its peers' sockets bound here."""
+    from engine.detokenizer.manager import DetokenizerManager
+    from engine.ipc.channels import Endpoints, pull_socket
+
+    endpoints = Endpoints.create()
+    ctx = zmq.Context()
+    peers = [pull_socket(ctx, endpoints.tokenizer), pull_socket(ctx, endpoints.scheduler)]
+    manager = DetokenizerManager(model_dir, endpoints.to_dict())
+    yield manager
+    for sock in (manager.recv_sock, manager.send_sock, manager.scheduler_sock):
+        sock.close(linger=0)
+    manager.zmq_ctx.term()
+    for sock in peers:
+        sock.close(linger=0)
+    ctx.term()
+    endpoints.remove()
+
+
+@pytest.mark.parametrize("reason", ["length", "abort"])
+def test_detokenizer_flushes_held_text_when_a_request_ends_before_min_new_tokens(detokenizer, tokenizer, reason):
+    from engine.ipc.messages import BatchTokenOut, FinishReason, RequestHeader, RequestMeta
+
+    ids = tokenizer.encode("Hello world.\n")
+    assert len(ids) >= 2 and tokenizer.decode(ids[-1:]).endswith("\n")
+    header = RequestHeader(prompt_tokens=3, stop=("\n\n",), min_new_tokens=len(ids) + 5)
+    text = ""
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        finish = (FinishReason("length", length=len(ids)) if reason == "length" else FinishReason("abort", message="x")) if last else None
+        out = BatchTokenOut(["r"], [token], [finish], [RequestMeta(3, i + 1) if last else None], [header if i == 0 else None])
+        text += detokenizer.detokenize(out).text_deltas[0]
+    assert text == "Hello world.\n"
+    assert not detokenizer.stop_states
+
+
+def test_min_new_tokens_is_clipped_with_max_new_tokens(tiny_engine):
+    """A prompt near the context end: max_new_tokens shrinks to the room left, min_new_tokens with it;
+    the text held back for a stop string that never completes still reaches the caller."""
+    from tiny_engine import CONTEXT
+
+    prompt = [1] + [500 + i for i in range(CONTEXT - 5)]  # room for 4 new tokens
+    params = {"max_new_tokens": 50, "min_new_tokens": 40, "temperature": 0}
+    tm = tiny_engine._resources.tokenizer_manager
+    clipped = tm.validate(prompt, tm.parse_params(params), 0)
+    assert (clipped.max_new_tokens, clipped.min_new_tokens) == (4, 4)
+    plain = tiny_engine.generate(input_ids=prompt, sampling_params=params)
+    assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    last = tiny_engine.tokenizer.decode(plain["output_ids"][-1:])
+    assert last, "the last token has no text of its own; pick another prompt"
+    out = tiny_engine.generate(input_ids=prompt, sampling_params={**params, "stop": [last + "\x00never"]})
+    assert out["text"] == plain["text"] and out["meta_info"]["finish_reason"]["type"] == "length"
