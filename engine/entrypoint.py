@@ -7,22 +7,19 @@ import sys
 import threading
 import weakref
 
-from engine import hooks
+from engine import envvars, hooks
 from engine.config import EngineConfig
 from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
 from engine.hooks.loader import ENV, load_plugins, parse_spec
 from engine.ipc.channels import Endpoints
 from engine.model.resolve import model_name, resolve_model_dir
-from engine.processes.launch import Child, spawn_child, stop_children, wait_ready
+from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
 from engine.streaming import async_collect, async_stream, sync_stream
 from engine.tokenizer import load_hf_tokenizer
 from engine.tokenizer_manager import TokenizerManager
 from engine.tracing.switch import tracing_enabled
-
-
-SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize")
 
 
 def _child_env(plugins: str) -> dict[str, str]:
@@ -107,7 +104,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
-        plugins = self.config.plugins if self.config.plugins is not None else os.environ.get(ENV, "")
+        plugins = self.config.plugins if self.config.plugins is not None else envvars.read(ENV)
         if tracing_enabled() and "tracing" not in parse_spec(plugins):
             plugins = ",".join(parse_spec(plugins) + ["tracing"])  # ENGINE_TRACING=1: the tracing plugin, everywhere
         load_plugins(plugins)  # an unknown name stops here, listing the available plugins

@@ -61,8 +61,43 @@ USER_SITECUSTOMIZE = textwrap.dedent(
 )
 
 
-def run(tmp_path, env_extra: dict) -> subprocess.CompletedProcess:
-    (tmp_path / "script.py").write_text(SCRIPT)
+PROBE = textwrap.dedent(
+    """
+    # every process this plugin's code runs in, and the role it is told there, from its first line on
+    import os
+    from engine import hooks
+    from engine.hooks import hookimpl
+
+    def _log(what):
+        with open(os.environ["PROBE_LOG"], "a") as f:
+            f.write(f"{what} {os.getpid()} {hooks.current_role()}\\n")
+
+    _log("import")
+
+    @hookimpl
+    def engine_logit_processors():
+        _log("logit_processors")
+        return {}
+    """
+)
+
+WRAPPER_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from engine import Engine
+
+    if __name__ == "__main__":
+        with Engine(dtype="float32", max_total_tokens=2048) as engine:
+            out = engine.generate("The capital of France is", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+            stats = engine.get_stats()["plugins"]
+            print("RESULT " + json.dumps({"text": out["text"], "ids": out["output_ids"], "pids": engine.pids,
+                                          "meta": out["meta_info"], "stats": stats}))
+    """
+)
+
+
+def run(tmp_path, env_extra: dict, script: str = SCRIPT) -> subprocess.CompletedProcess:
+    (tmp_path / "script.py").write_text(script)
     env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "PYTHONPATH")}
     env.update(env_extra)
     return subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -111,3 +146,34 @@ def test_users_own_sitecustomize_runs_alongside_ours_and_alone(tmp_path):
     assert "stagetimer: seconds per stage" in proc.stderr and "total" in proc.stderr  # its shutdown report
     ran_in = {int(p) for p in log.read_text().split()}
     assert {both["pids"]["user"], both["pids"]["scheduler"], both["pids"]["detokenizer"]} <= ran_in
+
+
+def test_wrappers_run_in_all_three_processes_and_plugins_load_only_there(tmp_path):
+    """The worked wrapper example of docs/plugins.md, loaded at interpreter start (its folder on
+    PYTHONPATH, so the children's sitecustomize imports it), with a probe plugin that logs every
+    process its code runs in and the role it is told there."""
+    from docs_examples import write_example
+
+    site = tmp_path / "site"
+    module = write_example(site, "wrapclock")
+    (site / "myplugins" / "probe.py").write_text(PROBE)
+    log = tmp_path / "probe.log"
+    proc = run(tmp_path, {"ENGINE_PLUGINS": f"{module},myplugins.probe,skipdetok", "PYTHONPATH": str(site),
+                          "PROBE_LOG": str(log)}, WRAPPER_SCRIPT)  # fmt: skip
+    out = result(proc)
+    pids = out["pids"]
+    role_of = {pids[r]: r for r in ("user", "scheduler", "detokenizer")}
+    lines = [line.split() for line in log.read_text().splitlines()]
+    # only the engine's three processes (before the fix: multiprocessing's resource tracker too)
+    assert {int(pid) for _, pid, _ in lines} == set(role_of), lines
+    for what, pid, role in lines:  # the true role, from the plugin's import on (before: "user" in the children)
+        assert role == role_of[int(pid)], (what, pid, role)
+    assert sorted(what for what, _, _ in lines) == ["import"] * 3 + ["logit_processors"] * 3
+    # the wrappers ran: the detokenizer's rewrote skipdetok's empty texts, the user's marked the result
+    assert out["text"] == "".join(f"<{t}>" for t in out["ids"]) and len(out["ids"]) == 6
+    assert out["meta"]["wrapped_in"] == "user"
+    stats = out["stats"]
+    assert stats["scheduler"][module]["wrapped"] == 6  # one prefill and five decode steps
+    assert stats["scheduler"][module]["seconds"] >= 0.0
+    assert stats["detokenizer"][module]["wrapped"] >= 6
+    assert stats["user"][module]["wrapped"] == 1

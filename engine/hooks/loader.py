@@ -8,10 +8,10 @@ Loading is idempotent per process: a name loaded before is skipped.
 from __future__ import annotations
 
 import importlib
-import os
 from importlib.metadata import entry_points
 
-from engine.hooks.runtime import PluginLoadError, plugin_manager, refresh
+from engine import envvars
+from engine.hooks.runtime import PluginLoadError, registry_lock, plugin_manager, refresh, register
 
 ENTRY_POINT_GROUP = "engine.plugins"
 ENV = "ENGINE_PLUGINS"
@@ -50,36 +50,39 @@ def load_plugins(spec: str | None, strict: bool = True) -> list[str]:
     """Register the plugins named in spec. strict=False skips those that cannot load yet (the
     sitecustomize pass, before a child's sys.path is set up); the child's own pass is strict."""
     names = parse_spec(spec)
-    pm = plugin_manager()
-    for name in names:
-        if name in _loaded:
-            continue
-        try:
-            obj = _resolve(name)
-        except PluginLoadError:
-            if strict:
-                raise
-            continue
-        provide = getattr(obj, "engine_logit_processors", None)
-        if provide is not None:  # before registering: a plugin that fails here is not half loaded
-            from engine.sampling.processors import register_logit_processor
-
-            try:
-                for proc_name, cls in (provide() or {}).items():
-                    register_logit_processor(proc_name, cls)
-            except Exception as exc:
-                raise PluginLoadError(f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}") from exc
-        try:
-            pm.register(obj, name=name)
-        except Exception as exc:  # pluggy: the same object under two names, or a bad hook signature
-            raise PluginLoadError(f"plugin {name!r} cannot be registered: {exc}") from exc
-        _loaded[name] = obj
-    refresh()
+    with registry_lock:  # two engines started from two threads load one at a time
+        for name in names:
+            _load_one(name, strict)
+        refresh()
     return names
 
 
+def _load_one(name: str, strict: bool) -> None:
+    if name in _loaded:
+        return
+    try:
+        obj = _resolve(name)
+    except PluginLoadError:
+        if strict:
+            raise
+        return
+    register(obj, name)  # refuses a wrapper that cannot run as marked
+    provide = getattr(obj, "engine_logit_processors", None)
+    if provide is not None:
+        from engine.sampling.processors import register_logit_processor
+
+        try:
+            for proc_name, cls in (provide() or {}).items():
+                register_logit_processor(proc_name, cls)
+        except Exception as exc:  # not left half loaded
+            plugin_manager().unregister(obj)
+            refresh()
+            raise PluginLoadError(f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}") from exc
+    _loaded[name] = obj
+
+
 def install_from_env(strict: bool = True) -> list[str]:
-    return load_plugins(os.environ.get(ENV), strict)
+    return load_plugins(envvars.read(ENV), strict)
 
 
 def loaded_plugins() -> list[str]:
@@ -89,8 +92,9 @@ def loaded_plugins() -> list[str]:
 def unload_plugins(names: list[str]) -> None:
     """Unregister plugins from this process (tests, notebooks). Logit processors they registered stay."""
     pm = plugin_manager()
-    for name in names:
-        obj = _loaded.pop(name, None)
-        if obj is not None:
-            pm.unregister(obj)
-    refresh()
+    with registry_lock:
+        for name in names:
+            obj = _loaded.pop(name, None)
+            if obj is not None:
+                pm.unregister(obj)
+        refresh()

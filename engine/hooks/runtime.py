@@ -1,22 +1,44 @@
 """The process's plugin manager and the calls the engine makes into it.
 
-Why not `pm.hook.<name>(...)` directly: each implementation is called here one by one, so an
-exception names the plugin and the hook it came from, and a hook nobody implements costs one dict
-lookup at its call site (`has(name)` guards the call sites on the hot path).
+Calls go through pluggy's own hook caller, so everything a pluggy user expects holds: call order,
+tryfirst/trylast, firstresult, and wrappers (`@hookimpl(wrapper=True)` and the old
+`hookwrapper=True`) around the plain implementations. What the engine adds: every implementation's
+function is isolated at registration, so an exception leaves it as a HookError naming the plugin
+and the hook (the requests concerned fail, the process serves on), and a hook nobody implements
+costs one dict lookup at its call site (`has(name)` guards the hot path).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import threading
+from typing import Any, Callable
 
 import pluggy
+
+from engine import envvars
 
 PROJECT = "engine"
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+# Hooks whose results are gathered per plugin (keyed by plugin name): a wrapper around them would
+# have no single result to see, so one is refused at load time rather than silently skipped.
+PER_PLUGIN_HOOKS = ("engine_stats", "engine_logit_processors")
+
 _pm: pluggy.PluginManager | None = None
-_impls: dict[str, tuple] = {}  # hook name -> ((plugin name, function, argument names), ...) in call order
-_role = "user"
+_callers: dict[str, Any] = {}  # hook name -> pluggy HookCaller, only for hooks with implementations
+registry_lock = threading.RLock()  # loading, unloading and rebuilding the table; calls never take it
+_ROLES = ("user", "scheduler", "detokenizer")
+
+
+def _initial_role() -> str:
+    """A child knows its role from interpreter start: the engine sets ENGINE_PROCESS_ROLE for it."""
+    role = envvars.read("ENGINE_PROCESS_ROLE")
+    return role if role in _ROLES else "user"
+
+
+_role = _initial_role()
 
 
 class HookError(Exception):
@@ -37,75 +59,170 @@ class PluginLoadError(ValueError):
 
 def plugin_manager() -> pluggy.PluginManager:
     global _pm
-    if _pm is None:
-        from engine.hooks.specs import EngineSpecs
+    with registry_lock:
+        if _pm is None:
+            from engine.hooks.specs import EngineSpecs
 
-        _pm = pluggy.PluginManager(PROJECT)
-        _pm.add_hookspecs(EngineSpecs)
-    return _pm
+            _pm = pluggy.PluginManager(PROJECT)
+            _pm.add_hookspecs(EngineSpecs)
+        return _pm
 
 
-def refresh() -> None:
-    """Rebuild the call lists after plugins were registered or unregistered."""
-    pm = plugin_manager()
-    _impls.clear()
+def _named(plugin: str, hook: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, (HookError, FatalHookError)):
+        return exc  # already named, by the implementation it came from
+    if envvars.read("ENGINE_PLUGIN_ERRORS") == "raise":
+        return FatalHookError(str(HookError(plugin, hook, exc)))
+    return HookError(plugin, hook, exc)
+
+
+def _isolate_plain(plugin: str, hook: str, fn: Callable) -> Callable:
+    def isolated(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise _named(plugin, hook, exc) from exc
+
+    return isolated
+
+
+def _isolate_wrapper(plugin: str, hook: str, fn: Callable) -> Callable:
+    """A generator standing in for the plugin's wrapper: forwards what pluggy sends or throws, and
+    names the plugin when the wrapper's own code raises (an error thrown in from an inner
+    implementation, already named, passes through unchanged)."""
+
+    def misbehaved(what: str) -> BaseException:
+        return _named(plugin, hook, RuntimeError(f"a hook wrapper must yield exactly once; it {what}"))
+
+    def isolated(*args, **kwargs):
+        try:
+            gen = fn(*args, **kwargs)
+            next(gen)
+        except StopIteration:
+            raise misbehaved("returned without yielding") from None
+        except Exception as exc:
+            raise _named(plugin, hook, exc) from exc
+        try:
+            try:
+                sent = yield
+            except BaseException as thrown:  # an inner implementation (or wrapper) raised
+                try:
+                    gen.throw(thrown)
+                except StopIteration as stop:
+                    return stop.value
+                except Exception as exc:
+                    if exc is thrown:
+                        raise
+                    raise _named(plugin, hook, exc) from exc
+            else:
+                try:
+                    gen.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+                except Exception as exc:
+                    raise _named(plugin, hook, exc) from exc
+            raise misbehaved("yielded twice")
+        finally:
+            gen.close()
+
+    return isolated
+
+
+def _isolate(hook: str, impl) -> None:
+    """Replace an implementation's function by its isolated form, once (refresh runs often)."""
+    fn = impl.function
+    if getattr(fn, "__engine_isolated__", False):
+        return
+    wrapper = impl.wrapper or impl.hookwrapper
+    if wrapper and hook in PER_PLUGIN_HOOKS:
+        raise PluginLoadError(
+            f"plugin {impl.plugin_name!r}: {hook} gathers one result per plugin, so it cannot be wrapped; "
+            "implement it as a plain hook"
+        )
+    if wrapper and not inspect.isgeneratorfunction(inspect.unwrap(fn)):
+        raise PluginLoadError(
+            f"plugin {impl.plugin_name!r}: its {hook} is marked as a hook wrapper but is not a generator "
+            "function (a wrapper yields once, around the other implementations)"
+        )
+    isolated = (_isolate_wrapper if wrapper else _isolate_plain)(impl.plugin_name, hook, fn)
+    isolated.__engine_isolated__ = True
+    isolated.__wrapped__ = fn
+    impl.function = isolated  # pluggy keeps argnames from the original; it calls function(*args)
+
+
+def _check(pm: pluggy.PluginManager) -> dict[str, Any]:
+    """Isolate every implementation; raise PluginLoadError for one that cannot run as marked."""
+    callers = {}
     for name in dir(pm.hook):
         if not name.startswith("engine_"):
             continue
-        impls = getattr(pm.hook, name).get_hookimpls()
-        if impls:  # pluggy calls the last registered first; keep its order
-            _impls[name] = tuple((i.plugin_name, i.function, i.argnames) for i in reversed(impls))
+        caller = getattr(pm.hook, name)
+        impls = caller.get_hookimpls()
+        for impl in impls:
+            _isolate(name, impl)
+        if impls:
+            callers[name] = caller
+    return callers
+
+
+def refresh() -> None:
+    """Rebuild the table of implemented hooks after plugins were registered or unregistered. The
+    new table replaces the old one in one assignment: a hook call running in another thread keeps
+    the table it started with."""
+    global _callers
+    with registry_lock:
+        _callers = _check(plugin_manager())
+
+
+def register(obj: object, name: str) -> None:
+    """Register a plugin, checked: a wrapper that cannot run as marked is refused, and the plugin
+    is not left half registered."""
+    pm = plugin_manager()
+    with registry_lock:
+        try:
+            pm.register(obj, name=name)
+        except Exception as exc:  # pluggy: the same object under two names, or a bad hook signature
+            raise PluginLoadError(f"plugin {name!r} cannot be registered: {exc}") from exc
+        try:
+            _check(pm)
+        except PluginLoadError:
+            pm.unregister(obj)
+            refresh()
+            raise
+        refresh()
 
 
 def has(name: str) -> bool:
-    return name in _impls
+    return name in _callers
 
 
 def implementers(name: str) -> list[str]:
-    """The plugins implementing a hook, in call order."""
-    return [plugin for plugin, _, _ in _impls.get(name, ())]
-
-
-def _fatal() -> bool:
-    return os.environ.get("ENGINE_PLUGIN_ERRORS", "") == "raise"
-
-
-def _run(name: str, plugin: str, fn, argnames, kwargs: dict):
-    try:
-        return fn(**{a: kwargs[a] for a in argnames})
-    except Exception as exc:
-        if _fatal():
-            raise FatalHookError(str(HookError(plugin, name, exc))) from exc
-        raise HookError(plugin, name, exc) from exc
+    """The plugins implementing a hook, in call order: wrappers (outermost first), then the plain ones."""
+    caller = _callers.get(name)
+    return [impl.plugin_name for impl in reversed(caller.get_hookimpls())] if caller else []
 
 
 def call(name: str, **kwargs) -> list:
-    """Call every implementation; their non-None results, in call order. Raises HookError."""
-    out = []
-    for plugin, fn, argnames in _impls.get(name, ()):
-        result = _run(name, plugin, fn, argnames, kwargs)
-        if result is not None:
-            out.append(result)
-    return out
-
-
-def call_named(name: str, **kwargs) -> dict:
-    """Like call, keyed by plugin name."""
-    out = {}
-    for plugin, fn, argnames in _impls.get(name, ()):
-        result = _run(name, plugin, fn, argnames, kwargs)
-        if result is not None:
-            out[plugin] = result
-    return out
+    """Call the hook the pluggy way; the non-None results, in call order. Raises HookError."""
+    caller = _callers.get(name)
+    return caller(**kwargs) if caller is not None else []
 
 
 def call_first(name: str, **kwargs):
-    """The first non-None result (pluggy's firstresult), or None."""
-    for plugin, fn, argnames in _impls.get(name, ()):
-        result = _run(name, plugin, fn, argnames, kwargs)
+    """A firstresult hook: the first non-None result, or None."""
+    caller = _callers.get(name)
+    return caller(**kwargs) if caller is not None else None
+
+
+def call_named(name: str, **kwargs) -> dict:
+    """A per-plugin hook (PER_PLUGIN_HOOKS): each implementation's non-None result by plugin name."""
+    caller = _callers.get(name)
+    out = {}
+    for impl in reversed(caller.get_hookimpls()) if caller is not None else ():
+        result = impl.function(*(kwargs[a] for a in impl.argnames))
         if result is not None:
-            return result
-    return None
+            out[impl.plugin_name] = result
+    return out
 
 
 def set_role(role: str) -> None:
@@ -114,5 +231,6 @@ def set_role(role: str) -> None:
 
 
 def current_role() -> str:
-    """"user", "scheduler" or "detokenizer": the engine process this code runs in."""
+    """"user", "scheduler" or "detokenizer": the engine process this code runs in, right from the
+    moment a plugin is imported (children learn it at interpreter start)."""
     return _role

@@ -7,11 +7,27 @@ rid, input_ids, output_ids, sampling, ...); treat them as read-only unless the h
 
 A hook that raises fails only the requests it was called for (the error names the plugin and the
 hook); with ENGINE_PLUGIN_ERRORS=raise, it stops the process instead (for development).
+
+Hooks marked `firstresult` stop at the first non-None result (pluggy's rule); the others return
+every implementation's non-None result. Wrappers (`@hookimpl(wrapper=True)`, or the older
+`hookwrapper=True`) run around the plain implementations of any hook but the per-plugin services
+`engine_stats` and `engine_logit_processors` (docs/plugins.md, "Wrappers").
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pluggy
+
+if TYPE_CHECKING:  # for the reader and type checkers only: importing them here would load torch
+    import torch
+
+    from engine.hooks.types import PromptRequest, StepRecord
+    from engine.ipc.messages import BatchTextOut
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler.request import Req
+    from kernels.attention.base import ForwardBatch
 
 hookspec = pluggy.HookspecMarker("engine")
 
@@ -38,18 +54,20 @@ class EngineSpecs:
     # ------------------------------------------------------------------ tokenize (user process)
 
     @hookspec
-    def engine_tokenize_before(self, request) -> None:
+    def engine_tokenize_before(self, request: PromptRequest) -> None:
         """Before a prompt is tokenized. User process, once per prompt of a generate call.
         `request` (engine.hooks.types.PromptRequest): index, prompt (str or None), messages (a chat or
         None), input_ids (given ids or None). May rewrite prompt, messages or input_ids."""
 
     @hookspec
-    def engine_tokenize_after(self, request) -> None:
+    def engine_tokenize_after(self, request: PromptRequest) -> None:
         """After tokenization, before validation. User process, once per prompt. May rewrite
         request.input_ids (the ids that will be sent)."""
 
     @hookspec
-    def engine_request_submitted(self, rid: str, request, sampling, trace_context: dict) -> None:
+    def engine_request_submitted(
+        self, rid: str, request: PromptRequest, sampling: SamplingParams, trace_context: dict[str, str]
+    ) -> None:
         """A request is about to be sent to the scheduler. User process, in the caller's thread, once per
         request (n > 1: once per copy), after every request of the call was validated. `request` is its
         PromptRequest (with tokenize_start_ns/tokenize_end_ns), `sampling` its SamplingParams.
@@ -58,7 +76,7 @@ class EngineSpecs:
         (the tracing plugin puts its root span there). If it raises, nothing of the call is sent."""
 
     @hookspec
-    def engine_request_done(self, rid: str, meta_info: dict, error: str | None) -> None:
+    def engine_request_done(self, rid: str, meta_info: dict[str, Any], error: str | None) -> None:
         """A request ended in the user process: its last output arrived (any finish reason, streams
         and aborts included; `meta_info` as in the result), or the engine stopped first, or its call
         failed after engine_request_submitted saw it and nothing was sent (`error` says why;
@@ -69,7 +87,7 @@ class EngineSpecs:
     # ------------------------------------------------------------------ schedule (scheduler)
 
     @hookspec
-    def engine_schedule(self, waiting: list, running: int) -> None:
+    def engine_schedule(self, waiting: list[Req], running: int) -> None:
         """Before the scheduler picks requests for a prefill step, in the order it will try them.
         Scheduler, each time it plans a prefill while requests wait and the step has budget left
         (about once per step; more often while nothing can start). `waiting` is a list of Req the
@@ -78,12 +96,12 @@ class EngineSpecs:
         requests."""
 
     @hookspec
-    def engine_request_admitted(self, req, cached_tokens: int) -> None:
+    def engine_request_admitted(self, req: Req, cached_tokens: int) -> None:
         """A request got memory and a slot and will be prefilled. Scheduler, once per admission (again
         after a retraction). Changes nothing."""
 
     @hookspec
-    def engine_request_finished(self, req, finish_reason: dict) -> None:
+    def engine_request_finished(self, req: Req, finish_reason: dict[str, Any]) -> None:
         """A request finished (stop, length or abort) in the scheduler. Once per request. Changes
         nothing; an error here is reported but cannot fail the request any more. `req` carries its
         wall-clock times (arrived_ns: sent by the user process, received_ns, admitted_ns,
@@ -93,13 +111,13 @@ class EngineSpecs:
     # ------------------------------------------------------------------ forward (scheduler)
 
     @hookspec
-    def engine_forward_before(self, batch, rids: list) -> None:
+    def engine_forward_before(self, batch: ForwardBatch, rids: list[str]) -> None:
         """Before the model's forward pass. Scheduler, once per step. `batch` is the ForwardBatch
         (kernels/attention/base.py: mode, input_ids, positions, ...); `rids` the requests in the step.
         Read-only."""
 
     @hookspec
-    def engine_forward_after(self, batch, rids: list, logits) -> None:
+    def engine_forward_after(self, batch: ForwardBatch, rids: list[str], logits: torch.Tensor) -> None:
         """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32: first one
         row per request that samples this step, then, in a prefill, rows for prompt logprobs; `rids`
         are all requests in the step (a prompt chunk that samples nothing yet has no row). Read-only
@@ -108,20 +126,20 @@ class EngineSpecs:
     # ------------------------------------------------------------------ sample (scheduler)
 
     @hookspec
-    def engine_process_logits(self, logits, rids: list, reqs: list) -> None:
+    def engine_process_logits(self, logits: torch.Tensor, rids: list[str], reqs: list[Req]) -> None:
         """The batched logits before sampling, one row per request (`rids`, `reqs` in row order).
         Scheduler, once per step that samples. May change `logits` in place: the place for logit
         processors that need the whole batch. Runs after the engine's own processing (bias,
         penalties, custom processors) and before greedy/temperature sampling."""
 
     @hookspec
-    def engine_sample_after(self, rids: list, next_ids, logprobs) -> None:
+    def engine_sample_after(self, rids: list[str], next_ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
         """After sampling. Scheduler, once per step that samples. `next_ids` [rows] int64; `logprobs`
         [rows] float32 under the model's distribution, or None when no request asked for them.
         Read-only."""
 
     @hookspec
-    def engine_step_end(self, step) -> None:
+    def engine_step_end(self, step: StepRecord) -> None:
         """A step ran (or failed). Scheduler, once per step, after its output was sent. `step` is an
         engine.hooks.types.StepRecord: mode, the requests served, tokens computed, and the wall-clock
         start of each stage (schedule, forward, sample, process results) and end. Read-only. Its
@@ -130,19 +148,20 @@ class EngineSpecs:
     # ------------------------------------------------------------------ detokenize (detokenizer)
 
     @hookspec(firstresult=True)
-    def engine_detokenize(self, rids: list, token_ids: list, finished: list) -> list | None:
+    def engine_detokenize(self, rids: list[str], token_ids: list[int], finished: list[bool]) -> list[str] | None:
         """Replace the decoding of one batch of outputs. Detokenizer, once per scheduler step.
         `token_ids[i]` is request i's new token (-1: none). Return one text delta per request to use
-        instead of the engine's incremental decoder (first non-None result wins), or None to decode as
-        usual. Stop strings are still matched on what is returned."""
+        instead of the engine's incremental decoder, or None to decode as usual. firstresult: stops at
+        the first non-None result (a wrapper sees that one result, or None). Stop strings are still
+        matched on what is returned."""
 
     @hookspec
-    def engine_detokenize_after(self, rids: list, texts: list) -> None:
+    def engine_detokenize_after(self, rids: list[str], texts: list[str]) -> None:
         """After decoding one batch. Detokenizer, once per scheduler step. May change `texts` (a list of
         text deltas, one per request) in place."""
 
     @hookspec
-    def engine_detokenize_output(self, output) -> None:
+    def engine_detokenize_output(self, output: BatchTextOut) -> None:
         """One batch's text, as it leaves for the user process (stop strings applied: `finished` is
         final). Detokenizer, once per scheduler step. `output` is the BatchTextOut (rids,
         text_deltas, token_ids, finished, meta, headers: a request's first output carries its
@@ -151,7 +170,7 @@ class EngineSpecs:
     # ------------------------------------------------------------------ output (user process)
 
     @hookspec
-    def engine_output(self, result: dict) -> None:
+    def engine_output(self, result: dict[str, Any]) -> None:
         """A finished result in the user process, before generate returns it (not for stream chunks).
         Once per request. May change the dict in place. If it raises, that result comes back with
         finish_reason abort and the error; the call's other results are untouched."""
@@ -159,16 +178,19 @@ class EngineSpecs:
     # ------------------------------------------------------------------ plugin services
 
     @hookspec
-    def engine_logit_processors(self) -> dict:
+    def engine_logit_processors(self) -> dict[str, type] | None:
         """Custom logit processors this plugin provides: {name: CustomLogitProcessor subclass}.
-        Called once per process when the plugin is loaded."""
+        Called once per engine process (user, scheduler, detokenizer) when the plugin is loaded,
+        with current_role() already right; per plugin, so it cannot be wrapped. A package that
+        only provides processors can use the entry-point group `engine.logit_processors` instead,
+        which needs no ENGINE_PLUGINS (docs/plugins.md)."""
 
     @hookspec
-    def engine_stats(self, role: str) -> dict | None:
+    def engine_stats(self, role: str) -> dict[str, Any] | None:
         """Figures for engine.get_stats()["plugins"][role][plugin name]. Called in every process
-        whenever stats are asked for."""
+        whenever stats are asked for; per plugin (keyed by its name), so it cannot be wrapped."""
 
     @hookspec
-    def engine_shutdown_report(self, stats: dict) -> None:
+    def engine_shutdown_report(self, stats: dict[str, Any]) -> None:
         """User process, once, when the engine shuts down regularly, with the final get_stats()
         (children's plugin figures included)."""

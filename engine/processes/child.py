@@ -67,6 +67,9 @@ def run_child(
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
     # Ctrl-C reaches the whole process group; the parent decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from engine.processes.launch import clean_inherited_env
+
+    clean_inherited_env()
     with contextlib.suppress(ImportError):
         import setproctitle
 

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import multiprocessing.connection
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,22 +28,50 @@ class Child:
         return self.process.pid
 
 
+# The folder whose sitecustomize.py installs plugins in the children (put first on their PYTHONPATH).
+SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize")
+
+
+def clean_inherited_env() -> None:
+    """In a child, once started: what spawn_child set for this child alone leaves its environment,
+    so that a process the child starts in turn is not taken for an engine process."""
+    os.environ.pop("ENGINE_PROCESS_ROLE", None)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != SITECUSTOMIZE_DIR]
+    if path:
+        os.environ["PYTHONPATH"] = os.pathsep.join(path)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
+# multiprocessing's spawn passes no environment of its own: the child copies os.environ as it is
+# at start. Changing it for one start is process-wide, so starts take this lock (two Engines
+# started from two threads cannot see each other's PYTHONPATH), and nothing else that inherits
+# os.environ is started inside the window (the resource tracker is started before it).
+_spawn_lock = threading.Lock()
+
+
 def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | None = None) -> Child:
     """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe).
-    `env` is set for the child only (the spawned interpreter copies os.environ at start)."""
+    `env` is set for the child only, with ENGINE_PROCESS_ROLE=role so that plugins know the role
+    from interpreter start; the child removes both from its own environment (run_child)."""
+    from multiprocessing import resource_tracker
+
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(target=target, args=(*args, child_conn), name=f"engine::{role}", daemon=True)
-    saved = {k: os.environ.get(k) for k in env or {}}
-    try:
-        os.environ.update(env or {})
-        process.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    env = {**(env or {}), "ENGINE_PROCESS_ROLE": role}
+    with _spawn_lock:
+        resource_tracker.ensure_running()  # outside the window: it must not inherit the child's variables
+        saved = {k: os.environ.get(k) for k in env}
+        try:
+            os.environ.update(env)
+            process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     child_conn.close()  # the child holds the only other end: EOF there means we are gone
     return Child(role=role, process=process, conn=parent_conn)
 

@@ -1,0 +1,53 @@
+"""Every ENGINE_* environment variable, read here and nowhere else.
+
+One registry so that the docs' table (docs/configuration.md, also printed by `engine env`) and the
+code cannot drift apart: each variable has its meaning and its default next to the one function
+that reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str  # the value when unset ("" = unset means off / none)
+    values: str  # what it accepts
+    meaning: str
+
+
+VARIABLES: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar("ENGINE_PLUGINS", "", "a,b,pkg.module:obj",
+               "plugins loaded in all three engine processes (entry points of group engine.plugins, or import paths)"),
+        EnvVar("ENGINE_PLUGIN_ERRORS", "", "raise",
+               "raise: a plugin error stops the process (development); otherwise it fails only the requests concerned"),
+        EnvVar("ENGINE_TRACING", "0", "1 or 0", "1: the tracing plugin in all three processes (OpenTelemetry spans)"),
+        EnvVar("ENGINE_TRACE_FILE", "", "a file path", "also write every span as OTLP/JSON lines to this file"),
+        EnvVar("ENGINE_TRACE_STEPS", "1", "N >= 0", "keep one scheduler-step trace in N (0: none; failed steps always)"),
+        EnvVar("ENGINE_CACHE_DIR", "", "a directory",
+               "where the dequantized embedded model and the compiled C kernels are cached (default: the user cache dir)"),
+        EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only)"),
+        EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
+        EnvVar("ENGINE_PROCESS_ROLE", "", "scheduler or detokenizer",
+               "set by the engine for its children only, so plugins know their role from interpreter start; never set it"),
+    )
+}  # fmt: skip
+
+
+def read(name: str) -> str:
+    """The variable's value, or its default; stripped. Unknown names are a programming error."""
+    var = VARIABLES[name]
+    return os.environ.get(name, var.default).strip()
+
+
+def table() -> str:
+    """The variables as a Markdown table (docs/configuration.md holds the same)."""
+    rows = ["| variable | values | default | meaning |", "|---|---|---|---|"]
+    for v in VARIABLES.values():
+        rows.append(f"| `{v.name}` | {v.values} | {('`' + v.default + '`') if v.default else 'unset'} | {v.meaning} |")
+    return "\n".join(rows)

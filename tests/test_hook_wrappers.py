@@ -1,0 +1,269 @@
+"""pluggy's wrappers, as every pluggy and pytest user writes them, in the engine's hook runtime (in
+process): new-style `wrapper=True` and old-style `hookwrapper=True` run around the plain
+implementations, see and may change their result (firstresult included), see their exceptions,
+and a failure anywhere is a HookError naming the plugin; wrappers that cannot run as marked are
+refused at load time."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import hooks
+from engine.hooks import HookError, PluginLoadError, hookimpl
+from engine.hooks.loader import load_plugins, unload_plugins
+from engine.hooks.runtime import register
+
+
+@pytest.fixture
+def plugins():
+    """Register plugin objects under names; all are unregistered afterwards."""
+    from engine.hooks.runtime import plugin_manager, refresh
+
+    names = []
+
+    def add(obj, name):
+        register(obj, name)
+        names.append(name)
+        return obj
+
+    yield add
+    pm = plugin_manager()
+    for name in names:
+        obj = pm.get_plugin(name)
+        if obj is not None:
+            pm.unregister(obj)
+    refresh()
+
+
+class Plain:
+    def __init__(self, value=None, fail=False):
+        self.value, self.fail, self.seen = value, fail, []
+
+    @hookimpl
+    def engine_output(self, result):
+        self.seen.append("plain")
+        result.setdefault("order", []).append("plain")
+        if self.fail:
+            raise ValueError("plain broke")
+        return self.value
+
+
+class NewStyle:
+    """Times the implementations it wraps and rewrites their result list."""
+
+    def __init__(self):
+        self.calls = 0
+        self.saw_error = None
+
+    @hookimpl(wrapper=True)
+    def engine_output(self, result):
+        result.setdefault("order", []).append("new:before")
+        try:
+            results = yield
+        except HookError as exc:
+            self.saw_error = exc
+            raise
+        result["order"].append("new:after")
+        self.calls += 1
+        return results + ["added by the wrapper"]
+
+
+class OldStyle:
+    @hookimpl(hookwrapper=True)
+    def engine_output(self, result):
+        result.setdefault("order", []).append("old:before")
+        outcome = yield
+        result["order"].append("old:after")
+        result["old_saw"] = outcome.get_result() if outcome.exception is None else repr(outcome.exception)
+
+
+def test_new_and_old_style_wrappers_run_around_the_plain_implementations(plugins):
+    plugins(Plain(value=1), "plain")
+    new = plugins(NewStyle(), "new")
+    plugins(OldStyle(), "old")
+    result: dict = {}
+    out = hooks.call("engine_output", result=result)
+    # before the fix the wrappers' generators were returned as results and their bodies never ran
+    assert out == [1, "added by the wrapper"]
+    assert result["order"] == ["old:before", "new:before", "plain", "new:after", "old:after"]
+    assert result["old_saw"] == [1, "added by the wrapper"]
+    assert new.calls == 1
+    assert hooks.implementers("engine_output") == ["old", "new", "plain"]
+
+
+def test_a_wrapper_alone_runs_and_a_firstresult_wrapper_rewrites_the_result(plugins):
+    class Upper:
+        @hookimpl(wrapper=True)
+        def engine_detokenize(self, rids, token_ids, finished):
+            texts = yield
+            return None if texts is None else [t.upper() for t in texts]
+
+    class Decoder:
+        @hookimpl
+        def engine_detokenize(self, rids, token_ids, finished):
+            return [f"tok{t}" for t in token_ids]
+
+    plugins(Upper(), "upper")
+    assert hooks.has("engine_detokenize")  # a wrapper alone is an implementation: it runs
+    assert hooks.call_first("engine_detokenize", rids=["a"], token_ids=[5], finished=[False]) is None
+    plugins(Decoder(), "decoder")
+    assert hooks.call_first("engine_detokenize", rids=["a", "b"], token_ids=[5, 6], finished=[False, True]) == [
+        "TOK5", "TOK6"]  # fmt: skip
+
+
+def test_failures_are_named_and_wrappers_see_them(plugins):
+    plugins(Plain(fail=True), "breaks")
+    new = plugins(NewStyle(), "new")
+    plugins(OldStyle(), "old")
+    result: dict = {}
+    with pytest.raises(HookError, match="plugin 'breaks' failed in hook engine_output: ValueError: plain broke") as info:
+        hooks.call("engine_output", result=result)
+    assert info.value.plugin == "breaks"
+    assert isinstance(new.saw_error, HookError) and new.saw_error.plugin == "breaks"  # thrown into the wrapper
+    assert "plain broke" in result["old_saw"]
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_wrapper_that_raises_is_named(plugins, where):
+    class Broken:
+        @hookimpl(wrapper=True)
+        def engine_output(self, result):
+            if where == "before":
+                raise KeyError("set-up")
+            yield
+            raise RuntimeError("teardown")
+
+    plugins(Plain(value=1), "plain")
+    plugins(Broken(), "broken")
+    with pytest.raises(HookError, match="plugin 'broken' failed in hook engine_output"):
+        hooks.call("engine_output", result={})
+
+
+def test_a_wrapper_may_swallow_an_inner_failure(plugins):
+    class Forgiving:
+        @hookimpl(wrapper=True)
+        def engine_output(self, result):
+            try:
+                return (yield)
+            except HookError:
+                return ["recovered"]
+
+    plugins(Plain(fail=True), "breaks")
+    plugins(Forgiving(), "forgiving")
+    assert hooks.call("engine_output", result={}) == ["recovered"]
+
+
+def test_misbehaving_wrappers_are_named(plugins):
+    class Twice:
+        @hookimpl(wrapper=True)
+        def engine_output(self, result):
+            yield
+            yield
+
+    class Never:
+        @hookimpl(wrapper=True)
+        def engine_sample_after(self, rids):
+            if rids is not None:
+                return
+            yield
+
+    plugins(Twice(), "twice")
+    plugins(Never(), "never")
+    with pytest.raises(HookError, match="plugin 'twice'.*yield exactly once; it yielded twice"):
+        hooks.call("engine_output", result={})
+    with pytest.raises(HookError, match="plugin 'never'.*returned without yielding"):
+        hooks.call("engine_sample_after", rids=[], next_ids=None, logprobs=None)
+
+
+def test_wrappers_that_cannot_run_are_refused_at_load_time(plugins):
+    class NotAGenerator:
+        @hookimpl(wrapper=True)
+        def engine_output(self, result):
+            return None
+
+    class WrapsStats:
+        @hookimpl(wrapper=True)
+        def engine_stats(self, role):
+            return (yield)
+
+    with pytest.raises(PluginLoadError, match="not a generator function"):
+        plugins(NotAGenerator(), "not_a_generator")
+    with pytest.raises(PluginLoadError, match="engine_stats gathers one result per plugin"):
+        plugins(WrapsStats(), "wraps_stats")
+    assert not hooks.has("engine_output") and not hooks.has("engine_stats")  # nothing left half registered
+
+
+def test_fatal_mode_raises_past_request_isolation(plugins, monkeypatch):
+    from engine.hooks import FatalHookError
+
+    plugins(Plain(fail=True), "breaks")
+    plugins(NewStyle(), "new")
+    monkeypatch.setenv("ENGINE_PLUGIN_ERRORS", "raise")
+    with pytest.raises(FatalHookError, match="plugin 'breaks' failed in hook engine_output"):
+        hooks.call("engine_output", result={})
+
+
+def test_wrapper_example_from_the_docs_loads_and_unloads(tmp_path, monkeypatch):
+    from docs_examples import write_example
+
+    module = write_example(tmp_path, "wrapclock")
+    assert module == "myplugins.wrapclock"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load_plugins(module)
+    try:
+        assert hooks.implementers("engine_forward_after") == [module]
+        result = {"meta_info": {}}
+        hooks.call("engine_output", result=result)
+        assert result["meta_info"]["wrapped_in"] == "user"
+        assert hooks.call_named("engine_stats", role="user")[module]["wrapped"] == 1
+    finally:
+        unload_plugins([module])
+    assert not hooks.has("engine_forward_after")
+
+
+def test_hook_specs_are_typed_and_their_types_resolve():
+    """Every argument of every spec has a type, and the names imported for type checkers exist."""
+    import inspect
+    import typing
+
+    import torch
+
+    from engine.hooks import specs
+    from engine.hooks.types import PromptRequest, StepRecord
+    from engine.ipc.messages import BatchTextOut
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler.request import Req
+    from kernels.attention.base import ForwardBatch
+
+    names = {"torch": torch, "PromptRequest": PromptRequest, "StepRecord": StepRecord, "BatchTextOut": BatchTextOut,
+             "SamplingParams": SamplingParams, "Req": Req, "ForwardBatch": ForwardBatch}  # fmt: skip
+    hooks_seen = 0
+    for name, fn in vars(specs.EngineSpecs).items():
+        if not name.startswith("engine_"):
+            continue
+        hooks_seen += 1
+        hints = typing.get_type_hints(fn, globalns={**vars(specs), **names})
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        assert set(params) | {"return"} == set(hints), (name, params, hints)
+        if getattr(fn, "engine_spec", {}).get("firstresult"):
+            assert "first non-None result" in fn.__doc__, name
+    assert hooks_seen >= 20
+
+
+def test_the_docs_table_of_environment_variables_is_the_registry():
+    """docs/configuration.md holds engine/envvars.py's table, and no ENGINE_* variable is read elsewhere."""
+    import re
+    from pathlib import Path
+
+    from engine.envvars import VARIABLES, table
+
+    root = Path(__file__).resolve().parent.parent
+    assert table() in (root / "docs" / "configuration.md").read_text()
+    readers = re.compile(r"""environ(?:\.get)?\(\s*["'](ENGINE_[A-Z_]+)|environ\[\s*["'](ENGINE_[A-Z_]+)""")
+    for path in [*root.joinpath("engine").rglob("*.py"), *root.joinpath("kernels").rglob("*.py")]:
+        if path.name in ("envvars.py", "sitecustomize.py") or path.name.startswith("bench"):
+            continue
+        for found in readers.findall(path.read_text()):
+            name = next(n for n in found if n)
+            assert name in VARIABLES, f"{path.relative_to(root)} reads {name}, which engine/envvars.py does not list"
+            assert False, f"{path.relative_to(root)} reads {name} itself: use engine.envvars.read"
