@@ -1,15 +1,28 @@
-"""The `engine` command: profile and dump (py-spy, engine/profiling), trace (OpenTelemetry, engine/tracing)."""
+"""The `engine` command: profile and dump (py-spy, engine/profiling), trace (OpenTelemetry,
+engine/tracing), env (the ENGINE_* variables, engine/envvars.py)."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: engine {profile,dump,trace} ...
+USAGE = """usage: engine {profile,dump,trace,env} ...
 
   engine profile [options] -- command ...   py-spy in every engine process (docs/profiling.md)
   engine dump [--pid PID]                   stacks of every process of the running engines
   engine trace {receive,list,perfetto,timeline} ...   spans without a Jaeger (docs/tracing.md)
+  engine env                                the ENGINE_* variables: meaning, default, value here
 """
+
+
+def _env() -> int:
+    import os
+
+    from engine.envvars import VARIABLES, table
+
+    print(table())
+    here = [f"{name}={os.environ[name]}" for name in VARIABLES if name in os.environ]
+    print("\nset here: " + (", ".join(here) if here else "none"))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.tracing.cli import main as trace_main
 
         return trace_main(argv[1:])
+    if argv and argv[0] == "env":
+        return _env()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

@@ -7,8 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
+from xml.etree import ElementTree
 
 import pytest
+
+from engine.profiling.breakdown import MIN_SAMPLES, breakdown, reading
+from engine.profiling.stacks import write_flamegraph
 
 ENGINE_CLI = [sys.executable, "-m", "engine.profiling.cli"]
 
@@ -50,12 +55,13 @@ def test_profile_writes_three_flamegraphs_and_a_breakdown(tmp_path):
     for role, p in report["processes"].items():
         svg = (tmp_path / "out" / f"{role}.svg").read_text()
         assert svg.startswith("<svg") and "<rect" in svg
+        ElementTree.parse(tmp_path / "out" / f"{role}.svg")  # well-formed XML, as browsers demand
         speedscope = json.loads((tmp_path / "out" / f"{role}.speedscope.json").read_text())
         assert p["samples"] > 0 and sum(speedscope["profiles"][0]["weights"]) >= p["samples"]
         assert sum(p["stages_pct"].values()) == pytest.approx(100.0)
         assert p["reading"] and p["top_own"]
     assert report["processes"]["scheduler"]["stages_pct"]["forward"] > 0
-    assert "per-stage share of samples" in proc.stdout
+    assert "per-stage share of samples (%, of all samples, idle included: of wall time)" in proc.stdout
 
 
 def test_detokenizer_heavy_workload_and_skipdetok(tmp_path):
@@ -98,7 +104,62 @@ def test_failures_are_one_line_and_non_zero(tmp_path):
     assert denied.returncode == 2 and "ptrace" in denied.stderr and "SYS_PTRACE" in denied.stderr
 
     no_engine = run(["dump", "--pid", "1"])
-    assert no_engine.returncode == 2 and "no running engine" in no_engine.stderr
+    assert no_engine.returncode == 2 and "pid 1 is not the user process of a running engine" in no_engine.stderr
+
+    # a failed profile leaves no empty output folder behind
+    gone = run(["profile", "-o", "never", "--start-timeout", "60", "--", sys.executable, "-c", "pass"])
+    assert gone.returncode == 2 and not (tmp_path / "never").exists()
 
     no_cmd = run(["profile"])
     assert no_cmd.returncode == 2 and "give the command" in no_cmd.stderr
+
+
+def test_dump_with_a_childs_pid_says_which_pid_it_takes(engine):
+    for role in ("scheduler", "detokenizer"):
+        proc = subprocess.run([*ENGINE_CLI, "dump", "--pid", str(engine.pids[role])], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 2
+        assert f"pid {engine.pids[role]} is the {role} of the engine whose user process is {engine.pids['user']}" in proc.stderr
+        assert f"engine dump --pid {engine.pids['user']}" in proc.stderr
+
+
+def test_flamegraph_labels_cut_to_the_box_stay_well_formed(tmp_path):
+    """py-spy's frames <module>, <listcomp>, f.<locals>.g, cut at every width: never a split entity."""
+    frames = ["<module> (run.py:1)", "<listcomp> (a.py:2)", "f.<locals>.g (b.py:3)", "h & 'q' \"r\" (c.py:4)",
+              "bad\x01char (d.py:5)"]  # fmt: skip
+    for width in range(60, 400, 7):
+        stacks = Counter({tuple(frames[: i + 1]): 1 + i for i in range(len(frames))})
+        path = tmp_path / f"w{width}.svg"
+        write_flamegraph(stacks, "engine::<test> & co", str(path), width=width)
+        root = ElementTree.parse(path).getroot()
+        texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
+        assert any(t.startswith("<") for t in texts[1:]), texts  # labels are shown unescaped once parsed
+
+
+def _stacks(**stage_counts) -> Counter:
+    functions = {"detokenize": "DetokenizerManager.detokenize (engine/detokenizer/manager.py:1)",
+                 "tokenize": "TokenizerManager.tokenize (engine/tokenizer_manager.py:1)",
+                 "forward": "Scheduler.forward (engine/scheduler/scheduler.py:1)",
+                 "wait": "poll (zmq/sugar/poll.py:1)", "other": "something_else (x.py:1)"}  # fmt: skip
+    return Counter({("<module> (run.py:1)", functions[stage]): n for stage, n in stage_counts.items() if n})
+
+
+def test_readings_say_when_samples_are_too_few_or_idle_was_not_sampled():
+    # the case from the issue: --no-idle, a detokenizer idle nearly all the time, a user process with 5 samples
+    detok = breakdown(_stacks(detokenize=3, other=2), idle=False)
+    assert "too few" in reading("detokenizer", detok) and "wall" not in reading("detokenizer", detok)
+    user = breakdown(_stacks(tokenize=4, other=1), idle=False)
+    assert "too few" in reading("user", user) and "tokeniz" not in reading("user", user)
+    # enough samples, but without idle samples: shares of on-CPU time, never of wall time
+    detok = breakdown(_stacks(detokenize=300, other=20), idle=False)
+    line = reading("detokenizer", detok)
+    assert "wall" not in line and "not sampled" in line and "skipdetok" in line
+    user = breakdown(_stacks(tokenize=30, other=300), idle=False)
+    assert "wall" not in reading("user", user) and "waits" not in reading("user", user)
+    # with idle samples a detokenizer that mostly waits says so, and its few working samples are not read
+    detok = breakdown(_stacks(wait=5000, detokenize=3, other=2), idle=True)
+    assert "waits 100% of wall" in reading("detokenizer", detok) and "too few" in reading("detokenizer", detok)
+    sched = breakdown(_stacks(wait=500, forward=MIN_SAMPLES - 1), idle=True)
+    assert "too few" in reading("scheduler", sched)
+    sched = breakdown(_stacks(wait=500, forward=400, other=20), idle=True)
+    assert "compute-bound" in reading("scheduler", sched)

@@ -127,12 +127,15 @@ def test_bad_tracing_settings_stop_the_engine_with_a_clear_error(monkeypatch, en
 def test_tracing_switch_values(monkeypatch):
     from engine.tracing.switch import tracing_enabled
 
-    for value, on in (("1", True), ("true", True), ("0", False), ("", False), ("off", False)):
+    for value, on in (("1", True), (" 1 ", True), ("0", False), ("", False)):
         monkeypatch.setenv("ENGINE_TRACING", value)
         assert tracing_enabled() is on
-    monkeypatch.setenv("ENGINE_TRACING", "maybe")
-    with pytest.raises(ValueError, match="ENGINE_TRACING='maybe'"):
-        tracing_enabled()
+    monkeypatch.delenv("ENGINE_TRACING")
+    assert tracing_enabled() is False
+    for value in ("maybe", "yes", "true", "on", "off", "no", "false", "2"):  # docs/tracing.md: only 1 and 0
+        monkeypatch.setenv("ENGINE_TRACING", value)
+        with pytest.raises(ValueError, match=f"ENGINE_TRACING='{value}'"):
+            tracing_enabled()
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +441,11 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
         assert img.format == "PNG" and img.width == 1400 and img.height > 200
     run = subprocess.run(cli + ["timeline", path, "--request", "no-such-request", "-o", str(png)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "no-such-request" in run.stderr
+    run = subprocess.run(cli + ["list", path], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    header, *rows = run.stdout.splitlines()
+    assert header.split() == ["trace", "id", "request", "id", "root", "span"]  # a column header first
+    assert rid in run.stdout and _root(spans, rid).trace_id in run.stdout and len(rows) >= len(results)
 
 
 SCRIPT = textwrap.dedent(

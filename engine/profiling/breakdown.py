@@ -73,7 +73,9 @@ def _startup(stack: tuple[str, ...]) -> bool:
     return any(_func(f).endswith((".build", "Engine.__init__")) for f in stack)
 
 
-def breakdown(stacks: Counter, top: int = 10) -> dict:
+def breakdown(stacks: Counter, top: int = 10, idle: bool = True) -> dict:
+    """idle: the samples include waiting threads (py-spy --idle). Without them there is no wall
+    time to share out: the shares are of on-CPU samples and "waiting on ZMQ" is not measured."""
     stacks = Counter({k: v for k, v in stacks.items() if not any(_func(f).endswith(HOUSEKEEPING) for f in k)})
     total = sum(stacks.values())
     per_stage: Counter = Counter()
@@ -91,7 +93,9 @@ def breakdown(stacks: Counter, top: int = 10) -> dict:
     busy_shares = {s: (100.0 * per_stage[s] / busy if busy else 0.0) for s in STAGES if s != "waiting on ZMQ"}
     return {
         "samples": total,
-        "stages_pct": shares,  # of all samples: sums to 100
+        "idle_sampled": idle,  # False: shares are of on-CPU samples, not of wall time
+        "busy_samples": busy,
+        "stages_pct": shares,  # of all samples: sums to 100 (of wall time only when idle_sampled)
         "busy_stages_pct": busy_shares,  # of the samples neither waiting nor starting up: where the work goes
         "startup_pct": 100.0 * startup / total if total else 0.0,
         "stage_samples": {s: per_stage[s] for s in STAGES},  # counts ("other" without start-up)
@@ -99,22 +103,40 @@ def breakdown(stacks: Counter, top: int = 10) -> dict:
     }
 
 
+# A share resting on fewer samples than this is noise (at 100 samples/s, half a second of work):
+# the reading says so instead of giving advice.
+MIN_SAMPLES = 50
+
+
+def _too_few(role: str, what: str, n: int) -> str:
+    return (f"{role}: only {n} {what}, too few for a reading (profile a longer run, or raise --rate); "
+            "the flamegraph still shows where they fell")  # fmt: skip
+
+
 def reading(role: str, b: dict) -> str:
-    """One line in the spirit of the reference's symptom table."""
-    s = b["stages_pct"]
-    busy = 100.0 - s["waiting on ZMQ"]
+    """One line in the spirit of the reference's symptom table. It speaks of wall time only when
+    idle samples were taken, and gives no advice from fewer than MIN_SAMPLES samples."""
     if not b["samples"]:
         return f"{role}: no samples"
+    if b["samples"] < MIN_SAMPLES:
+        return _too_few(role, "samples", b["samples"])
+    idle = b.get("idle_sampled", True)
+    s, w, busy_n = b["stages_pct"], b["busy_stages_pct"], b.get("busy_samples", b["samples"])
     if role == "detokenizer":
-        work = b["busy_stages_pct"]["detokenize"]
-        if s["detokenize"] >= 30:
+        if idle and s["detokenize"] >= 30:
             return f"detokenizer busy {s['detokenize']:.0f}% of wall in batch decode: if nobody reads the text, try ENGINE_PLUGINS=skipdetok"
-        if work >= 50:
-            return (f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall; {work:.0f}% of its work is batch decode: "
-                    "cheap here, but if nobody reads the text, ENGINE_PLUGINS=skipdetok removes it")  # fmt: skip
-        return f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall, decodes {s['detokenize']:.0f}%: decoding is not a bottleneck"
+        if busy_n < MIN_SAMPLES:
+            if idle:
+                return f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall; its {busy_n} working samples are too few to say more"
+            return _too_few(role, "working samples (idle time was not sampled: --no-idle)", busy_n)
+        where = f"waits {s['waiting on ZMQ']:.0f}% of wall; " if idle else "idle time not sampled (--no-idle); "
+        if w["detokenize"] >= 50:
+            return (f"detokenizer {where}{w['detokenize']:.0f}% of its work is batch decode: "
+                    "if nobody reads the text, ENGINE_PLUGINS=skipdetok removes it")  # fmt: skip
+        return f"detokenizer {where}{w['detokenize']:.0f}% of its work is batch decode: decoding is not a bottleneck"
     if role == "scheduler":
-        w = b["busy_stages_pct"]  # once serving: start-up (model loading) and waiting left out
+        if busy_n < MIN_SAMPLES:
+            return _too_few(role, "samples of work once serving", busy_n)
         if w["sample"] >= 20:
             return f"scheduler spends {w['sample']:.0f}% of its work sampling: a slow custom logit processor or a heavy sample hook?"
         if w["process_results"] >= 15:
@@ -124,8 +146,11 @@ def reading(role: str, b: dict) -> str:
         if w["forward"] >= 50:
             return f"scheduler spends {w['forward']:.0f}% of its work in the model forward: compute-bound, as it should be"
         return f"scheduler: forward {w['forward']:.0f}% of its work, other {w['other']:.0f}%: look at its top functions"
-    if s["tokenize"] >= 20:
-        return f"user process spends {s['tokenize']:.0f}% tokenizing: pass input_ids, or batch prompts in one call"
-    if s["waiting on ZMQ"] >= 60:
+    of = "of samples" if idle else "of its on-CPU samples (idle time not sampled: --no-idle)"
+    if b["stage_samples"]["tokenize"] >= MIN_SAMPLES // 5 and s["tokenize"] >= 20:
+        return f"user process spends {s['tokenize']:.0f}% {of} tokenizing: pass input_ids, or batch prompts in one call"
+    if idle and s["waiting on ZMQ"] >= 60:
         return f"user process waits on the engine {s['waiting on ZMQ']:.0f}% of samples: the engine is the bottleneck, as it should be"
-    return f"user process busy {busy:.0f}% of samples outside the engine's stages: look at its top functions"
+    if idle:
+        return f"user process busy {100.0 - s['waiting on ZMQ']:.0f}% of samples outside the engine's stages: look at its top functions"
+    return "user process: idle time not sampled (--no-idle), so its waiting on the engine is not measured: look at its top functions"

@@ -57,7 +57,27 @@ def profile(args: argparse.Namespace) -> int:
     if not cmd:
         raise ProfileError("give the command to run after --, e.g. engine profile -- python run.py")
     pyspy = find_pyspy()
+    created = not os.path.isdir(args.output)
     os.makedirs(args.output, exist_ok=True)
+    try:
+        return _profile(args, cmd, pyspy)
+    except BaseException:
+        if created:
+            _remove_if_empty(args.output)
+        raise
+
+
+def _remove_if_empty(folder: str) -> None:
+    """After a failed profile: the folder it created goes, with only the empty files py-spy left."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)
+    if not os.listdir(folder):
+        os.rmdir(folder)
+
+
+def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
     child = subprocess.Popen(cmd)
     try:
         pids = _wait_for_engine(child, args.start_timeout)
@@ -83,7 +103,7 @@ def profile(args: argparse.Namespace) -> int:
         stacks = parse_collapsed(open(raw).read())
         write_flamegraph(stacks, f"engine::{role} (pid {pids[role]})", os.path.join(args.output, f"{role}.svg"))
         write_speedscope(stacks, f"engine::{role}", os.path.join(args.output, f"{role}.speedscope.json"))
-        b = breakdown(stacks)
+        b = breakdown(stacks, idle=args.idle)
         b["reading"] = reading(role, b)
         report["processes"][role] = b
     with open(os.path.join(args.output, "breakdown.json"), "w") as f:
@@ -95,10 +115,14 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def _print(report: dict) -> None:
-    print(f"\nper-stage share of samples (%), command exit code {report['exit_code']}")
+    idle = all(p["idle_sampled"] for p in report["processes"].values())
+    what = "of all samples, idle included: of wall time" if idle else "of on-CPU samples only (--no-idle): not of wall time"
+    print(f"\nper-stage share of samples (%, {what}), command exit code {report['exit_code']}")
     print(f"  {'stage':<18}" + "".join(f"{r:>13}" for r in report["processes"]))
     for stage in STAGES:
-        print(f"  {stage:<18}" + "".join(f"{p['stages_pct'][stage]:13.1f}" for p in report["processes"].values()))
+        cells = [f"{p['stages_pct'][stage]:13.1f}" if idle or stage != "waiting on ZMQ" else f"{'-':>13}"
+                 for p in report["processes"].values()]  # fmt: skip
+        print(f"  {stage:<18}" + "".join(cells))
     for role, p in report["processes"].items():
         print(f"\n{role} ({p['samples']} samples): {p['reading']}")
         for entry in p["top_own"][:5]:
@@ -109,7 +133,10 @@ def dump_all(args: argparse.Namespace) -> int:
     pyspy = find_pyspy()
     engines = engine_processes()
     if args.pid is not None:
-        engines = [e for e in engines if e["user"] == args.pid]
+        chosen = [e for e in engines if e["user"] == args.pid]
+        if not chosen:
+            raise ProfileError(_not_a_user_pid(args.pid, engines))
+        engines = chosen
     if not engines:
         raise ProfileError("no running engine found (looked for processes titled engine::scheduler)")
     for pids in engines:
@@ -117,6 +144,19 @@ def dump_all(args: argparse.Namespace) -> int:
             print(f"==== {role} (pid {pids[role]}) ====")
             print(dump(pyspy, pids[role]))
     return 0
+
+
+def _not_a_user_pid(pid: int, engines: list[dict[str, int]]) -> str:
+    """--pid names an engine by its user process (the one that created Engine()): say what pid was
+    given instead, and which pids would do."""
+    for e in engines:
+        for role in ("scheduler", "detokenizer"):
+            if e[role] == pid:
+                return (f"pid {pid} is the {role} of the engine whose user process is {e['user']}: "
+                        f"--pid takes the user process's pid (engine dump --pid {e['user']})")  # fmt: skip
+    users = ", ".join(str(e["user"]) for e in engines)
+    running = f"running engines' user processes: {users}" if users else "no engine is running"
+    return f"pid {pid} is not the user process of a running engine (--pid takes the pid that created Engine()); {running}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+from engine import envvars
+
 
 class ProfileError(Exception):
     """A failure the command reports in one line, exiting non-zero."""
@@ -15,7 +17,7 @@ class ProfileError(Exception):
 def find_pyspy() -> str:
     """The py-spy binary: next to this interpreter (the py-spy wheel installs it there), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    chosen = os.environ.get("ENGINE_PYSPY")  # an explicit binary
+    chosen = envvars.read("ENGINE_PYSPY")  # an explicit binary
     if chosen:
         if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
             raise ProfileError(f"py-spy not found at ENGINE_PYSPY={chosen}")

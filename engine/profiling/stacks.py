@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import html
 import json
+import re
+import zlib
 from collections import Counter
+
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    """Text for an SVG: characters XML cannot hold dropped, then escaped. Escape last, after any
+    cut, so that an entity (&lt;module&gt;) is never split."""
+    return html.escape(_NOT_XML.sub("", text))
+
+
+def _fit(text: str, chars: int) -> str:
+    """The label cut to the box: whole characters, with an ellipsis when cut."""
+    if len(text) <= chars:
+        return text
+    return text[: max(0, chars - 1)] + "\u2026" if chars > 1 else ""
 
 
 def parse_collapsed(text: str) -> Counter:
@@ -50,7 +67,7 @@ def write_speedscope(stacks: Counter, name: str, path: str) -> None:
         "name": name,
         "exporter": "engine profile",
     }  # fmt: skip
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f)
 
 
@@ -73,21 +90,21 @@ def write_flamegraph(stacks: Counter, title: str, path: str, width: int = 1200, 
             w = child["n"] / total * width
             if w >= 0.5:
                 y = height - (level + 2) * row
-                hue = 20 + (hash(frame.split(" (")[0]) % 40)
-                label = html.escape(frame)
-                text = html.escape(frame.split(" (")[0])
+                hue = 20 + (zlib.crc32(frame.split(" (")[0].encode()) % 40)  # stable across runs
+                label = _xml_text(frame)
+                text = _xml_text(_fit(frame.split(" (")[0], int(w / 7)))
                 rects.append(
                     f'<g><title>{label}: {child["n"]} samples ({100 * child["n"] / total:.1f}%)</title>'
                     f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 1}" fill="hsl({hue},85%,60%)"/>'
-                    + (f'<text x="{x + 3:.1f}" y="{y + row - 5}" font-size="11">{text[: int(w / 7)]}</text>' if w > 30 else "")
+                    + (f'<text x="{x + 3:.1f}" y="{y + row - 5}" font-size="11">{text}</text>' if w > 30 else "")
                     + "</g>"
                 )
                 draw(child, x, level + 1)
             x += w
 
     draw(tree, 0.0, 0)
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write(
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace">'
-            f'<text x="4" y="14" font-size="13">{html.escape(title)} ({total} samples)</text>' + "".join(rects) + "</svg>\n"
+            f'<text x="4" y="14" font-size="13">{_xml_text(title)} ({total} samples)</text>' + "".join(rects) + "</svg>\n"
         )

@@ -68,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             from engine.tracing.timeline import request_traces
 
-            for trace_id, rid, name in request_traces(spans):
-                print(f"{trace_id}  {rid}  {name}")
+            traces = request_traces(spans)
+            width = max([len("request id")] + [len(rid) for _, rid, _ in traces])
+            print(f"{'trace id':<32}  {'request id':<{width}}  root span")
+            for trace_id, rid, name in traces:
+                print(f"{trace_id:<32}  {rid:<{width}}  {name}")
+            if not traces:
+                print("(no request traces in the file)", file=sys.stderr)
         elif args.command == "perfetto":
             from engine.tracing.perfetto import write_chrome_trace
 

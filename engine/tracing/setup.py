@@ -21,6 +21,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
+from engine import envvars
+
 FILE_ENV = "ENGINE_TRACE_FILE"
 STEPS_ENV = "ENGINE_TRACE_STEPS"
 SERVICE_NAME = "engine"
@@ -60,7 +62,7 @@ def make_exporters() -> list[SpanExporter]:
     """The exporters the variables ask for (ValueError naming a bad value)."""
     from engine.tracing.file_exporter import FileSpanExporter
 
-    path = os.environ.get(FILE_ENV, "").strip()
+    path = envvars.read(FILE_ENV)
     names = [n.strip().lower() for n in _env("OTEL_TRACES_EXPORTER", default="none" if path else "otlp").split(",")]
     exporters: list[SpanExporter] = []
     for name in names:
@@ -82,7 +84,7 @@ def make_exporters() -> list[SpanExporter]:
 
 def step_sampling() -> int:
     """ENGINE_TRACE_STEPS: trace one step in this many (0: none). Failed steps are always traced."""
-    raw = os.environ.get(STEPS_ENV, "").strip() or "1"
+    raw = envvars.read(STEPS_ENV) or "1"
     if not raw.isdigit():
         raise ValueError(f"{STEPS_ENV}={raw!r}: give a whole number of steps (1: every step, 0: none)")
     return int(raw)

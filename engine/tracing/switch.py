@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import os
+from engine import envvars
 
 ENV = "ENGINE_TRACING"
 
 
 def tracing_enabled() -> bool:
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    """1: on; 0 or unset: off; anything else stops the start with an error naming the variable."""
+    value = envvars.read(ENV)
+    if value in ("", "0"):
         return False
-    if value in ("1", "true", "yes", "on"):
+    if value == "1":
         return True
-    raise ValueError(f"{ENV}={os.environ[ENV]!r}: use 1 (on) or 0 (off)")
+    raise ValueError(f"{ENV}={value!r}: use 1 (on) or 0 (off)")
