@@ -59,14 +59,15 @@ def test_decode_matches_reference(backend_name, dtype, tol, head_dim):
     assert torch.equal(pool.k_buffers[0][loc], new_k)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu_native"])
+@pytest.mark.parametrize("head_dim", [32, 40, 72])  # 40, 72: not multiples of 16 (issue 13, item 1)
+@pytest.mark.parametrize("backend_name", ["torch", "cpu_native", "auto"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_extend_with_prefix_matches_reference(backend_name, dtype, tol):
+def test_extend_with_prefix_matches_reference(backend_name, dtype, tol, head_dim):
     """Two requests in one extend batch: one continues after a 21-token cached prefix, one starts fresh."""
     if backend_name == "cpu_native" and load_native() is None:
         pytest.fail("no C compiler: the native kernel could not be built on this machine")
     torch.manual_seed(1)
-    h, hkv, d = 6, 2, 32
+    h, hkv, d = 6, 2, head_dim
     pool = Pool(200, hkv, d, dtype)
     table = torch.zeros(3, 64, dtype=torch.int64)
     prefix_lens, ext_lens, slots = [21, 0], [19, 37], [2, 0]
@@ -104,3 +105,19 @@ def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle()
     assert type(create_backend("auto", "cpu", **shape)) is TorchAttentionBackend
     with pytest.raises(ValueError, match="cpu_native"):
         create_backend("cpu_native", "cpu", **shape)
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 72])
+def test_native_backend_decides_its_prefill_path_at_start(head_dim):
+    """Whether extend runs natively is known when the backend is made (AVX-512 and head_dim % 16 == 0),
+    so no shape the kernel refuses reaches it in a step (issue 13, item 1)."""
+    from kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+
+    if load_native() is None:
+        pytest.skip("no C compiler")
+    with open("/proc/cpuinfo") as f:
+        avx512 = "avx512f" in f.read()
+    backend = create_backend("auto", "cpu", num_heads=8, num_kv_heads=2, head_dim=head_dim, scale=1.0,
+                             kv_pool=Pool(4, 2, head_dim, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
+    assert type(backend) is CpuNativeAttentionBackend
+    assert backend.native_extend == (avx512 and head_dim % 16 == 0)

@@ -7,7 +7,9 @@ BACKENDS = ("auto", "torch", "cpu_native")
 
 
 def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
-    """`auto`: cpu_native on the CPU when its C kernel builds here, else torch. `torch` works everywhere."""
+    """`auto`: cpu_native on the CPU when its C kernel builds here and handles the model's heads, else
+    torch. `torch` works everywhere. cpu_native runs prefill natively only where its build and head_dim
+    allow (AVX-512, head_dim a multiple of 16), in torch otherwise: decided here, at start."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     if name in ("auto", "cpu_native") and device == "cpu":
@@ -22,9 +24,12 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
             )
         lib = load_native() if fits else None
         if lib is not None:
-            from kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+            from kernels.attention.cpu_native_backend import DECODE, CpuNativeAttentionBackend, native_support
 
-            return CpuNativeAttentionBackend(lib, **kwargs)
+            if native_support(lib, heads, kv_heads, head_dim) & DECODE:  # asked once: no failures per request
+                return CpuNativeAttentionBackend(lib, **kwargs)
+            if name == "cpu_native":
+                raise ValueError(f"attention_backend='cpu_native' does not handle {heads} heads of {head_dim} here")
         if name == "cpu_native":
             raise RuntimeError("attention_backend='cpu_native' needs a working C compiler (cc) with OpenMP")
     elif name == "cpu_native":

@@ -15,24 +15,45 @@ from kernels.attention.base import ForwardBatch, ForwardMode
 from kernels.attention.torch_backend import TorchAttentionBackend
 
 
+DECODE, EXTEND = 1, 2  # native_support() bits
+
+
+def native_support(lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Which kernels this build computes for the shape (DECODE | EXTEND bits); asked once, at start."""
+    return int(lib.native_support(num_heads, num_kv_heads, head_dim))
+
+
 class CpuNativeAttentionBackend(TorchAttentionBackend):
+    """Native decode; native extend where the build and head_dim allow (AVX-512, head_dim a multiple of
+    16), torch's otherwise. Decided here, once: a kernel's non-zero code in a step is an error."""
+
     def __init__(self, lib: ctypes.CDLL, **kwargs) -> None:
         super().__init__(**kwargs)
         self.lib = lib
         self.num_threads = torch.get_num_threads()
+        support = native_support(lib, self.num_heads, self.num_kv_heads, self.head_dim)
+        if not support & DECODE:
+            raise ValueError(
+                f"the native kernels do not handle {self.num_heads} heads ({self.num_kv_heads} KV heads) of "
+                f"head_dim {self.head_dim}"
+            )
+        self.native_extend = bool(support & EXTEND)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._slots = batch.req_slots.contiguous()
         if batch.mode is ForwardMode.DECODE:
             self._lens = batch.seq_lens.contiguous()
+        elif not self.native_extend:
+            super().init_forward_metadata(batch)
         else:
-            self._batch = batch  # for the torch fallback, which builds its own metadata only if needed
             ext = torch.tensor(batch.extend_lens, dtype=torch.int64)
             self._prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
             self._ext = ext
             self._q_start = torch.cumsum(ext, 0) - ext
 
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:
+        if not self.native_extend:
+            return super()._extend(q, k, v, k_buf, v_buf)
         q = q.contiguous()
         out = torch.empty_like(q)
         table = self.req_to_token
@@ -42,9 +63,6 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             self._ext.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
             int(q.dtype == torch.bfloat16), self.num_threads,
         )
-        if rc == 3:  # built without AVX-512: the torch path does it
-            super().init_forward_metadata(self._batch)
-            return super()._extend(q, k, v, k_buf, v_buf)
         if rc != 0:
             raise RuntimeError(f"native extend attention failed with code {rc}")
         return out

@@ -1,4 +1,13 @@
-"""Compile kernels/cpu/*.c into a shared library cached per source and machine, and load it with ctypes."""
+"""Compile kernels/cpu/*.c into a shared library cached per source and machine, and load it with ctypes.
+
+No -ffast-math: with GCC it links crtfastmath.o, whose constructor turns on flush-to-zero for the
+whole process that loads the library (1e-40 * 1.0 == 0.0 in every thread of the scheduler after).
+The kernels vectorize without it: their reductions are `omp simd`, their exp is their own.
+
+A library in the cache is code the scheduler runs, so the cache is trusted only as ssh trusts its
+files: owned by this user (or root) and writable by nobody else. Otherwise the library is built in a
+fresh private directory instead, and a warning names the unsafe path.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +15,20 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
+    "-shared", "-fPIC",
+]  # fmt: skip
 
 
 def _cpu_signature() -> str:
@@ -35,37 +50,110 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("engine")) / "kernels"
 
 
-@lru_cache(maxsize=1)
-def load_native() -> ctypes.CDLL | None:
-    """The compiled library, or None when no C compiler works here (ENGINE_NATIVE_KERNELS=0 also disables)."""
-    if os.environ.get("ENGINE_NATIVE_KERNELS", "1") == "0":
+def compiler_command() -> list[str] | None:
+    """$CC split as a shell would ("ccache gcc" is two words), else cc or gcc from PATH; None if none."""
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        try:
+            words = shlex.split(cc)
+        except ValueError:
+            return None
+        return words if words and shutil.which(words[0]) else None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why path may not be trusted (another user may write it), or None. Like ssh's StrictModes."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        return f"cannot stat it ({exc})"
+    if st.st_uid not in (os.getuid(), 0):
+        return f"it is owned by uid {st.st_uid}, not by this user"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _compile(command: list[str], folder: Path) -> Path | None:
+    """Build into a new file in folder; the file, or None (nothing left behind) when the build fails."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        result = subprocess.run([*command, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        ok = result.returncode == 0 and os.path.getsize(tmp) > 0
+    except OSError:
+        ok = False
+    if not ok:
+        os.unlink(tmp)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    return Path(tmp)
+
+
+def library_path() -> tuple[Path, bool] | None:
+    """(the compiled library, whether it is a private copy to delete once loaded), or None without a compiler."""
+    command = compiler_command()
+    if command is None:
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"decode_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        pass
+    problem = next(
+        (f"{p}: {why}" for p in (target.parent.parent, target.parent) if (why := unsafe_reason(p)) is not None), None
+    )
+    if problem is None:
+        if target.exists() and unsafe_reason(target) is None:
+            return target, False
+        built = _compile(command, target.parent)
+        if built is None:
             return None
-        os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
+        os.replace(built, target)
+        return target, False
+    print(f"engine: not using the kernel cache ({problem}); building in a private directory", file=sys.stderr)
+    private = Path(tempfile.mkdtemp(prefix="engine-kernels-"))
+    built = _compile(command, private)
+    if built is None:
+        shutil.rmtree(private, ignore_errors=True)
+        return None
+    return built, True
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernels' C signatures on a loaded library."""
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]
+    ]  # fmt: skip
     lib.extend_attention.restype = ctypes.c_int
     lib.extend_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]
+    ]  # fmt: skip
+    if hasattr(lib, "native_support"):
+        lib.native_support.restype = ctypes.c_int
+        lib.native_support.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
+
+
+@lru_cache(maxsize=1)
+def load_native() -> ctypes.CDLL | None:
+    """The compiled library, or None when no C compiler works here (ENGINE_NATIVE_KERNELS=0 also disables)."""
+    if os.environ.get("ENGINE_NATIVE_KERNELS", "1") == "0":
+        return None
+    found = library_path()
+    if found is None:
+        return None
+    path, private = found
+    try:
+        return bind(ctypes.CDLL(str(path)))
+    finally:
+        if private:  # mapped now: the file is no longer needed
+            shutil.rmtree(path.parent, ignore_errors=True)

@@ -158,6 +158,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
             const float *kr = row + (h / G) * D;
             const float *qh = qf + h * D;
             float s = 0.0f;
+#pragma omp simd reduction(+ : s)
             for (int d = 0; d < D; d++) s += qh[d] * kr[d];
             scores[h * len + t] = s;
             if (s > mx[h]) mx[h] = s;
@@ -198,11 +199,23 @@ write_out:
     }
 }
 
+/* What this build computes for a model's shape: bit 0 decode, bit 1 extend (extend needs AVX-512 and
+ * D a multiple of 16). The backend asks once, at start, and sends the rest to torch; a kernel's non-zero
+ * return at run time is then an error (2: out of memory), never a shape it quietly refuses. */
+int native_support(int H, int Hkv, int D) {
+    int ok = 0;
+    if (Hkv > 0 && H % Hkv == 0 && H <= MAX_H && D > 0 && D <= MAX_D) ok |= 1;
+#if defined(__AVX512F__)
+    if (Hkv > 0 && H % Hkv == 0 && D > 0 && D % 16 == 0 && D <= MAX_D) ok |= 2;
+#endif
+    return ok;
+}
+
 /* q, out: [B, H, D]; k, v: [N, Hkv, D]; req_to_token: [R, stride]; slots, lens: [B]. Returns 0 or an error code. */
 int decode_attention(const void *q, const void *k, const void *v, void *out, const int64_t *req_to_token,
                      int64_t stride, const int64_t *slots, const int64_t *lens, int B, int H, int Hkv, int D,
                      float scale, int is_bf16, int num_threads) {
-    if (H % Hkv != 0 || H > MAX_H || D > MAX_D) return 1;
+    if (Hkv <= 0 || H % Hkv != 0 || H > MAX_H || D <= 0 || D > MAX_D) return 1;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) if (lens[b] > max_len) max_len = lens[b];
     int failed = 0;
@@ -347,7 +360,7 @@ int extend_attention(const void *q, const void *k, const void *v, void *out, con
                      const int64_t *q_start, int B, int H, int Hkv, int D, float scale, int is_bf16,
                      int num_threads) {
 #if HAVE_SIMD
-    if (H % Hkv != 0 || D % 16 != 0 || D > MAX_D) return 1;
+    if (Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 16 != 0 || D > MAX_D) return 1;
     int64_t max_total = 1;
     for (int b = 0; b < B; b++) if (prefix[b] + ext[b] > max_total) max_total = prefix[b] + ext[b];
     const int64_t padded = (max_total + 15) / 16 * 16;

@@ -1,0 +1,120 @@
+"""Time the native attention kernels of one or more compiled libraries, side by side, in one run.
+
+    python -m kernels.cpu.bench old.so new.so      # each library in its own subprocess, rounds alternate
+
+Why subprocesses: a library built with -ffast-math turns on flush-to-zero for its whole process, which
+would change the other library's figures. Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim
+64): decode of 64 requests at context 370, extend (prefill) of 8 prompts of 300 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+H, HKV, D = 9, 3, 64
+
+
+def _time_library(path: str, repeats: int) -> dict:
+    """Median milliseconds per kernel call, per (kernel, dtype); extend is None when the build has none."""
+    import ctypes
+
+    import torch
+
+    from kernels.cpu.build import bind
+
+    lib = bind(ctypes.CDLL(path))
+    threads = torch.get_num_threads()
+    scale = D**-0.5
+    out: dict = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        bf16 = int(dtype == torch.bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        n_pool = 64 * 400
+        k = torch.randn(n_pool, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(n_pool, HKV, D, generator=gen).to(dtype)
+        table = torch.randperm(n_pool, generator=gen).reshape(64, 400).contiguous()  # scattered rows
+        # decode: 64 requests, 370 tokens each
+        q = torch.randn(64, H, D, generator=gen).to(dtype)
+        o = torch.empty_like(q)
+        slots = torch.arange(64, dtype=torch.int64)
+        lens = torch.full((64,), 370, dtype=torch.int64)
+
+        def decode() -> int:
+            return lib.decode_attention(
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), table.data_ptr(), table.stride(0),
+                slots.data_ptr(), lens.data_ptr(), 64, H, HKV, D, scale, bf16, threads,
+            )  # fmt: skip
+
+        # extend: 8 prompts of 300 new tokens, no prefix
+        ext = torch.full((8,), 300, dtype=torch.int64)
+        prefix = torch.zeros(8, dtype=torch.int64)
+        q_start = torch.cumsum(ext, 0) - ext
+        qe = torch.randn(8 * 300, H, D, generator=gen).to(dtype)
+        oe = torch.empty_like(qe)
+        eslots = torch.arange(8, dtype=torch.int64)
+
+        def extend() -> int:
+            return lib.extend_attention(
+                qe.data_ptr(), k.data_ptr(), v.data_ptr(), oe.data_ptr(), table.data_ptr(), table.stride(0),
+                eslots.data_ptr(), prefix.data_ptr(), ext.data_ptr(), q_start.data_ptr(), 8, H, HKV, D, scale,
+                bf16, threads,
+            )  # fmt: skip
+
+        name = "bf16" if bf16 else "f32"
+        for kernel, fn in (("decode", decode), ("extend", extend)):
+            if fn() != 0:  # warm-up, and: does this build have the kernel at all
+                out[f"{kernel}_{name}"] = None
+                continue
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[f"{kernel}_{name}"] = statistics.median(times) * 1e3
+    return out
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor()
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return f"{model}; avx512f: {'avx512f' in flags}; native bfloat16 (avx512_bf16): {'avx512_bf16' in flags}"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) >= 2 and argv[0] == "--one":
+        print(json.dumps(_time_library(argv[1], int(argv[2]) if len(argv) > 2 else 20)))
+        return
+    paths = argv
+    if not paths:
+        raise SystemExit(__doc__)
+    rounds: dict[str, list[dict]] = {p: [] for p in paths}
+    for _ in range(3):
+        for p in paths:
+            res = subprocess.run([sys.executable, "-m", "kernels.cpu.bench", "--one", p], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(res.stderr)
+            rounds[p].append(json.loads(res.stdout))
+    print(f"CPU: {_cpu()}")
+    print("median ms per call, best of 3 rounds (each round: median of 20 calls)")
+    keys = list(rounds[paths[0]][0])
+    print(f"{'kernel':<12}" + "".join(f"{p[-28:]:>30}" for p in paths))
+    for key in keys:
+        cells = []
+        for p in paths:
+            values = [r[key] for r in rounds[p] if r[key] is not None]
+            cells.append(f"{min(values):>30.3f}" if values else f"{'not in this build':>30}")
+        print(f"{key:<12}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

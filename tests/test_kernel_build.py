@@ -1,0 +1,126 @@
+"""Issue 13, items 5, 6 and 9: how the native kernels are built and loaded. Each case builds in a
+fresh subprocess with its own cache directory (a build takes about a second)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_cc = pytest.mark.skipif(
+    not any(os.access(os.path.join(d, "cc"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)),
+    reason="no C compiler",
+)
+
+
+def _python(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "ENGINE_CACHE_DIR": str(cache), "ENGINE_NATIVE_KERNELS": "1", **env}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=120)
+
+
+@needs_cc
+def test_loading_the_kernels_keeps_denormals(tmp_path):
+    """-ffast-math links crtfastmath, which sets flush-to-zero for the process that loads the library."""
+    code = (
+        "import torch\n"
+        "from kernels.cpu import load_native\n"
+        "assert load_native() is not None, 'the kernels did not build'\n"
+        "x = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "assert (x * 1.0).item() != 0.0, 'float32 denormal flushed to zero'\n"
+        "d = 1e-310\n"
+        "assert d * 1.0 != 0.0, 'float64 denormal flushed to zero'\n"
+        "print('ok')\n"
+    )
+    res = _python(code, tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@needs_cc
+@pytest.mark.parametrize("cc", ["env cc", "  cc  ", "no-such-compiler-xyz", "env false"])
+def test_cc_with_arguments_builds_or_falls_back_cleanly(tmp_path, cc):
+    """CC is split as a shell would; a compiler that is missing or fails means torch, and leaves nothing."""
+    code = "from kernels.cpu import load_native\nprint(load_native() is not None)\n"
+    res = _python(code, tmp_path, CC=cc)
+    assert res.returncode == 0, res.stderr
+    works = cc.strip().split()[-1] == "cc"
+    assert res.stdout.strip() == str(works)
+    files = sorted(p.name for p in (tmp_path / "kernels").iterdir()) if (tmp_path / "kernels").exists() else []
+    if works:
+        assert len(files) == 1 and files[0].startswith("decode_attention-") and files[0].endswith(".so"), files
+    else:
+        assert files == [], files  # no 0-byte tmp*.so left behind
+
+
+@needs_cc
+def test_failed_builds_leave_no_temporary_files(tmp_path):
+    code = (
+        "from kernels.cpu import load_native\n"
+        "from kernels.attention import create_backend\n"
+        "print(load_native() is None)\n"
+    )
+    for _ in range(2):
+        assert _python(code, tmp_path, CC="env false").stdout.strip() == "True"
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+PLANT = (
+    "import ctypes, os, sys\n"
+    "from kernels.cpu import build\n"
+    "lib = build.load_native()\n"
+    "assert lib is not None\n"
+    "print('planted' if hasattr(lib, 'planted') else 'built')\n"
+)
+
+
+def _plant(folder: Path, tmp_path: Path) -> Path:
+    """A library with an extra symbol under the name the cache would use, as another user could plant it."""
+    key_code = (
+        "import hashlib\nfrom kernels.cpu import build\n"
+        "src = build.SOURCE.read_bytes()\n"
+        "print(hashlib.sha256(src + ' '.join(build.FLAGS).encode() + build._cpu_signature().encode()).hexdigest()[:16])\n"
+    )
+    key = _python(key_code, tmp_path).stdout.strip()
+    source = tmp_path / "planted.c"
+    source.write_text((ROOT / "kernels/cpu/decode_attention.c").read_text() + "\nint planted(void) { return 1; }\n")
+    target = folder / f"decode_attention-{key}.so"
+    subprocess.run(["cc", "-O1", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(target), "-lm"], check=True)
+    return target
+
+
+@needs_cc
+def test_world_writable_cache_directory_is_not_trusted(tmp_path):
+    cache = tmp_path / "shared-cache"
+    (cache / "kernels").mkdir(parents=True)
+    os.chmod(cache, 0o777)
+    os.chmod(cache / "kernels", 0o777)
+    _plant(cache / "kernels", tmp_path)
+    res = _python(PLANT, cache)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "built"  # the planted library was not loaded
+    assert "not using the kernel cache" in res.stderr and "writable by group or others" in res.stderr
+    assert sorted(p.name.startswith("decode_attention-") for p in (cache / "kernels").iterdir()) == [True]
+
+
+@needs_cc
+def test_world_writable_library_in_a_private_cache_is_rebuilt(tmp_path):
+    (tmp_path / "kernels").mkdir(mode=0o700)
+    target = _plant(tmp_path / "kernels", tmp_path)
+    os.chmod(target, 0o666)
+    res = _python(PLANT, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "built"
+    assert not stat.S_IMODE(target.stat().st_mode) & 0o022  # replaced by this user's own build
+
+
+@needs_cc
+def test_a_private_cache_is_used(tmp_path):
+    (tmp_path / "kernels").mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    _plant(tmp_path / "kernels", tmp_path)  # here "planted" by this user: trusted, as the cache is meant to be
+    res = _python(PLANT, tmp_path)
+    assert res.stdout.strip() == "planted" and "not using the kernel cache" not in res.stderr, res.stderr
