@@ -48,11 +48,16 @@ def hook_cost(args: argparse.Namespace) -> dict:
     for _ in range(n):
         hooks.has("engine_forward_before")
     per_check = (time.perf_counter() - t0) / n
+    # one call through pluggy's hook caller to noop's (still loaded in this process) implementation
+    t0 = time.perf_counter()
+    for _ in range(n // 10):
+        hooks.call("engine_forward_before", batch=None, rids=[])
+    per_call = (time.perf_counter() - t0) / (n // 10)
     none, with_noop = statistics.median(rates["none"]), statistics.median(rates["noop"])
     return {
         "rounds": args.plugin_rounds, "tokens_per_s": rates,
         "median_none": none, "median_noop": with_noop, "noop_loss_pct": 100 * (1 - with_noop / none),
-        "empty_check_ns": per_check * 1e9, "hook_sites_per_step": HOOK_SITES_PER_STEP, "steps_timed": steps,
+        "empty_check_ns": per_check * 1e9, "noop_call_ns": per_call * 1e9, "hook_sites_per_step": HOOK_SITES_PER_STEP, "steps_timed": steps,
     }  # fmt: skip
 
 
@@ -113,6 +118,7 @@ def print_plugins(r: dict) -> None:
     print(f"  noop on every hook          {c['median_noop']:10.1f} tok/s   rounds {['%.1f' % x for x in c['tokens_per_s']['noop']]}")
     print(f"  loss with noop              {c['noop_loss_pct']:9.1f}%")
     print(f"  empty call site             {c['empty_check_ns']:9.0f} ns per has() check")
+    print(f"  call site with noop         {c['noop_call_ns']:9.0f} ns per call (pluggy's caller, one implementation)")
     print("plugins: skipdetok on a user-side beam search (200 candidates x 3 tokens x 10 rounds)")
     print(f"  wall, decoding              {s['median_wall_decode_s']:9.2f} s   {['%.2f' % x for x in s['runs']['decode']['wall_s']]}")
     print(f"  wall, skipdetok             {s['median_wall_skipdetok_s']:9.2f} s   {['%.2f' % x for x in s['runs']['skipdetok']['wall_s']]}")
