@@ -36,8 +36,10 @@ def _listener(put: Callable[[Event], None]):
 
 
 def _abort_left(tm: TokenizerManager, remaining: set[str]) -> None:
+    """Run by a finalizer (the garbage collector, in whatever thread, maybe one holding the tokenizer
+    manager's locks): it queues the abort and takes no lock."""
     if remaining:
-        tm.abort(list(remaining))
+        tm.abort_soon(list(remaining))
 
 
 class Stream:
@@ -94,9 +96,8 @@ def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: set
             if chunk["meta_info"]["finish_reason"] is not None:
                 remaining.discard(state.rid)
             yield chunk
-    finally:  # the consumer stopped early: the requests must not run on
-        if remaining:
-            tm.abort(list(remaining))
+    finally:  # the consumer stopped early (or the generator was collected): the requests must not run on
+        _abort_left(tm, remaining)
 
 
 def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Queue, list[ReqState], bool]:
@@ -116,8 +117,7 @@ async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: 
                 remaining.discard(state.rid)
             yield state, chunk
     finally:  # cancelled, or the consumer stopped: the requests must not run on
-        if remaining:
-            tm.abort(list(remaining))
+        _abort_left(tm, remaining)
 
 
 async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict:

@@ -6,7 +6,10 @@ so a child's death is noticed at once and every waiting caller gets EngineDeadEr
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
+import os
 import sys
 import threading
 import time
@@ -89,6 +92,7 @@ class ReqState:
 
     rid: str
     prompt_ids: list[int]
+    seq: int = 0  # this submission's number: aborts name it, so a reused rid is never hit by an old abort
     index: int = 0  # position in the caller's result list
     group: str | None = None  # the rid the caller gave, for the copies of an n > 1 request
     return_logprob: bool = False
@@ -150,10 +154,15 @@ class TokenizerManager:
         self.zmq_ctx = zmq.Context(1)
         self.recv_sock = pull_socket(self.zmq_ctx, endpoints.tokenizer)
         self.send_sock = push_socket(self.zmq_ctx, endpoints.scheduler)
-        self.wake_recv = self.zmq_ctx.socket(zmq.PAIR)
-        self.wake_recv.bind(f"inproc://wake-{id(self)}")
-        self.wake_send = self.zmq_ctx.socket(zmq.PAIR)
-        self.wake_send.connect(f"inproc://wake-{id(self)}")
+        # wakes the receiver thread: to stop, or to send aborts queued where no lock may be taken
+        # (finalizers). A pipe, because any thread may write it; a zmq socket is for one thread at a time.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()  # only ever tried, never waited on
+        self._deferred: collections.deque = collections.deque()  # (rids, message) from abort_soon
+        self._stopping = False
+        self._seq = itertools.count(1)
         self.send_codec = Codec(ToScheduler)
         self.recv_codec = Codec(ToTokenizer)
         self.send_lock = threading.Lock()
@@ -179,13 +188,37 @@ class TokenizerManager:
         self._thread.start()
 
     def close(self, reason: str = "the engine was shut down") -> None:
+        """Fail what waits, stop the receiver thread, then close the sockets: the send socket under the
+        send lock (a racing submit then gets EngineDeadError), the receive socket only once the thread
+        that reads it has stopped."""
         self._mark_dead(reason)
-        if self._thread is not None and self._thread.is_alive():
-            self.wake_send.send(b"stop")
-            self._thread.join(5)
-        for sock in (self.recv_sock, self.send_sock, self.wake_recv, self.wake_send):
-            sock.close(linger=0)
+        self._stopping = True
+        self._wake()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+        with self.send_lock:
+            self.send_sock.close(linger=0)
+        if thread is not None and thread.is_alive():  # stuck in a caller's listener: leave its socket be
+            print("engine: the receiver thread did not stop; its socket is left open", file=sys.stderr)
+            return
+        self.recv_sock.close(linger=0)
         self.zmq_ctx.term()
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_w = -1
+
+    def _wake(self) -> None:
+        """Wake the receiver thread. Never blocks: safe in a finalizer, under any lock."""
+        if self._wake_lock.acquire(blocking=False):
+            try:
+                if self._wake_w >= 0:
+                    os.write(self._wake_w, b"x")
+            except OSError:  # the pipe is full: the thread is awake already
+                pass
+            finally:
+                self._wake_lock.release()
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead is None:
@@ -210,13 +243,18 @@ class TokenizerManager:
     def _recv_loop(self, sentinels: dict[int, str]) -> None:
         poller = zmq.Poller()
         poller.register(self.recv_sock, zmq.POLLIN)
-        poller.register(self.wake_recv, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         while True:
             events = dict(poller.poll())
-            if self.wake_recv in events:
-                return
+            if self._wake_r in events:
+                with contextlib.suppress(OSError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                if self._stopping:
+                    return
+                self._send_deferred()
             for fd, role in sentinels.items():
                 if fd in events:
                     reason = f"the {role} process died; this engine can serve no more requests"
@@ -398,10 +436,13 @@ class TokenizerManager:
             for j in range(copies):
                 r = base if copies == 1 else f"{base}-{j}"
                 pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                reqs.append(TokenizedRequest(r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len))
+                seq = next(self._seq)
+                reqs.append(TokenizedRequest(
+                    r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len, seq=seq,
+                ))  # fmt: skip
                 items_of.append(item)
                 states.append(ReqState(
-                    r, ids, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
+                    r, ids, seq, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
                     on_finish=on_finish, listener=listener,
                 ))  # fmt: skip
         with self.states_lock:  # before the hooks see them (checked again, atomically, when registering)
@@ -418,6 +459,8 @@ class TokenizerManager:
             _not_sent(announced, exc)
             raise
         with self.send_lock:
+            if self.dead is not None:  # shut down meanwhile: the socket may be closed
+                raise EngineDeadError(self.dead)
             now = time.time_ns()
             for req in reqs:
                 req.submitted_ns = now
@@ -444,15 +487,30 @@ class TokenizerManager:
         return parse_sampling_params(params, self.vocab_size, get_logit_processor)
 
     def abort(self, rids: list[str], message: str = "aborted by the caller") -> None:
-        """Ask the scheduler to stop these requests (a rid given for n > 1 stands for all its copies)."""
+        """Ask the scheduler to stop these requests (a rid given for n > 1 stands for all its copies).
+        The abort names each request's submission number: it cannot hit a later request reusing the rid."""
         if self.dead is not None:
             return
         with self.states_lock:
             expanded = [r for rid in rids for r in self.groups.get(rid, []) + [rid]]
-            live = [r for r in expanded if r in self.states]
+            live = [self.states[r] for r in expanded if r in self.states]
         if live:
+            message_out = AbortRequest([s.rid for s in live], message, [s.seq for s in live])
             with self.send_lock:
-                self.send_sock.send(self.send_codec.encode(AbortRequest(live, message)))
+                if self.dead is None:  # else the socket may be closed; the requests have failed already
+                    self.send_sock.send(self.send_codec.encode(message_out))
+
+    def abort_soon(self, rids: list[str], message: str = "aborted by the caller") -> None:
+        """abort() from where no lock may be taken (a finalizer run by the garbage collector, possibly
+        in a thread that holds states_lock): queued here, sent by the receiver thread."""
+        if self.dead is None:
+            self._deferred.append((list(rids), message))
+            self._wake()
+
+    def _send_deferred(self) -> None:
+        while self._deferred:
+            rids, message = self._deferred.popleft()
+            self.abort(rids, message)
 
     @staticmethod
     def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
@@ -499,6 +557,8 @@ class TokenizerManager:
                 raise EngineDeadError(self.dead)
             self.pending_stats[req_id] = holder
         with self.send_lock:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
             self.send_sock.send(self.send_codec.encode(message_cls(req_id)))
         if not holder[0].wait(timeout):
             with self.states_lock:

@@ -36,6 +36,7 @@ class StopState:
     prompt_tokens: int
     cached_tokens: int
     tokens: int = 0
+    seq: int = 0  # the request's submission number, for the abort that stops it
 
 
 def _check_texts(hook: str, texts, n: int, allow_none: bool = False) -> None:
@@ -59,6 +60,7 @@ class DetokenizerManager:
         self.scheduler_codec = Codec(ToScheduler)
         self.stop_states: dict[str, StopState] = {}  # requests with stop strings
         self.stopped: set[str] = set()  # finished here; the scheduler's remaining outputs are dropped
+        self.seqs: dict[str, int] = {}  # running request -> its submission number (aborts name it)
         self.info: dict = {}
 
     def serve_forever(self) -> None:
@@ -93,9 +95,12 @@ class DetokenizerManager:
         for rid, header in zip(out.rids, out.headers):
             if header is not None:
                 self.incremental.start(rid, header.skip_special_tokens, header.spaces_between_special_tokens)
+                if header.seq:
+                    self.seqs[rid] = header.seq
                 if header.stop:
                     self.stop_states[rid] = StopState(
-                        StopMatcher(header.stop), header.min_new_tokens, header.prompt_tokens, header.cached_tokens
+                        StopMatcher(header.stop), header.min_new_tokens, header.prompt_tokens, header.cached_tokens,
+                        seq=header.seq,
                     )
         finished = [f is not None for f in out.finished]
         try:
@@ -104,6 +109,10 @@ class DetokenizerManager:
             return self._fail_batch(out, str(exc))
         if self.stop_states:
             self._match_stop_strings(out, deltas)
+        if self.seqs:
+            for rid, f in zip(out.rids, out.finished):
+                if f is not None:
+                    self.seqs.pop(rid, None)
         return BatchTextOut(out.rids, deltas, out.token_ids, out.finished, out.meta, out.headers, out.logprobs)
 
     def _decode(self, out: BatchTokenOut, finished: list[bool]) -> list[str]:
@@ -126,17 +135,20 @@ class DetokenizerManager:
     def _fail_batch(self, out: BatchTokenOut, message: str) -> BatchTextOut:
         reason = FinishReason("abort", message=message)
         running = [rid for rid, f in zip(out.rids, out.finished) if f is None]
+        seqs = [self.seqs.get(rid, 0) for rid in running]
         for rid in out.rids:
             self.incremental.forget(rid)
             self.stop_states.pop(rid, None)
+            self.seqs.pop(rid, None)
         if running:
             self.stopped.update(running)
-            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(running, message)))
+            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(running, message, seqs)))
         n = len(out.rids)
         return BatchTextOut(out.rids, [""] * n, out.token_ids, [reason] * n, out.meta, out.headers, out.logprobs)
 
     def _match_stop_strings(self, out: BatchTokenOut, deltas: list[str]) -> None:
         stopping: list[str] = []
+        seqs: list[int] = []
         for i, rid in enumerate(out.rids):
             state = self.stop_states.get(rid)
             if state is None:
@@ -154,13 +166,14 @@ class DetokenizerManager:
                 out.meta[i] = RequestMeta(state.prompt_tokens, state.tokens, state.cached_tokens)
                 if not final:  # the scheduler has not finished it yet: stop it, drop what it still sends
                     stopping.append(rid)
+                    seqs.append(state.seq)
                     self.stopped.add(rid)
                     self.incremental.forget(rid)
                 final = True
             if final:
                 del self.stop_states[rid]
         if stopping:
-            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(stopping, STOP_STRING_MATCHED)))
+            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(stopping, STOP_STRING_MATCHED, seqs)))
 
     def _drop_stopped(self, out: BatchTokenOut) -> BatchTokenOut | None:
         """Remove outputs of requests already finished by a stop string; their last one clears them."""

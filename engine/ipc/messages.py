@@ -27,6 +27,7 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
     submitted_ns: int = 0  # wall-clock ns when the user process sent it: where its queue time starts
+    seq: int = 0  # the user process's submission number: with rid, names this request for aborts
 
 
 STOP_STRING_MATCHED = "stopped: a stop string matched"  # AbortRequest.message from the detokenizer
@@ -34,10 +35,12 @@ STOP_STRING_MATCHED = "stopped: a stop string matched"  # AbortRequest.message f
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     """Stop these requests now (the caller's abort, or the detokenizer after a stop string matched).
-    Unknown or finished rids are ignored."""
+    Unknown or finished rids are ignored. `seqs[i]`, when given and not 0, must also match: a rid reused
+    after its request finished is a new request, which an abort meant for the old one must not stop."""
 
     rids: list[str]
     message: str
+    seqs: list[int] = []
 
 
 class GenerateBatch(msgspec.Struct, tag="generate", array_like=True):
@@ -98,6 +101,7 @@ class RequestHeader(msgspec.Struct, array_like=True, omit_defaults=True):
     input_logprobs: list[Union[float, None]] = []  # prompt tokens from logprob_start_len on
     input_top: list[Union["TopLogprobs", None]] = []
     trace_context: dict[str, str] = {}  # the request's W3C trace headers, for the detokenizer's spans
+    seq: int = 0  # TokenizedRequest.seq: the detokenizer's aborts carry it
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):

@@ -13,15 +13,16 @@ class Req:
         "rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished",
         "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
         "return_logprob", "top_logprobs_num", "logprob_from", "logprob_start_len", "input_logprobs", "input_top",
-        "header_sent", "trace_context", "arrived_ns", "received_ns", "admitted_ns", "first_token_ns",
+        "header_sent", "trace_context", "arrived_ns", "received_ns", "admitted_ns", "first_token_ns", "seq",
     )  # fmt: skip
 
     def __init__(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...],
         return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
-        trace_context: dict[str, str] | None = None, arrived_ns: int = 0, received_ns: int = 0,
+        trace_context: dict[str, str] | None = None, arrived_ns: int = 0, received_ns: int = 0, seq: int = 0,
     ) -> None:  # fmt: skip
         self.rid = rid
+        self.seq = seq  # the user process's submission number (0: not given)
         self.input_ids = input_ids
         self.sampling = sampling
         stop = list(sampling.stop_token_ids)

@@ -247,7 +247,7 @@ class Scheduler:
         if isinstance(message, GenerateBatch):
             self._admit_arrivals(message.reqs)
         elif isinstance(message, AbortRequest):
-            self._abort_rids(set(message.rids), message.message)
+            self._abort_rids(_abort_targets(message), message.message)
         elif isinstance(message, StatsRequest):
             self.send_sock.send(self.send_codec.encode(self.stats(message.req_id)))
         elif isinstance(message, FlushCache):
@@ -260,16 +260,29 @@ class Scheduler:
         eos = self.model_config.eos_token_ids
         now = time.time_ns()
         vocab = self.model_config.vocab_size
+        live = self._live_rids()
         for r in arrivals:
             problem = check_request(r, vocab, self.context_len)
             if problem is not None:
                 self._refuse(r, problem)
                 continue
+            if r.rid in live:  # reused: the user process only reuses a rid whose request it saw finish,
+                # here by a stop string whose abort is still on its way from the detokenizer
+                self._abort_rids({r.rid: {live[r.rid]}}, SUPERSEDED)
             r = clip_to_context(r, self.context_len)  # the user process does this too; be safe
             self.waiting.append(Req(
                 r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
-                r.trace_context, r.submitted_ns or now, now,
+                r.trace_context, r.submitted_ns or now, now, r.seq,
             ))  # fmt: skip
+            live[r.rid] = r.seq
+
+    def _live_rids(self) -> dict[str, int]:
+        """rid -> seq of every request the scheduler holds."""
+        live = {r.rid: r.seq for r in self.waiting}
+        live.update((r.rid, r.seq) for r in self.running.reqs)
+        if self.chunked_req is not None:
+            live[self.chunked_req.rid] = self.chunked_req.seq
+        return live
 
     def _refuse(self, r, problem: str) -> None:
         """Answer a request that failed the arrival checks: finished, reason abort, nothing queued."""
@@ -391,7 +404,7 @@ class Scheduler:
             p = req.sampling
             headers.append(RequestHeader(
                 req.prompt_len, req.cached_tokens, p.stop, p.min_new_tokens, p.skip_special_tokens,
-                p.spaces_between_special_tokens, req.input_logprobs, req.input_top, req.trace_context,
+                p.spaces_between_special_tokens, req.input_logprobs, req.input_top, req.trace_context, req.seq,
             ))  # fmt: skip
         return headers if any(h is not None for h in headers) else []
 
@@ -691,18 +704,28 @@ class Scheduler:
         self.send_sock.send(self.send_codec.encode(out))
         self.counters["aborted_requests"] += n
 
-    def _abort_rids(self, rids: set[str], message: str) -> None:
+    def _abort_rids(self, targets: set[str] | dict[str, set[int] | None], message: str) -> None:
         """The caller's abort (or the detokenizer's stop string): drop the requests wherever they are,
-        keep their valid K/V in the cache, report them finished with reason abort."""
-        gone: list[tuple[Req, int]] = [(r, 0) for r in self.waiting if r.rid in rids]
+        keep their valid K/V in the cache, report them finished with reason abort. `targets`: rids, or
+        rid -> the seqs meant (None: any)."""
+        if not isinstance(targets, dict):
+            targets = dict.fromkeys(targets)
+
+        def meant(r: Req) -> bool:
+            if r.rid not in targets:
+                return False
+            seqs = targets[r.rid]
+            return seqs is None or r.seq in seqs
+
+        gone: list[tuple[Req, int]] = [(r, 0) for r in self.waiting if meant(r)]
         if gone:
-            self.waiting = [r for r in self.waiting if r.rid not in rids]
+            self.waiting = [r for r in self.waiting if not meant(r)]
         req = self.chunked_req
-        if req is not None and req.rid in rids:
+        if req is not None and meant(req):
             self.chunked_req = None
             gone.append((req, req.kv_len))
         rows = self.running
-        hit = [r.rid in rids for r in rows.reqs]
+        hit = [meant(r) for r in rows.reqs]
         if any(hit):
             kv_lens = rows.kv_lens.tolist()
             gone += [(r, kv_len) for r, kv_len, h in zip(rows.reqs, kv_lens, hit) if h]
@@ -770,6 +793,21 @@ class Scheduler:
             plugins={"scheduler": _plugin_stats("scheduler")} if hooks.has("engine_stats") else {},
             **self.kv.stats(),
         )
+
+
+SUPERSEDED = "superseded: a new request reused this rid"
+
+
+def _abort_targets(message: AbortRequest) -> dict[str, set[int] | None]:
+    """rid -> the submission numbers an abort means (None: any; 0 or no seqs given means any)."""
+    targets: dict[str, set[int] | None] = {}
+    seqs = message.seqs if len(message.seqs) == len(message.rids) else [0] * len(message.rids)
+    for rid, seq in zip(message.rids, seqs):
+        if seq == 0 or (rid in targets and targets[rid] is None):
+            targets[rid] = None
+        else:
+            targets.setdefault(rid, set()).add(seq)
+    return targets
 
 
 def _plugin_stats(role: str) -> dict:
