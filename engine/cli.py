@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: engine {profile,dump,trace,env} ...
+USAGE = """usage: engine {serve,profile,dump,trace,env} ...
 
+  engine serve [options]                    an OpenAI-compatible HTTP server (docs/server.md)
   engine profile [options] -- command ...   py-spy in every engine process (docs/profiling.md)
   engine dump [--pid PID]                   stacks of every process of the running engines
   engine trace {receive,list,perfetto,timeline} ...   spans without a Jaeger (docs/tracing.md)
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.tracing.cli import main as trace_main
 
         return trace_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from engine.serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
     if argv and argv[0] == "env":
         return _env()
     if not argv or argv[0] in ("-h", "--help"):

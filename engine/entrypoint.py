@@ -60,6 +60,14 @@ def _user_stop_hook() -> None:
             print(f"engine: {exc}", file=sys.stderr)
 
 
+_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def live_engines() -> list["Engine"]:
+    """The Engines of this process that are serving (for plugins that read their stats: metrics)."""
+    return [e for e in list(_live) if e.alive]
+
+
 class _Resources:
     """Everything that must be released at shutdown, kept apart from Engine so a finalizer can own it."""
 
@@ -136,6 +144,7 @@ class Engine:
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
         res.started = True
+        _live.add(self)
         if hooks.has("engine_process_ready"):
             hooks.call("engine_process_ready", role="user", pid=os.getpid(), info=dict(self.server_info))
 
@@ -207,6 +216,14 @@ class Engine:
     def flush_cache(self) -> int:
         """Drop every prefix-cache entry no running request holds. Returns the pool tokens freed."""
         return self._tm().flush_cache()["flushed_tokens"]
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine serves: not shut down, its receiver running, both children alive."""
+        res = self._resources
+        tm = res.tokenizer_manager
+        return (not res.closed and res.started and tm is not None and tm.dead is None
+                and all(c.process.is_alive() for c in res.children))  # fmt: skip
 
     @property
     def pids(self) -> dict[str, int]:

@@ -33,6 +33,9 @@ VARIABLES: dict[str, EnvVar] = {
                "where the dequantized embedded model and the compiled C kernels are cached (default: the user cache dir)"),
         EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only)"),
         EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
+        EnvVar("ENGINE_METRICS_PORT", "", "a TCP port",
+               "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port"),
+        EnvVar("ENGINE_API_KEY", "", "a secret", "engine serve: the API key clients must send (like --api-key)"),
         EnvVar("ENGINE_PROCESS_ROLE", "", "scheduler or detokenizer",
                "set by the engine for its children only, so plugins know their role from interpreter start; never set it"),
     )

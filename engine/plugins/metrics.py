@@ -1,0 +1,181 @@
+"""metrics: Prometheus metrics of the engine, on the existing hooks, with prometheus_client.
+
+Names and meanings follow the SGLang / vLLM dashboards users know, under one prefix `engine:`
+(docs/server.md lists them). Where each figure comes from:
+
+- user process: engine_request_done gives every finished request's meta_info: token counters,
+  finished requests by reason, time to first token, time per output token, end-to-end latency;
+- scheduler: engine_request_admitted gives each request's queue time (sent by the user process ->
+  first admission), kept as histogram buckets and handed over through engine_stats;
+- at scrape time, engine.get_stats() of the engines alive in this process: requests running and
+  waiting, KV pool usage, prefix cache hit rate, and the scheduler's queue-time histogram.
+
+`engine serve` serves them at /metrics; an offline Engine serves them on 127.0.0.1 at
+ENGINE_METRICS_PORT when that is set (`ENGINE_PLUGINS=metrics ENGINE_METRICS_PORT=9400 python run.py`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import threading
+
+from engine import envvars
+from engine.hooks import hookimpl
+
+PREFIX = "engine:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = TTFT_BUCKETS
+
+_lock = threading.Lock()
+_user = None  # the user process's metrics (prometheus_client objects), made on first use
+_queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # scheduler: queue time
+_server_started = False
+
+
+class _UserMetrics:
+    """The user process's registry: counters and histograms fed by hooks, gauges read at scrape time."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(PREFIX + "cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason (stop, length, abort)",
+                                ["finished_reason"], registry=r)  # fmt: skip
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from submission to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from submission to the last output",
+                             buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        r.register(_ScrapeCollector())
+
+    def observe(self, meta: dict) -> None:
+        reason = (meta.get("finish_reason") or {}).get("type", "abort")
+        self.finished.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        completion = meta.get("completion_tokens", 0)
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(meta.get("cached_tokens", 0))
+        e2e, first = meta.get("e2e_latency"), meta.get("first_token_latency")
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        if first is not None and completion > 0:
+            self.ttft.observe(first)
+            if completion > 1 and e2e is not None:
+                self.tpot.observe(max(0.0, e2e - first) / (completion - 1))
+
+
+class _ScrapeCollector:
+    """Gauges and the scheduler's queue-time histogram, from get_stats() of the live engines."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+        from engine.entrypoint import live_engines
+
+        running = GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch")
+        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission")
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Share of the KV pool in use (prefix cache included), 0-1")
+        hit = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens admitted, 0-1")
+        totals = {"running": 0.0, "waiting": 0.0, "used": 0.0, "size": 0.0, "hit": 0.0, "prompt": 0.0}
+        counts, qsum, qcount = [0] * (len(QUEUE_BUCKETS) + 1), 0.0, 0
+        for eng in live_engines():
+            try:
+                stats = eng.get_stats()
+            except Exception:  # noqa: BLE001 - a dead or stopping engine: its figures are gone
+                continue
+            totals["running"] += stats.get("running", 0)
+            totals["waiting"] += stats.get("waiting", 0)
+            totals["size"] += stats.get("max_total_tokens", 0)
+            totals["used"] += stats.get("max_total_tokens", 0) - stats.get("free_tokens", 0)
+            totals["hit"] += stats.get("cache_hit_tokens", 0)
+            totals["prompt"] += stats.get("prompt_tokens", 0)
+            queue = stats.get("plugins", {}).get("scheduler", {}).get("metrics", {}).get("queue_time")
+            if queue:
+                counts = [a + b for a, b in zip(counts, queue["counts"])]
+                qsum += queue["sum"]
+                qcount += queue["count"]
+        running.add_metric([], totals["running"])
+        waiting.add_metric([], totals["waiting"])
+        usage.add_metric([], totals["used"] / totals["size"] if totals["size"] else 0.0)
+        hit.add_metric([], totals["hit"] / totals["prompt"] if totals["prompt"] else 0.0)
+        queue_hist = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
+                                           "Time from submission to first admission by the scheduler")  # fmt: skip
+        cumulative, buckets = 0, []
+        for bound, n in zip((*QUEUE_BUCKETS, float("inf")), counts):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        queue_hist.add_metric([], buckets, qsum)
+        yield from (running, waiting, usage, hit, queue_hist)
+
+
+def user_metrics() -> _UserMetrics:
+    """This process's metrics registry (the server's /metrics renders it)."""
+    global _user
+    with _lock:
+        if _user is None:
+            _user = _UserMetrics()
+        return _user
+
+
+def render() -> tuple[bytes, str]:
+    """(body, content type) of the Prometheus text exposition."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return generate_latest(user_metrics().registry), CONTENT_TYPE_LATEST
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+@hookimpl
+def engine_process_ready(role: str, pid: int, info: dict) -> None:
+    """User process: with ENGINE_METRICS_PORT, serve /metrics on 127.0.0.1 (once per process)."""
+    global _server_started
+    if role != "user":
+        return
+    user_metrics()
+    port = envvars.read("ENGINE_METRICS_PORT")
+    if port and not _server_started:
+        from prometheus_client import start_http_server
+
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"ENGINE_METRICS_PORT={port!r}: give a TCP port number")
+        start_http_server(int(port), addr="127.0.0.1", registry=user_metrics().registry)
+        _server_started = True
+        print(f"engine metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+
+
+@hookimpl
+def engine_request_done(rid: str, meta_info: dict, error: str | None) -> None:
+    user_metrics().observe(meta_info)
+
+
+@hookimpl
+def engine_request_admitted(req, cached_tokens: int) -> None:
+    """Scheduler: the queue time of a request's first admission."""
+    if req.admissions != 1 or not req.arrived_ns or not req.admitted_ns:
+        return
+    seconds = max(0.0, (req.admitted_ns - req.arrived_ns) / 1e9)
+    with _lock:
+        _queue["counts"][bisect.bisect_left(QUEUE_BUCKETS, seconds)] += 1
+        _queue["sum"] += seconds
+        _queue["count"] += 1
+
+
+@hookimpl
+def engine_stats(role: str) -> dict | None:
+    if role != "scheduler":
+        return None
+    with _lock:
+        return {"queue_time": {"counts": list(_queue["counts"]), "sum": _queue["sum"], "count": _queue["count"]}}

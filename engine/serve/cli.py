@@ -1,0 +1,138 @@
+"""engine serve [options]: start the engine, then serve it over HTTP until SIGTERM or Ctrl-C.
+
+Every Engine option is a flag, made from EngineConfig's fields (not listed twice). Exit codes: 0
+after a regular stop (in-flight requests finished or, past --shutdown-timeout, aborted; traces
+flushed; no process left), 1 when the engine could not start or one of its processes died while
+serving (so a supervisor restarts the server), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import sys
+
+from engine import envvars
+from engine.config import EngineConfig
+
+DEFAULT_PORT = 30000
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (the fields of EngineConfig, docs/api.md)")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        default = f.default
+        if kind.startswith("bool"):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=f"(default {default})")  # fmt: skip
+            continue
+        convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+        group.add_argument(flag, dest=f.name, type=convert, default=default, help=f"(default {default})")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine serve", description="the engine behind an OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    p.add_argument("--api-key", default=None, help="clients must send it as a Bearer token (or ENGINE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name in the API (default: the model's)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM or Ctrl-C (default 30)")  # fmt: skip
+    p.add_argument("--allow-origin", action="append", default=[], help="allow CORS from this origin (repeatable; default none)")
+    _engine_flags(p)
+    return p
+
+
+def _with_metrics(plugins: str | None) -> str:
+    """The server's /metrics needs the metrics plugin in all three processes."""
+    from engine.hooks.loader import parse_spec
+
+    names = parse_spec(plugins if plugins is not None else envvars.read("ENGINE_PLUGINS"))
+    return ",".join(names + ([] if "metrics" in names else ["metrics"]))
+
+
+def _instrument(app) -> None:
+    """ENGINE_TRACING=1: an HTTP server span (OpenTelemetry's own ASGI instrumentation) around each
+    request, parented by the client's traceparent; the engine's request spans go under it."""
+    from engine.hooks import plugin_manager
+    from engine.tracing.switch import tracing_enabled
+
+    if not tracing_enabled():
+        return
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    tracing = plugin_manager().get_plugin("tracing")
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=tracing.provider, excluded_urls="health,metrics")
+
+
+async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
+    import uvicorn
+
+    # uvicorn's own limit is a backstop: the watcher aborts what still runs at --shutdown-timeout,
+    # so streams end with finish_reason "abort" and [DONE] rather than being cut
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 10)  # fmt: skip
+    server = uvicorn.Server(config)
+    outcome = {"code": 0}
+
+    async def watch() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"engine serve: ready on http://{args.host}:{args.port} (model {name!r}; pids {engine.pids})", flush=True)
+        while not server.should_exit:
+            if not engine.alive:
+                print("engine serve: an engine process died; stopping with exit code 1", file=sys.stderr, flush=True)
+                outcome["code"] = 1
+                server.should_exit = True
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(args.shutdown_timeout)
+        aborted = app.state.inflight.abort_all()
+        if aborted:
+            print(f"engine serve: aborted {aborted} requests still running after --shutdown-timeout", file=sys.stderr, flush=True)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+    if not server.started and outcome["code"] == 0:
+        return 1  # could not bind: uvicorn said why
+    return outcome["code"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from engine import Engine
+    from engine.serve.app import ServeOptions, build_app
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    options["plugins"] = _with_metrics(options["plugins"])
+    api_key = args.api_key or envvars.read("ENGINE_API_KEY") or None
+    try:
+        engine = Engine(**options)
+    except Exception as exc:  # noqa: BLE001 - any start failure: one line, non-zero
+        print(f"engine serve: the engine did not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        from engine.model.resolve import model_name
+
+        name = args.served_model_name or engine.server_info.get("model") or model_name(args.model_path)
+        app = build_app(engine, ServeOptions(name, api_key, args.max_request_bytes, tuple(args.allow_origin)))
+        _instrument(app)
+        # uvicorn re-raises the signal that stopped it once it is done: these handlers take it, so
+        # the engine still shuts down in order and the exit code says how it went
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        return asyncio.run(_serve(app, engine, args, name))
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Errors in OpenAI's body ({"error": {"message", "type", "param", "code"}}), for every failure the
+server answers: nothing may reach a client as a 500 with a traceback."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from engine.errors import EngineDeadError
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+         500: "internal_error"}  # fmt: skip
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code if code is not None else status}}  # fmt: skip
+
+
+def response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body(status, message, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "the request body is not valid JSON", None
+    if kind == "extra_forbidden":
+        return f"unsupported parameter: {param}", param
+    if kind == "missing":
+        return f"missing required parameter: {param}", param
+    return f"invalid value for {param or 'the request body'}: {first.get('msg', 'invalid')}", param
+
+
+def install(app: FastAPI) -> None:
+    """Exception handlers that turn every failure into an OpenAI error body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(request: Request, exc: OpenAIError):
+        return response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return response(400, message, param)
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError):  # the engine's own checks name the field
+        if request.url.path.startswith("/v1/"):
+            from engine.serve.translate import openai_error
+
+            mapped = openai_error(exc)
+            return response(400, mapped.message, mapped.param)
+        return response(400, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return response(503, f"the engine is not running: {exc}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        status = exc.status_code
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        return response(status, message.get(status, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _other(request: Request, exc: Exception):  # a bug: say so, without a traceback
+        return response(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,91 @@
+"""The request bodies the OpenAI API and SGLang's /generate take, as pydantic models (FastAPI
+validates them; a wrong type is a 400 naming the field). Unknown fields are refused rather than
+silently ignored, so a client never believes a parameter took effect when it did not."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _EngineExtras(_Body):
+    """The engine's own sampling parameters, as extra body fields (the `extra_body` of the openai
+    client), named as SGLang and vLLM name them."""
+
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
+
+
+class _Sampling(_EngineExtras):
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt = 1
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+Prompt = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    logprobs: StrictInt | None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: None = None
+
+
+class GenerateRequest(_Body):
+    """SGLang's native /generate: text or input_ids, sampling_params as the engine takes them."""
+
+    text: str | list[str] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool = False
+    rid: str | list[str] | None = None
+    return_logprob: StrictBool = False
+    top_logprobs_num: StrictInt = 0
+    logprob_start_len: StrictInt = -1

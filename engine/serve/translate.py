@@ -1,0 +1,164 @@
+"""OpenAI requests -> the engine's generate arguments, and the engine's results -> OpenAI responses.
+
+Only renaming happens here: every value is checked by the engine itself (a ValueError naming the
+field becomes a 400), so the served and the offline engine accept and refuse the same things.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from engine.serve.errors import OpenAIError
+from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+# OpenAI name -> engine name, for the fields that are only renamed
+_RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+_PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+           "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+           "spaces_between_special_tokens", "custom_logit_processor", "custom_params")  # fmt: skip
+MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
+_ENGINE_NAMES = {v: k for k, v in _RENAMED.items()}
+_KNOWN_PARAMS = {*_PASSED, *_RENAMED, "stop", "logit_bias", "prompt", "messages", "input_ids", "top_logprobs_num"}
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
+    """The engine's sampling_params for an OpenAI body (unset fields keep the engine's defaults).
+    max_tokens beyond the model's context is refused here, as OpenAI does (the engine itself
+    would clip it to what the context leaves)."""
+    fields = body.model_fields_set
+    params: dict[str, Any] = {}
+    for name in _PASSED:
+        if name in fields and getattr(body, name) is not None:
+            params[name] = getattr(body, name)
+    for name, engine_name in _RENAMED.items():
+        if name in fields and getattr(body, name) is not None:
+            params[engine_name] = getattr(body, name)
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        params["max_new_tokens"] = body.max_completion_tokens
+    limit = params.get("max_new_tokens")
+    if context_length is not None and isinstance(limit, int) and limit > context_length:
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        raise OpenAIError(400, f"{name} is {limit}, more than the model's context of {context_length} tokens", param=name)
+    if body.stop is not None:
+        params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.logit_bias:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        params["logit_bias"] = bias
+    return params
+
+
+def openai_error(exc: ValueError) -> OpenAIError:
+    """The engine's ValueError (it names the engine's field first) as a 400 naming the OpenAI
+    parameter: max_new_tokens -> max_tokens, min_new_tokens -> min_tokens."""
+    message = str(exc)
+    found = re.match(r"(request \d+: )?([a-z_]+)\b", message)
+    param = None
+    if found:
+        engine_name = found.group(2)
+        openai_name = _ENGINE_NAMES.get(engine_name, engine_name)
+        if openai_name in _KNOWN_PARAMS:
+            param = openai_name
+            message = message[: found.start(2)] + openai_name + message[found.end(2):]
+    return OpenAIError(400, message, param=param)
+
+
+def logprob_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
+    """(return_logprob, top_logprobs_num) for the engine."""
+    if isinstance(body, ChatCompletionRequest):
+        top = body.top_logprobs or 0
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        wanted = body.logprobs
+    else:
+        top = body.logprobs or 0
+        wanted = body.logprobs is not None
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise OpenAIError(400, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param=name)
+    return wanted, top
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    out = []
+    for m in body.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def finish_reason(meta: dict) -> str | None:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason["type"], "abort")
+
+
+def usage(results: list[dict], prompts: int, n: int) -> dict[str, int]:
+    """OpenAI counts each prompt once, even with n > 1."""
+    prompt = sum(results[i * n]["meta_info"]["prompt_tokens"] for i in range(prompts))
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    cached = sum(results[i * n]["meta_info"].get("cached_tokens", 0) for i in range(prompts))
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+class TokenText:
+    """Token ids -> their text, for logprobs (each token decoded alone, as OpenAI reports them)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def chat_logprobs(meta: dict, text_of: TokenText) -> dict | None:
+    tokens = meta.get("output_token_logprobs")
+    if tokens is None:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in tokens]
+    content = []
+    for (lp, tid, _), top in zip(tokens, tops):
+        t = text_of(tid)
+        content.append({"token": t, "logprob": lp, "bytes": list(t.encode()),
+                        "top_logprobs": [{"token": text_of(i), "logprob": v, "bytes": list(text_of(i).encode())}
+                                         for v, i, _ in top]})  # fmt: skip
+    return {"content": content}
+
+
+def completion_logprobs(meta: dict, text_of: TokenText, offset: int = 0) -> dict | None:
+    tokens = meta.get("output_token_logprobs")
+    if tokens is None:
+        return None
+    tops = meta.get("output_top_logprobs") or [None for _ in tokens]
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for (lp, tid, _), top in zip(tokens, tops):
+        t = text_of(tid)
+        out["tokens"].append(t)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({text_of(i): v for v, i, _ in top} if top else None)
+        out["text_offset"].append(offset)
+        offset += len(t)
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,67 @@
+"""Starting `engine serve` as a real subprocess on 127.0.0.1 for the server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def start_server(*flags: str, env: dict | None = None, timeout: float = 240.0) -> Server:
+    """engine serve with these flags; returns once it printed its ready line (fails with its output otherwise)."""
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "ENGINE_API_KEY")}
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.serve", "--port", str(port), "--dtype", "float32", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+    )  # fmt: skip
+    server = Server(proc, port)
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            server.lines.append(line)
+            if "engine serve: ready on" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server not ready after {timeout}s:\n{server.output()}")
+    if proc.poll() is not None and "ready on" not in server.output():
+        raise AssertionError(f"server exited with {proc.returncode}:\n{server.output()}")
+    return server
+
+
+def stop_server(server: Server, timeout: float = 60.0) -> int:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+    return server.proc.wait(timeout)

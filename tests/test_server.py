@@ -1,0 +1,307 @@
+"""`engine serve` as a real subprocess on 127.0.0.1, driven by the real `openai` client and plain
+HTTP: outputs equal Engine.generate's, OpenAI's shapes and error bodies, the API key, a client
+going away, Prometheus metrics, and the Grafana dashboard's queries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import engine_idle
+from server_helpers import start_server, stop_server
+
+KEY = "test-key-123"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"max_new_tokens": 16, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server("--max-total-tokens", "16384", "--api-key", KEY, "--max-request-bytes", "65536",
+                       "--served-model-name", "smol")  # fmt: skip
+    yield srv
+    assert stop_server(srv) == 0, srv.output()
+    assert KEY not in srv.output()  # the API key is never logged
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def http(server, method: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = kwargs.pop("headers", {})
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.request(method, server.url + path, headers=headers, timeout=120, **kwargs)
+
+
+def test_models_health_and_server_info(server, client):
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    assert http(server, "GET", "/health", key=None).status_code == 200  # probes need no key
+    info = http(server, "GET", "/server_info").json()
+    assert info["served_model_name"] == "smol" and set(info["pids"]) == {"user", "scheduler", "detokenizer"}
+
+
+def test_greedy_chat_and_completions_equal_engine_generate(client, engine):
+    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=16, temperature=0)
+    ref = engine.generate(messages=CHAT, sampling_params=GREEDY)
+    assert chat.choices[0].message.content == ref["text"] and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == ("length" if ref["meta_info"]["finish_reason"]["type"] == "length" else "stop")
+    assert chat.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
+    assert chat.usage.completion_tokens == ref["meta_info"]["completion_tokens"]
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+    prompts = ["The sky is", "def fibonacci(n):"]
+    refs = engine.generate(prompts, GREEDY)
+    one = client.completions.create(model="smol", prompt=prompts[0], max_tokens=16, temperature=0)
+    assert one.choices[0].text == refs[0]["text"]
+    both = client.completions.create(model="smol", prompt=prompts, max_tokens=16, temperature=0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [r["text"] for r in refs]
+    assert both.usage.prompt_tokens == sum(r["meta_info"]["prompt_tokens"] for r in refs)
+    ids = engine.tokenizer.encode("Once upon a time")
+    by_ids = client.completions.create(model="smol", prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == engine.generate(input_ids=ids, sampling_params=GREEDY)["text"]
+
+
+def test_streams_equal_the_non_streamed_answer(client):
+    kwargs = dict(model="smol", messages=CHAT, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0  # include_usage: the last chunk
+    done = client.completions.create(model="smol", prompt="The sky is", max_tokens=12, temperature=0).choices[0].text
+    streamed = client.completions.create(model="smol", prompt="The sky is", max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == done
+
+
+def test_async_client_concurrent_and_streaming(server):
+    from openai import AsyncOpenAI
+
+    async def main():
+        aclient = AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        prompts = ["One, two,", "Red, green,", "Monday, Tuesday,"]
+        outs = await asyncio.gather(*(aclient.completions.create(model="smol", prompt=p, max_tokens=8, temperature=0)
+                                      for p in prompts))  # fmt: skip
+        stream = await aclient.chat.completions.create(model="smol", messages=CHAT, max_tokens=10, temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        plain = await aclient.chat.completions.create(model="smol", messages=CHAT, max_tokens=10, temperature=0)
+        await aclient.close()
+        return outs, text, plain.choices[0].message.content
+
+    outs, text, plain = asyncio.run(main())
+    assert all(o.choices[0].text for o in outs)
+    assert text == plain
+
+
+def test_n_seed_stop_and_engine_extras(client, engine):
+    kwargs = dict(model="smol", messages=CHAT, max_tokens=12, temperature=0.9, seed=7, n=3)
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]  # seeded
+    refs = engine.generate(messages=CHAT, sampling_params={"max_new_tokens": 12, "temperature": 0.9, "seed": 7, "n": 3})
+    assert [c.message.content for c in first.choices] == [r["text"] for r in refs]
+    assert first.usage.prompt_tokens == refs[0]["meta_info"]["prompt_tokens"]  # counted once, as OpenAI does
+
+    stopped = client.completions.create(model="smol", prompt="Count: 1, 2, 3, 4, 5, 6,", max_tokens=40, temperature=0,
+                                        stop=[" 9"])  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop" and " 9" not in stopped.choices[0].text
+    assert stopped.choices[0].text == engine.generate("Count: 1, 2, 3, 4, 5, 6,", {"max_new_tokens": 40, "temperature": 0,
+                                                                                  "stop": [" 9"]})["text"]  # fmt: skip
+    long = client.completions.create(model="smol", prompt="Hi", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True, "top_k": 1, "min_tokens": 20})  # fmt: skip
+    assert long.usage.completion_tokens == 20 and long.choices[0].finish_reason == "length"
+
+
+def test_logprobs_equal_the_engines(client, engine):
+    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2)  # fmt: skip
+    ref = engine.generate(messages=CHAT, sampling_params={"max_new_tokens": 6, "temperature": 0}, return_logprob=True,
+                          top_logprobs_num=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    expected = ref["meta_info"]["output_token_logprobs"]
+    assert len(content) == len(expected)
+    for item, (lp, tid, _) in zip(content, expected):
+        assert item.logprob == pytest.approx(lp, abs=1e-4)
+        assert item.token == engine.tokenizer.decode([tid])
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+    comp = client.completions.create(model="smol", prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0
+    streamed = client.completions.create(model="smol", prompt="The sky is", max_tokens=5, temperature=0, logprobs=2,
+                                         stream=True)  # fmt: skip
+    got = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+BAD = [
+    # (method, path, body or raw bytes, headers override (None: the key), status, words the message must hold, param)
+    ("POST", "/v1/chat/completions", {"model": "smol"}, None, 400, "messages", "messages"),
+    ("POST", "/v1/chat/completions", {"messages": []}, None, 400, "messages", "messages"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, None, 400, "temperature", "temperature"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, None, 400, "temperature", "temperature"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, None, 400, "max_tokens", "max_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 0}, None, 400, "n must", "n"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 100000}, None, 400, "n must", "n"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9}, None, 400, "context", "max_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "tools": []}, None, 400, "unsupported parameter: tools", "tools"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, None, 400, "requires logprobs", "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, None, 400, "top_logprobs", "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role", "messages.0.role"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, None, 404, "gpt-4", "model"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400, "logit_bias", "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, None, 400, "logit_bias", "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 40}, None, 400, "stop", "stop"),
+    ("POST", "/v1/completions", {"prompt": []}, None, 400, "", None),
+    ("POST", "/v1/completions", {"prompt": [-5, 3]}, None, 400, "", None),
+    ("POST", "/v1/completions", {"prompt": "x", "custom_logit_processor": "nope"}, None, 400, "nope", "custom_logit_processor"),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo", "echo"),
+    ("POST", "/v1/completions", b"{not json", None, 400, "not valid JSON", None),
+    ("POST", "/v1/completions", b"[1, 2]", None, 400, "", None),
+    ("POST", "/v1/completions", {"prompt": "x" * 70000}, None, 413, "max-request-bytes", None),
+    ("POST", "/v1/completions", {"prompt": "x"}, {}, 401, "missing API key", None),
+    ("POST", "/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, "invalid API key", None),
+    ("GET", "/v1/completions", None, None, 405, "method GET", None),
+    ("GET", "/v1/nothing-here", None, None, 404, "/v1/nothing-here", None),
+    ("POST", "/generate", {"text": "x", "input_ids": [1]}, None, 400, "exactly one", "text"),
+    ("POST", "/generate", {"text": "x", "sampling_params": {"temperature": -3}}, None, 400, "temperature", None),
+]
+
+
+@pytest.mark.parametrize("method,path,body,headers,status,words,param", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_error_bodies(server, method, path, body, headers, status, words, param):
+    all_headers = {"Authorization": f"Bearer {KEY}"} if headers is None else dict(headers)
+    if isinstance(body, bytes):
+        all_headers["Content-Type"] = "application/json"
+        r = httpx.request(method, server.url + path, content=body, headers=all_headers, timeout=60)
+    else:
+        r = httpx.request(method, server.url + path, json=body, headers=all_headers, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"], error
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_server_serves_on_after_bad_requests(client):
+    out = client.completions.create(model="smol", prompt="Still there?", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+
+
+def _stats(server) -> dict:
+    return http(server, "GET", "/stats").json()
+
+
+def _wait_idle(server, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    stats = _stats(server)
+    while not engine_idle(stats) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = _stats(server)
+    return stats
+
+
+def test_a_client_leaving_mid_stream_frees_its_kv(server):
+    before = _wait_idle(server)
+    body = {"prompt": "Write a very long story about a dragon.", "max_tokens": 2000, "stream": True,
+            "extra": None}  # fmt: skip
+    body.pop("extra")
+    body["ignore_eos"] = True
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events >= 3:
+                break  # leave: the connection closes
+    stats = _wait_idle(server)
+    assert engine_idle(stats), stats
+    assert stats["aborted_requests"] == before["aborted_requests"] + 1
+    assert stats["generated_tokens"] - before["generated_tokens"] < 1000  # it did not run on to 2,000
+
+
+def test_a_client_leaving_a_plain_request_frees_its_kv(server):
+    before = _wait_idle(server)
+    body = {"prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5, headers={"Authorization": f"Bearer {KEY}"})
+    stats = _wait_idle(server)
+    assert engine_idle(stats), stats
+    assert stats["aborted_requests"] == before["aborted_requests"] + 1
+
+
+def _metrics(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http(server, "GET", "/metrics", key=None)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def test_metrics_move_as_requests_finish(server, client):
+    before = _metrics(server)
+    out = client.completions.create(model="smol", prompt="Metrics, please:", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    after = _metrics(server)
+    assert after["engine:generation_tokens_total"] - before.get("engine:generation_tokens_total", 0) == 7
+    assert after["engine:prompt_tokens_total"] - before.get("engine:prompt_tokens_total", 0) == out.usage.prompt_tokens
+    key = "engine:request_success_total{finished_reason=length}"
+    assert after[key] - before.get(key, 0) == 1
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):  # fmt: skip
+        name = f"engine:{hist}_count"
+        assert after[name] - before.get(name, 0) == 1, hist
+    assert after["engine:num_requests_running"] == 0 and after["engine:num_requests_waiting"] == 0
+    assert 0 < after["engine:kv_cache_usage_perc"] <= 1  # the prefix cache holds what ran
+    assert 0 <= after["engine:prefix_cache_hit_rate"] <= 1
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(server):
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 8
+    exported = set(_metrics(server))
+    names = {n.split("{")[0] for n in exported}
+    used = {m for e in exprs for m in re.findall(r"engine:[a-zA-Z0-9_:]+", e)}
+    assert used and used <= names, used - names
+    families = {re.sub(r"_(total|bucket|count|sum|created)$", "", n) for n in names}
+    core = {"engine:num_requests_running", "engine:num_requests_waiting", "engine:kv_cache_usage_perc",
+            "engine:prefix_cache_hit_rate", "engine:prompt_tokens", "engine:generation_tokens", "engine:request_success",
+            "engine:time_to_first_token_seconds", "engine:time_per_output_token_seconds",
+            "engine:e2e_request_latency_seconds", "engine:request_queue_time_seconds"}  # fmt: skip
+    assert core <= families, core - families
+    shown = {re.sub(r"_(total|bucket|count|sum)$", "", m) for m in used}
+    assert core <= shown, core - shown  # every core metric has a panel
+
+
+def test_native_generate_and_flush_cache(server, engine):
+    r = http(server, "POST", "/generate", json={"text": "The sky is", "sampling_params": GREEDY})
+    assert r.status_code == 200 and r.json()["text"] == engine.generate("The sky is", GREEDY)["text"]
+    with httpx.stream("POST", server.url + "/generate", json={"text": "The sky is", "sampling_params": GREEDY, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as s:  # fmt: skip
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == r.json()["text"]  # SGLang: text so far
+    assert http(server, "POST", "/flush_cache").json()["flushed_tokens"] >= 0
