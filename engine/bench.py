@@ -9,6 +9,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench                                  # everything: both dtypes, every workload
     python -m engine.bench --workload shared-prefix         # prefix cache on against off only
     python -m engine.bench --workload tracing               # tracing off against on
+    python -m engine.bench --workload serve                 # engine serve against in-process streams
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -28,6 +29,7 @@ import torch
 
 from engine.bench_prompts import build_prompts
 from engine.bench_plugins import print_plugins, run_plugins
+from engine.bench_serve import print_serve, run_serve
 from engine.bench_shared_prefix import print_shared_prefix, run_shared_prefix
 from engine.bench_tracing import print_tracing, run_tracing
 
@@ -50,9 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size for transformers generate")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
-    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing"), default="all",
+    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve"),
+                   default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
-                        "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on")
+                        "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
+                        "serve: engine serve over HTTP against in-process streams")  # fmt: skip
+    p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
+    p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
     p.add_argument("--prefix-requests", type=int, default=64, help="shared-prefix workload: requests")
     p.add_argument("--prefix-new-tokens", type=int, default=64, help="shared-prefix workload: new tokens each")
@@ -66,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not args.dtypes:
         p.error(f"--dtypes must list some of {sorted(TORCH_DTYPES)}, got {bad or 'nothing'}")
     for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size", "prefix_len",
-                 "prefix_requests", "prefix_new_tokens", "plugin_rounds", "plugin_new_tokens"):
+                 "prefix_requests", "prefix_new_tokens", "plugin_rounds", "plugin_new_tokens", "serve_concurrency"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
@@ -201,8 +207,25 @@ def print_table(dtype: str, r: dict) -> None:
     print(f"  (bound: {bound['note']})", flush=True)
 
 
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    """Every figure is read against the machine it ran on: the CPU and whether bfloat16 is native there."""
+    from engine.scheduler.device import cpu_has_native_bf16
+
+    native = "native bfloat16" if cpu_has_native_bf16() else "no native bfloat16 (auto dtype: float32)"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {native}, torch {torch.__version__}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    print(f"machine: {machine_line()}", flush=True)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     results: dict[str, dict] = {}
@@ -235,12 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload in ("all", "tracing"):
         tracing = run_tracing(args)
         print_tracing(tracing)
+    serve = None
+    if args.workload in ("all", "serve"):
+        serve = run_serve(args)
+        print_serve(serve)
     lens = [len(p) for p in prompts or []] or [0]
     report = {
         "command": [sys.executable, "-m", "engine.bench", *(sys.argv[1:] if argv is None else argv)],
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__, "threads": threads, "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_line(),
         "workload": {"num_prompts": len(lens), "prompt_tokens": sum(lens), "min_len": min(lens),
                      "max_len": max(lens), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                      "hf_batch_size": args.hf_batch_size},
@@ -248,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "shared_prefix": shared_prefix,
         "plugins": plugins,
         "tracing": tracing,
+        "serve": serve,
     }  # fmt: skip
     with contextlib.suppress(ImportError):
         import transformers

@@ -12,7 +12,7 @@ import queue
 import weakref
 from typing import AsyncIterator, Callable, Iterator
 
-from engine.tokenizer_manager import ReqState, TokenizerManager
+from engine.tokenizer_manager import ReqState, TokenizerManager, _lp_tuples, _top_tuples
 
 Event = tuple  # (state, chunk dict) or (state, None) when the engine died
 
@@ -23,8 +23,12 @@ def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
         meta = state.meta_info()
     else:
         meta = {"id": state.rid, "finish_reason": None, "completion_tokens": len(state.output_ids)}
-        if state.return_logprob and ids:
-            meta["output_token_logprobs"] = [(state.output_logprobs[-1], ids[-1], None)]
+        if state.return_logprob and ids:  # the logprobs (and top alternatives) of this chunk's own tokens
+            k = len(ids)
+            meta["output_token_logprobs"] = _lp_tuples(state.output_logprobs[-k:], ids)
+            tops = state.output_top[-k:]
+            if any(t is not None for t in tops):
+                meta["output_top_logprobs"] = [_top_tuples(t) for t in tops]
     return {"index": state.index, "text": delta, "output_ids": ids, "meta_info": meta}
 
 

@@ -144,8 +144,12 @@ def test_logprobs_equal_the_engines(client, engine):
     assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0
     streamed = client.completions.create(model="smol", prompt="The sky is", max_tokens=5, temperature=0, logprobs=2,
                                          stream=True)  # fmt: skip
-    got = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
-    assert got == pytest.approx(lp.token_logprobs, abs=1e-5)
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    tops = [t for p in pieces for t in p.top_logprobs]  # every chunk has its own tokens' alternatives
+    assert [sorted(t) for t in tops] == [sorted(t) for t in lp.top_logprobs]
+    for got, want in zip(tops, lp.top_logprobs):
+        assert [got[k] for k in sorted(got)] == pytest.approx([want[k] for k in sorted(want)], abs=1e-4)
 
 
 BAD = [

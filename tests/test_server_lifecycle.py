@@ -1,0 +1,148 @@
+"""`engine serve`'s life: a start failure, one trace from the client's span through the HTTP span
+into all three processes (a real OTLP receiver), SIGTERM during a stream (exit 0, no process
+left, traces flushed), a dead engine child (the stream fails clearly, exit 1), and 503s from a
+stopped engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from helpers import wait_gone
+from server_helpers import start_server, stop_server
+
+
+def test_a_start_failure_exits_non_zero_with_the_reason():
+    proc = subprocess.run([sys.executable, "-m", "engine.serve", "--dtype", "float64", "--port", "1"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert "did not start" in proc.stderr and "dtype must be one of" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory):
+    from engine.tracing.receiver import OTLPReceiver
+
+    with OTLPReceiver(out_path=str(tmp_path_factory.mktemp("spans") / "spans.jsonl")) as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def traced_server(receiver):
+    env = {"ENGINE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    srv = start_server("--max-total-tokens", "4096", "--shutdown-timeout", "2", env=env)
+    yield srv
+    if srv.proc.poll() is None:
+        stop_server(srv)
+
+
+def test_a_client_traceparent_gives_one_trace_through_http_and_all_three_processes(traced_server, receiver):
+    from openai import OpenAI
+
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    client = OpenAI(base_url=traced_server.url + "/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0,
+                                         extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})  # fmt: skip
+
+    def complete(spans) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return {"user", "scheduler", "detokenizer"} <= {s.role for s in mine} and any(s.name == "detokenize" for s in mine)
+
+    assert receiver.wait_for(complete, 30), "the request's spans did not all arrive"
+    spans = [s for s in receiver.spans() if s.trace_id == trace_id]
+    http = [s for s in spans if s.parent_span_id == client_span]
+    assert len(http) == 1, [(s.name, s.parent_span_id) for s in spans]
+    server_span = http[0]
+    assert server_span.name.startswith("POST") and "/v1/chat/completions" in server_span.name
+    method = server_span.attributes.get("http.request.method", server_span.attributes.get("http.method"))
+    assert method == "POST"  # OpenTelemetry's HTTP semantic conventions, from its ASGI instrumentation
+    root = next(s for s in spans if "gen_ai.operation.name" in s.attributes)
+    assert root.parent_span_id == server_span.span_id and root.attributes["engine.request_id"] == out.id
+    names = {s.name for s in spans}
+    assert {"tokenize", "queue", "prefill", "decode", "detokenize"} <= names
+
+
+def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, receiver):
+    pids = httpx.get(traced_server.url + "/server_info", timeout=30).json()["pids"]
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", traced_server.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    traced_server.proc.send_signal(signal.SIGTERM)
+    assert traced_server.proc.wait(60) == 0, traced_server.output()
+    reader.join(30)
+    assert events[-1] == "[DONE]"  # ended in order: past --shutdown-timeout the request was aborted
+    last = json.loads(events[-2])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert wait_gone(list(pids.values()), 10) == []
+    # the stream's spans were flushed at the stop
+    assert receiver.wait_for(lambda spans: any(s.role == "user" and s.status_code == 2 for s in spans), 10)
+
+
+def test_a_dead_engine_child_fails_the_stream_and_exits_1():
+    srv = start_server("--max-total-tokens", "4096")
+    try:
+        pids = httpx.get(srv.url + "/server_info", timeout=30).json()["pids"]
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Count to a thousand:", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            started.set()
+            except httpx.HTTPError:
+                events.append("connection closed")
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        os.kill(pids["scheduler"], signal.SIGKILL)
+        assert srv.proc.wait(60) == 1, srv.output()
+        reader.join(30)
+        assert "an engine process died" in srv.output()
+        errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+        assert errors and "scheduler" in errors[0]["message"], events[-3:]
+        assert events[-1] == "[DONE]"
+        assert wait_gone(list(pids.values()), 10) == []
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+def test_a_stopped_engine_answers_503(tiny_llama_dir):
+    from starlette.testclient import TestClient
+
+    from engine import Engine
+    from engine.serve.app import ServeOptions, build_app
+
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
+    app = build_app(eng, ServeOptions("tiny"))
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        eng.shutdown()
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable"
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
