@@ -11,6 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine import envvars
+
 CONVERSION_FORMAT = 2  # bump when the cached layout changes
 
 
@@ -29,7 +31,7 @@ def embedded_gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    override = os.environ.get("ENGINE_CACHE_DIR")
+    override = envvars.read("ENGINE_CACHE_DIR")
     if override:
         return Path(override)
     import platformdirs

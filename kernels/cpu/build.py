@@ -24,6 +24,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from engine import envvars
+
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
@@ -42,7 +44,7 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    override = os.environ.get("ENGINE_CACHE_DIR")
+    override = envvars.read("ENGINE_CACHE_DIR")
     if override:
         return Path(override) / "kernels"
     import platformdirs
@@ -146,7 +148,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 @lru_cache(maxsize=1)
 def load_native() -> ctypes.CDLL | None:
     """The compiled library, or None when no C compiler works here (ENGINE_NATIVE_KERNELS=0 also disables)."""
-    if os.environ.get("ENGINE_NATIVE_KERNELS", "1") == "0":
+    if envvars.read("ENGINE_NATIVE_KERNELS") == "0":
         return None
     found = library_path()
     if found is None:
