@@ -21,7 +21,8 @@ def _env() -> int:
     from engine.envvars import VARIABLES, table
 
     print(table())
-    here = [f"{name}={os.environ[name]}" for name in VARIABLES if name in os.environ]
+    here = [f"{name}=<set>" if VARIABLES[name].secret else f"{name}={os.environ[name]}"
+            for name in VARIABLES if name in os.environ]
     print("\nset here: " + (", ".join(here) if here else "none"))
     return 0
 

@@ -17,6 +17,7 @@ class EnvVar:
     default: str  # the value when unset ("" = unset means off / none)
     values: str  # what it accepts
     meaning: str
+    secret: bool = False  # never printed (engine env shows only that it is set)
 
 
 VARIABLES: dict[str, EnvVar] = {
@@ -35,7 +36,9 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
         EnvVar("ENGINE_METRICS_PORT", "", "a TCP port",
                "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port"),
-        EnvVar("ENGINE_API_KEY", "", "a secret", "engine serve: the API key clients must send (like --api-key)"),
+        EnvVar("ENGINE_API_KEY", "", "a secret",
+               "engine serve: the API key clients must send (safer than --api-key, which other users see in ps)",
+               secret=True),
         EnvVar("ENGINE_PROCESS_ROLE", "", "scheduler or detokenizer",
                "set by the engine for its children only, so plugins know their role from interpreter start; never set it"),
     )

@@ -373,7 +373,12 @@ class TokenizerManager:
                 raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass prompt or input_ids instead")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:  # many templates refuse some orders or roles (raise_exception)
+            raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, ids: list[int], params: SamplingParams, index: int) -> SamplingParams:

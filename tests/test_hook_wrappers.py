@@ -267,3 +267,15 @@ def test_the_docs_table_of_environment_variables_is_the_registry():
             name = next(n for n in found if n)
             assert name in VARIABLES, f"{path.relative_to(root)} reads {name}, which engine/envvars.py does not list"
             assert False, f"{path.relative_to(root)} reads {name} itself: use engine.envvars.read"
+
+
+def test_engine_env_never_prints_the_api_key():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ENGINE_API_KEY": "sekrit-value-42", "ENGINE_TRACE_STEPS": "3"}
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "env"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0
+    assert "ENGINE_API_KEY=<set>" in out.stdout and "sekrit" not in out.stdout
+    assert "ENGINE_TRACE_STEPS=3" in out.stdout and "| `ENGINE_PLUGINS` |" in out.stdout

@@ -61,7 +61,7 @@ def test_profile_writes_three_flamegraphs_and_a_breakdown(tmp_path):
         assert sum(p["stages_pct"].values()) == pytest.approx(100.0)
         assert p["reading"] and p["top_own"]
     assert report["processes"]["scheduler"]["stages_pct"]["forward"] > 0
-    assert "per-stage share of samples (%, of all samples, idle included: of wall time)" in proc.stdout
+    assert "per-stage share of samples (%, of all thread samples, idle included)" in proc.stdout
 
 
 def test_detokenizer_heavy_workload_and_skipdetok(tmp_path):

@@ -146,6 +146,10 @@ def test_logprobs_equal_the_engines(client, engine):
                                          stream=True)  # fmt: skip
     pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
     assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    held = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=24, temperature=0, logprobs=1,
+                                     stream=True, stop=[" the end of it all"], stream_options={"include_usage": True})  # fmt: skip
+    held = list(held)  # text that may start the stop string is held back: its tokens' logprobs still come
+    assert sum(len(c.choices[0].logprobs.tokens) for c in held if c.choices) == held[-1].usage.completion_tokens
     tops = [t for p in pieces for t in p.top_logprobs]  # every chunk has its own tokens' alternatives
     assert [sorted(t) for t in tops] == [sorted(t) for t in lp.top_logprobs]
     for got, want in zip(tops, lp.top_logprobs):
@@ -161,6 +165,9 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, None, 400, "max_tokens", "max_tokens"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 0}, None, 400, "n must", "n"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 100000}, None, 400, "n must", "n"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 10**12}, None, 400, "n must", "n"),  # refused at once, not expanded
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400, "stream: true", None),
+    ("POST", "/v1/completions", b"", None, 400, "body is missing", None),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9}, None, 400, "context", "max_tokens"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "tools": []}, None, 400, "unsupported parameter: tools", "tools"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, None, 400, "requires logprobs", "top_logprobs"),
@@ -309,3 +316,16 @@ def test_native_generate_and_flush_cache(server, engine):
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == r.json()["text"]  # SGLang: text so far
     assert http(server, "POST", "/flush_cache").json()["flushed_tokens"] >= 0
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(engine):
+    """Many models' templates raise on some role orders (raise_exception): that is the caller's error."""
+    import copy
+    from types import SimpleNamespace
+
+    from engine.tokenizer_manager import TokenizerManager
+
+    tokenizer = copy.copy(engine.tokenizer)
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with pytest.raises(ValueError, match="messages: the model's chat template refused them: roles must alternate"):
+        TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tokenizer), CHAT)

@@ -146,3 +146,25 @@ def test_a_stopped_engine_answers_503(tiny_llama_dir):
         assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable"
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def test_an_offline_engine_serves_metrics_at_engine_metrics_port(tiny_llama_dir, monkeypatch):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine import Engine
+    from engine.hooks.loader import unload_plugins
+    from server_helpers import free_port
+
+    port = free_port()
+    monkeypatch.setenv("ENGINE_METRICS_PORT", str(port))
+    try:
+        with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, plugins="metrics") as eng:
+            eng.generate("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+            samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            assert samples["engine:generation_tokens_total"] >= 3
+            assert samples["engine:request_queue_time_seconds_count"] >= 1  # from the scheduler, via engine_stats
+        with pytest.raises(httpx.HTTPError):  # the port closed with the engine
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    finally:
+        unload_plugins(["metrics"])

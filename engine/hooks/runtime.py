@@ -11,7 +11,6 @@ costs one dict lookup at its call site (`has(name)` guards the hot path).
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from typing import Any, Callable
 
@@ -57,13 +56,36 @@ class PluginLoadError(ValueError):
     """ENGINE_PLUGINS names a plugin that cannot be loaded."""
 
 
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager, whose register and unregister keep the engine's table right (isolated
+    implementations, has()) whoever calls them: the loader, or code holding plugin_manager()."""
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        with registry_lock:
+            result = super().register(plugin, name)
+            try:
+                _check(self)
+            except PluginLoadError:
+                super().unregister(plugin)
+                refresh()
+                raise
+            refresh()
+            return result
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> object | None:
+        with registry_lock:
+            result = super().unregister(plugin, name)
+            refresh()
+            return result
+
+
 def plugin_manager() -> pluggy.PluginManager:
     global _pm
     with registry_lock:
         if _pm is None:
             from engine.hooks.specs import EngineSpecs
 
-            _pm = pluggy.PluginManager(PROJECT)
+            _pm = _PluginManager(PROJECT)
             _pm.add_hookspecs(EngineSpecs)
         return _pm
 
@@ -177,19 +199,12 @@ def refresh() -> None:
 def register(obj: object, name: str) -> None:
     """Register a plugin, checked: a wrapper that cannot run as marked is refused, and the plugin
     is not left half registered."""
-    pm = plugin_manager()
-    with registry_lock:
-        try:
-            pm.register(obj, name=name)
-        except Exception as exc:  # pluggy: the same object under two names, or a bad hook signature
-            raise PluginLoadError(f"plugin {name!r} cannot be registered: {exc}") from exc
-        try:
-            _check(pm)
-        except PluginLoadError:
-            pm.unregister(obj)
-            refresh()
-            raise
-        refresh()
+    try:
+        plugin_manager().register(obj, name=name)
+    except PluginLoadError:
+        raise
+    except Exception as exc:  # pluggy: the same object under two names, or a bad hook signature
+        raise PluginLoadError(f"plugin {name!r} cannot be registered: {exc}") from exc
 
 
 def has(name: str) -> bool:

@@ -32,7 +32,7 @@ QUEUE_BUCKETS = TTFT_BUCKETS
 _lock = threading.Lock()
 _user = None  # the user process's metrics (prometheus_client objects), made on first use
 _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # scheduler: queue time
-_server_started = False
+_http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
 
 
 class _UserMetrics:
@@ -141,19 +141,33 @@ def render() -> tuple[bytes, str]:
 @hookimpl
 def engine_process_ready(role: str, pid: int, info: dict) -> None:
     """User process: with ENGINE_METRICS_PORT, serve /metrics on 127.0.0.1 (once per process)."""
-    global _server_started
+    global _http
     if role != "user":
         return
     user_metrics()
     port = envvars.read("ENGINE_METRICS_PORT")
-    if port and not _server_started:
+    if port and _http is None:
         from prometheus_client import start_http_server
 
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"ENGINE_METRICS_PORT={port!r}: give a TCP port number")
-        start_http_server(int(port), addr="127.0.0.1", registry=user_metrics().registry)
-        _server_started = True
+        _http = start_http_server(int(port), addr="127.0.0.1", registry=user_metrics().registry)
         print(f"engine metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+
+
+@hookimpl
+def engine_process_stop(role: str, pid: int) -> None:
+    """The metrics port closes with the last engine of the process."""
+    global _http
+    if role == "user" and _http is not None:
+        from engine.entrypoint import live_engines
+
+        if not live_engines():
+            server, thread = _http
+            _http = None
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
 
 
 @hookimpl

@@ -116,7 +116,8 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
 
 def _print(report: dict) -> None:
     idle = all(p["idle_sampled"] for p in report["processes"].values())
-    what = "of all samples, idle included: of wall time" if idle else "of on-CPU samples only (--no-idle): not of wall time"
+    what = ("of all thread samples, idle included" if idle
+            else "of on-CPU samples only (--no-idle): not of wall time")  # fmt: skip
     print(f"\nper-stage share of samples (%, {what}), command exit code {report['exit_code']}")
     print(f"  {'stage':<18}" + "".join(f"{r:>13}" for r in report["processes"]))
     for stage in STAGES:

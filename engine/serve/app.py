@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.serve import errors, translate
+from engine.serve import errors, sse, translate
 from engine.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -58,33 +58,29 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 
 class InFlight:
-    """The engine request ids the server has running, so a shutdown past its timeout can abort them
-    (their streams then end with finish_reason "abort" and [DONE], instead of being cut)."""
+    """The request ids the server has running, so a shutdown past its timeout can abort them (their
+    streams then end with finish_reason "abort" and [DONE], instead of being cut). An id given for
+    n > 1 stands for all its copies (the engine's abort expands it); counted, so a request reusing
+    a running one's id does not untrack it."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.rids: set[str] = set()
+        self.rids: Counter[str] = Counter()
 
     @contextlib.contextmanager
-    def track(self, bases: list[str], n: int | list[int]):
-        """The engine names copies of an n > 1 request <rid>-0 ... <rid>-<n-1>."""
-        ns = n if isinstance(n, list) else [n] * len(bases)
-        rids = [b if k == 1 else f"{b}-{j}" for b, k in zip(bases, ns) for j in range(k)]
+    def track(self, rids: list[str]):
         self.rids.update(rids)
         try:
             yield
         finally:
-            self.rids.difference_update(rids)
+            self.rids.subtract(rids)
+            self.rids += Counter()  # drop the zeros
 
     def abort_all(self) -> int:
         rids = list(self.rids)
         if rids:
             self.engine.abort(rids)
         return len(rids)
-
-
-def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def build_app(engine, options: ServeOptions) -> FastAPI:
@@ -133,9 +129,9 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         if body.stream:
             stream = await engine.async_generate(**args, stream=True)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _chat_events(stream, rid, name, body.n, include_usage, want_logprobs, text_of)
-            return _sse_response(_tracked(events, inflight, [rid], body.n))
-        with inflight.track([rid], body.n):
+            fmt = sse.ChatChunks(rid, name, body.n, include_usage, want_logprobs, text_of)
+            return _sse_response(stream, fmt, inflight, [rid])
+        with inflight.track([rid]):
             out = await until_disconnect(request, engine.async_generate(**args))
         results = out if isinstance(out, list) else [out]
         choices = []
@@ -168,9 +164,9 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         if body.stream:
             stream = await engine.async_generate(**args, stream=True)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _completion_events(stream, rid, name, prompts, body.n, include_usage, want_logprobs, text_of)
-            return _sse_response(_tracked(events, inflight, bases, body.n))
-        with inflight.track(bases, body.n):
+            fmt = sse.CompletionChunks(rid, name, prompts, body.n, include_usage, want_logprobs, text_of)
+            return _sse_response(stream, fmt, inflight, bases)
+        with inflight.track(bases):
             out = await until_disconnect(request, engine.async_generate(**args))
         results = out if isinstance(out, list) else [out]
         choices = [{"index": i, "text": r["text"], "finish_reason": translate.finish_reason(r["meta_info"]),
@@ -193,16 +189,13 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             base = translate.new_id("gen")
             rid = [f"{base}-p{i}" for i in range(count)] if batch else base
         bases = rid if isinstance(rid, list) else [rid]
-        sp = body.sampling_params
-        ns = [int(p.get("n", 1)) if isinstance(p.get("n", 1), int) else 1
-              for p in (sp if isinstance(sp, list) else [sp or {}] * len(bases))]  # fmt: skip
-        args = dict(prompt=body.text, input_ids=body.input_ids, sampling_params=sp, rid=rid,
+        args = dict(prompt=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params, rid=rid,
                     return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                     logprob_start_len=body.logprob_start_len)  # fmt: skip
         if body.stream:
             stream = await engine.async_generate(**args, stream=True)
-            return _sse_response(_tracked(_native_events(stream), inflight, bases, ns))
-        with inflight.track(bases, ns if len(ns) == len(bases) else 1):
+            return _sse_response(stream, sse.NativeEvents(), inflight, bases)
+        with inflight.track(bases):
             return await until_disconnect(request, engine.async_generate(**args))
 
     @app.post("/flush_cache")
@@ -237,104 +230,21 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
     return app
 
 
-async def _tracked(events: AsyncIterator[str], inflight: InFlight, bases: list[str], n: int | list[int]) -> AsyncIterator[str]:
-    with inflight.track(bases, n):
-        async for event in events:
-            yield event
+class _Stream(StreamingResponse):
+    """Closes its event generator however the response ends (a client gone while a send waited
+    included), so the requests are aborted now rather than when the garbage collector runs."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
-def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+def _sse_response(stream, fmt, inflight: "InFlight", rids: list[str]) -> StreamingResponse:
+    async def tracked() -> AsyncIterator[str]:
+        with inflight.track(rids):
+            async for event in sse.events(stream, fmt):
+                yield event
 
-
-async def _chunks(stream) -> AsyncIterator[dict]:
-    """The engine's chunks; the stream is closed (its running requests aborted) however this ends."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        await stream.aclose()
-
-
-async def _chat_events(stream, rid: str, model: str, n: int, include_usage: bool, logprobs: bool, text_of) -> AsyncIterator[str]:
-    created = translate.now()
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    extra = {"usage": None} if include_usage else {}
-    started: set[int] = set()
-    finals: dict[int, dict] = {}
-    try:
-        async for chunk in _chunks(stream):
-            i, meta = chunk["index"], chunk["meta_info"]
-            if i not in started:
-                started.add(i)
-                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], **extra})  # fmt: skip
-            reason = translate.finish_reason(meta)
-            if chunk["text"] or reason is not None:
-                lp = translate.chat_logprobs(_chunk_logprobs(chunk), text_of) if logprobs and chunk["output_ids"] else None
-                delta = {"content": chunk["text"]} if chunk["text"] else {}
-                yield sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
-                           **extra})  # fmt: skip
-            if reason is not None:
-                finals[i] = {"meta_info": meta}
-        if include_usage:
-            results = [finals[i] for i in sorted(finals)]
-            yield sse({**base, "choices": [], "usage": translate.usage(results, 1, n)})
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: say so in the stream
-        yield sse(errors.body(503, f"the request failed: {exc}"))
-        yield "data: [DONE]\n\n"
-
-
-async def _completion_events(stream, rid: str, model: str, prompts: int, n: int, include_usage: bool,
-                             logprobs: bool, text_of) -> AsyncIterator[str]:  # fmt: skip
-    base = {"id": rid, "object": "text_completion", "created": translate.now(), "model": model}
-    extra = {"usage": None} if include_usage else {}
-    finals: dict[int, dict] = {}
-    offsets: dict[int, int] = {}
-    try:
-        async for chunk in _chunks(stream):
-            i, meta = chunk["index"], chunk["meta_info"]
-            reason = translate.finish_reason(meta)
-            lp = None
-            if logprobs and chunk["output_ids"]:
-                lp = translate.completion_logprobs(_chunk_logprobs(chunk), text_of, offsets.get(i, 0))
-            offsets[i] = offsets.get(i, 0) + len(chunk["text"])
-            if chunk["text"] or reason is not None:
-                yield sse({**base, "choices": [{"index": i, "text": chunk["text"], "logprobs": lp, "finish_reason": reason}],
-                           **extra})  # fmt: skip
-            if reason is not None:
-                finals[i] = {"meta_info": meta}
-        if include_usage:
-            results = [finals[i] for i in sorted(finals)]
-            yield sse({**base, "choices": [], "usage": translate.usage(results, prompts, n)})
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # noqa: BLE001
-        yield sse(errors.body(503, f"the request failed: {exc}"))
-        yield "data: [DONE]\n\n"
-
-
-def _chunk_logprobs(chunk: dict) -> dict:
-    """The logprobs of this chunk's own tokens (a last chunk's meta_info holds the whole request's)."""
-    meta, k = chunk["meta_info"], len(chunk["output_ids"])
-    out = {"output_token_logprobs": (meta.get("output_token_logprobs") or [])[-k:]}
-    if meta.get("output_top_logprobs"):
-        out["output_top_logprobs"] = meta["output_top_logprobs"][-k:]
-    return out
-
-
-async def _native_events(stream) -> AsyncIterator[str]:
-    """SGLang's /generate stream: each event holds the request's text and ids so far."""
-    text: dict[int, str] = {}
-    ids: dict[int, list[int]] = {}
-    try:
-        async for chunk in _chunks(stream):
-            i = chunk["index"]
-            text[i] = text.get(i, "") + chunk["text"]
-            ids[i] = ids.get(i, []) + chunk["output_ids"]
-            yield sse({"index": i, "text": text[i], "output_ids": ids[i], "meta_info": chunk["meta_info"]})
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # noqa: BLE001
-        yield sse(errors.body(503, f"the request failed: {exc}"))
-        yield "data: [DONE]\n\n"
+    return _Stream(tracked(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -41,6 +41,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind == "extra_forbidden":
         return f"unsupported parameter: {param}", param
     if kind == "missing":
+        if param is None:
+            return "the request body is missing (send a JSON object)", None
         return f"missing required parameter: {param}", param
     return f"invalid value for {param or 'the request body'}: {first.get('msg', 'invalid')}", param
 
@@ -65,6 +67,10 @@ def install(app: FastAPI) -> None:
             mapped = openai_error(exc)
             return response(400, mapped.message, mapped.param)
         return response(400, str(exc))
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(request: Request, exc: TimeoutError):  # the scheduler did not answer a stats request
+        return response(503, f"the engine did not answer in time: {exc}")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):

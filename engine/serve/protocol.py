@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 
 class _Body(BaseModel):
@@ -48,6 +48,12 @@ class _Sampling(_EngineExtras):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -57,7 +63,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = None  # accepted, as OpenAI does, and not shown to the model (chat templates have no place for it)
 
 
 class ChatCompletionRequest(_Sampling):

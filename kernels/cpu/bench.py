@@ -10,7 +10,6 @@ would change the other library's figures. Shapes are SmolLM2-135M's (9 query hea
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -79,14 +78,14 @@ def _time_library(path: str, repeats: int) -> dict:
 
 
 def _cpu() -> str:
+    from engine.scheduler.device import cpu_has_native_bf16, cpu_model
+
     try:
         with open("/proc/cpuinfo") as f:
-            text = f.read()
+            avx512 = "avx512f" in f.read()
     except OSError:
-        return platform.processor()
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return f"{model}; avx512f: {'avx512f' in flags}; native bfloat16 (avx512_bf16): {'avx512_bf16' in flags}"
+        avx512 = False
+    return f"{cpu_model()}; avx512f: {avx512}; native bfloat16: {cpu_has_native_bf16()}"
 
 
 def main(argv: list[str]) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from engine.bench_prompts import build_prompts
+from engine.bench.prompts import build_prompts
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -28,42 +28,57 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def _summary(t0: float, t_end: float, firsts: list[float], gaps: list[float], tokens: int) -> dict:
-    return {"tokens": tokens, "seconds": t_end - t0, "tokens_per_s": tokens / (t_end - t0),
-            "ttft_p50": _percentile(firsts, 50), "ttft_p99": _percentile(firsts, 99),
-            "itl_p50": _percentile(gaps, 50), "itl_p99": _percentile(gaps, 99)}  # fmt: skip
+class _Timing:
+    """Arrival times of every stream's pieces: time to first token and the gaps between pieces."""
+
+    def __init__(self) -> None:
+        self.firsts: list[float] = []
+        self.gaps: list[float] = []
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def stream(self) -> "_Stream":
+        return _Stream(self)
+
+    def summary(self) -> dict:
+        seconds = time.perf_counter() - self.t0
+        return {"tokens": self.tokens, "seconds": seconds, "tokens_per_s": self.tokens / seconds,
+                "ttft_p50": _percentile(self.firsts, 50), "ttft_p99": _percentile(self.firsts, 99),
+                "itl_p50": _percentile(self.gaps, 50), "itl_p99": _percentile(self.gaps, 99)}  # fmt: skip
+
+
+class _Stream:
+    def __init__(self, timing: _Timing) -> None:
+        self.timing, self.start, self.last = timing, time.perf_counter(), None
+
+    def piece(self) -> None:
+        now = time.perf_counter()
+        (self.timing.firsts if self.last is None else self.timing.gaps).append(now - (self.last or self.start))
+        self.last = now
 
 
 async def _run_in_process(engine, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     gate = asyncio.Semaphore(concurrency)
-    firsts, gaps, counts = [], [], []
+    timing = _Timing()
 
     async def one(ids: list[int]) -> None:
         async with gate:
-            start = time.perf_counter()
-            last, n = None, 0
+            stream = timing.stream()
             async for chunk in await engine.async_generate(input_ids=ids, sampling_params=params, stream=True):
-                if not chunk["output_ids"]:
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    firsts.append(now - start)
-                else:
-                    gaps.append(now - last)
-                last, n = now, n + len(chunk["output_ids"])
-            counts.append(n)
+                if chunk["output_ids"]:
+                    stream.piece()
+                    timing.tokens += len(chunk["output_ids"])
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(one(p) for p in prompts))
-    return _summary(t0, time.perf_counter(), firsts, gaps, sum(counts))
+    return timing.summary()
 
 
 async def _run_server(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
-    firsts, gaps, counts = [], [], []
+    timing = _Timing()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
 
@@ -71,8 +86,7 @@ async def _run_server(url: str, prompts: list[list[int]], new_tokens: int, concu
             body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
             async with gate:
-                start = time.perf_counter()
-                last, n = None, 0
+                stream = timing.stream()
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     r.raise_for_status()
                     async for line in r.aiter_lines():
@@ -80,25 +94,18 @@ async def _run_server(url: str, prompts: list[list[int]], new_tokens: int, concu
                             continue
                         event = json.loads(line[6:])
                         if event.get("usage") and not event["choices"]:
-                            n = event["usage"]["completion_tokens"]  # the server's own count
-                            continue
-                        now = time.perf_counter()
-                        if last is None:
-                            firsts.append(now - start)
+                            timing.tokens += event["usage"]["completion_tokens"]  # the server's own count
                         else:
-                            gaps.append(now - last)
-                        last = now
-                counts.append(n)
+                            stream.piece()
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in prompts))
-        return _summary(t0, time.perf_counter(), firsts, gaps, sum(counts))
+        return timing.summary()
 
 
 def _start_server(dtype: str) -> tuple[subprocess.Popen, str]:
-    from engine.serve.app import ServeOptions  # noqa: F401 - fail here, not in the child, if deps are missing
+    import socket
 
-    with __import__("socket").socket() as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--port", str(port), "--dtype", dtype],

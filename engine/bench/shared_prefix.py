@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from engine.bench_prompts import build_prompts
+from engine.bench.prompts import build_prompts
 
 
 def build_shared_prefix_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:

@@ -16,8 +16,8 @@ import statistics
 import subprocess
 import sys
 
-from engine.bench_plugins import _throughput
-from engine.bench_prompts import build_prompts
+from engine.bench.plugins import _throughput
+from engine.bench.prompts import build_prompts
 
 TIMED_RUNS = 2  # per engine start
 
@@ -66,7 +66,7 @@ def run_tracing(args: argparse.Namespace) -> dict:
         for r in range(args.plugin_rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 print(f"[tracing] round {r + 1}: tracing {mode} ...", flush=True)
-                cmd = [sys.executable, "-m", "engine.bench_tracing", "--child", *_child_args(args)]
+                cmd = [sys.executable, "-m", "engine.bench.tracing", "--child", *_child_args(args)]
                 run = subprocess.run(cmd, env=envs[mode], capture_output=True, text=True, timeout=1800)
                 if run.returncode != 0:
                     raise RuntimeError(f"tracing benchmark child ({mode}) failed:\n{run.stderr[-3000:]}")

@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from engine.bench_prompts import build_prompts
+from engine.bench.prompts import build_prompts
 
 HOOK_SITES_PER_STEP = 11  # forward before/after, process_logits, sample_after, step_end, detokenize, detokenize_after, detokenize_output, ...
 

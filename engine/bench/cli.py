@@ -4,7 +4,7 @@ Why: a tokens/s figure alone says little. Side by side in one run (this machine 
 move from run to run) it shows how the engine compares with a plain transformers baseline on the same
 workload and dtype, and how far it is from what the machine's matrix-multiply rate allows at the
 model's own shapes. The workload is deterministic: seeded windows of standard-library docstrings
-(engine/bench_prompts.py), one batch of requests, every request generating exactly --max-new-tokens.
+(engine/bench/prompts.py), one batch of requests, every request generating exactly --max-new-tokens.
 
     python -m engine.bench                                  # everything: both dtypes, every workload
     python -m engine.bench --workload shared-prefix         # prefix cache on against off only
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_prompts import build_prompts
-from engine.bench_plugins import print_plugins, run_plugins
-from engine.bench_serve import print_serve, run_serve
-from engine.bench_shared_prefix import print_shared_prefix, run_shared_prefix
-from engine.bench_tracing import print_tracing, run_tracing
+from engine.bench.prompts import build_prompts
+from engine.bench.plugins import print_plugins, run_plugins
+from engine.bench.serve import print_serve, run_serve
+from engine.bench.shared_prefix import print_shared_prefix, run_shared_prefix
+from engine.bench.tracing import print_tracing, run_tracing
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_M = 512  # rows of the prefill matmuls: a few hundred prompt tokens in one step
@@ -207,17 +207,9 @@ def print_table(dtype: str, r: dict) -> None:
     print(f"  (bound: {bound['note']})", flush=True)
 
 
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def machine_line() -> str:
     """Every figure is read against the machine it ran on: the CPU and whether bfloat16 is native there."""
-    from engine.scheduler.device import cpu_has_native_bf16
+    from engine.scheduler.device import cpu_has_native_bf16, cpu_model
 
     native = "native bfloat16" if cpu_has_native_bf16() else "no native bfloat16 (auto dtype: float32)"
     return f"{cpu_model()}, {os.cpu_count()} cores, {native}, torch {torch.__version__}"

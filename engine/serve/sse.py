@@ -1,0 +1,133 @@
+"""Server-Sent Events for the streaming routes: one driver, and a formatter per kind of answer
+(OpenAI chat chunks, OpenAI completion chunks, SGLang's /generate events).
+
+The driver closes the engine's stream however the response ends (its running requests are
+aborted), turns an engine failure into an error event, and always ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Protocol
+
+from engine.serve import errors, translate
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class Formatter(Protocol):
+    def chunk(self, chunk: dict) -> list[dict]: ...
+
+    def close(self) -> list[dict]: ...
+
+
+async def events(stream, fmt: Formatter) -> AsyncIterator[str]:
+    try:
+        try:
+            async for chunk in stream:
+                for payload in fmt.chunk(chunk):
+                    yield sse(payload)
+            tail = fmt.close()
+        except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so in the stream
+            tail = [errors.body(503, f"the request failed: {exc}")]
+        for payload in tail:
+            yield sse(payload)
+        yield DONE
+    finally:
+        await stream.aclose()
+
+
+class _OpenAIChunks:
+    """What chat and completion chunks share: ids, usage at the end, each chunk's own logprobs."""
+
+    def __init__(self, rid: str, model: str, obj: str, prompts: int, n: int, include_usage: bool, logprobs: bool,
+                 text_of: translate.TokenText) -> None:  # fmt: skip
+        self.base = {"id": rid, "object": obj, "created": translate.now(), "model": model}
+        self.extra = {"usage": None} if include_usage else {}
+        self.prompts, self.n, self.include_usage, self.logprobs, self.text_of = prompts, n, include_usage, logprobs, text_of
+        self.finals: dict[int, dict] = {}
+
+    def wants(self, chunk: dict, reason: str | None) -> bool:
+        """Emit a chunk with text, a finish, or (logprobs asked) tokens whose text is still held back."""
+        return bool(chunk["text"]) or reason is not None or (self.logprobs and bool(chunk["output_ids"]))
+
+    def payload(self, choice: dict) -> dict:
+        return {**self.base, "choices": [choice], **self.extra}
+
+    def finished(self, chunk: dict, reason: str | None) -> None:
+        if reason is not None:
+            self.finals[chunk["index"]] = {"meta_info": chunk["meta_info"]}
+
+    def close(self) -> list[dict]:
+        if not self.include_usage:
+            return []
+        results = [self.finals[i] for i in sorted(self.finals)]
+        return [{**self.base, "choices": [], "usage": translate.usage(results, self.prompts, self.n)}]
+
+
+def _own_logprobs(chunk: dict) -> dict:
+    """The logprobs of this chunk's own tokens (a last chunk's meta_info holds the whole request's)."""
+    meta, k = chunk["meta_info"], len(chunk["output_ids"])
+    out = {"output_token_logprobs": (meta.get("output_token_logprobs") or [])[-k:] if k else []}
+    if meta.get("output_top_logprobs") and k:
+        out["output_top_logprobs"] = meta["output_top_logprobs"][-k:]
+    return out
+
+
+class ChatChunks(_OpenAIChunks):
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool, logprobs: bool, text_of) -> None:
+        super().__init__(rid, model, "chat.completion.chunk", 1, n, include_usage, logprobs, text_of)
+        self.started: set[int] = set()
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        i, reason = chunk["index"], translate.finish_reason(chunk["meta_info"])
+        out = []
+        if i not in self.started:
+            self.started.add(i)
+            out.append(self.payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}))  # fmt: skip
+        if self.wants(chunk, reason):
+            lp = translate.chat_logprobs(_own_logprobs(chunk), self.text_of) if self.logprobs else None
+            delta = {"content": chunk["text"]} if chunk["text"] else {}
+            out.append(self.payload({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}))
+        self.finished(chunk, reason)
+        return out
+
+
+class CompletionChunks(_OpenAIChunks):
+    def __init__(self, rid: str, model: str, prompts: int, n: int, include_usage: bool, logprobs: bool, text_of) -> None:
+        super().__init__(rid, model, "text_completion", prompts, n, include_usage, logprobs, text_of)
+        self.offsets: dict[int, int] = {}
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        i, reason = chunk["index"], translate.finish_reason(chunk["meta_info"])
+        out = []
+        if self.wants(chunk, reason):
+            lp = None
+            if self.logprobs:
+                lp = translate.completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.get(i, 0))
+            out.append(self.payload({"index": i, "text": chunk["text"], "logprobs": lp, "finish_reason": reason}))
+        self.offsets[i] = self.offsets.get(i, 0) + len(chunk["text"])
+        self.finished(chunk, reason)
+        return out
+
+
+class NativeEvents:
+    """SGLang's /generate stream: each event holds the request's text and ids so far."""
+
+    def __init__(self) -> None:
+        self.text: dict[int, str] = {}
+        self.ids: dict[int, list[int]] = {}
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        i = chunk["index"]
+        self.text[i] = self.text.get(i, "") + chunk["text"]
+        self.ids[i] = self.ids.get(i, []) + chunk["output_ids"]
+        return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": chunk["meta_info"]}]
+
+    def close(self) -> list[dict]:
+        return []
