@@ -113,6 +113,16 @@ def tiny_llama_dir(tmp_path_factory, model_dir) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def tiny_scheduler(tiny_llama_dir):
+    """A Scheduler in the test process on the tiny Llama, real sockets both sides (test_scheduler_steps.InProcess)."""
+    from test_scheduler_steps import InProcess
+
+    run = InProcess(tiny_llama_dir, max_total_tokens=512, max_running_requests=4)
+    yield run
+    run.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tmp_path_factory, model_dir):
     """One engine on a tiny Llama with head_dim 40, short context, default backend (tests/tiny_engine.py)."""

@@ -13,7 +13,6 @@ import pytest
 from engine.errors import EngineDeadError
 from engine.ipc.messages import STOP_STRING_MATCHED, AbortRequest, TokenizedRequest
 from engine.sampling_params import SamplingParams
-from test_scheduler_steps import InProcess
 
 LONG = {"max_new_tokens": 80, "ignore_eos": True, "temperature": 0}
 
@@ -53,17 +52,9 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     assert tiny_engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
-@pytest.fixture(scope="module")
-def run(tiny_llama_dir):
-    run = InProcess(tiny_llama_dir, max_total_tokens=512, max_running_requests=4)
-    yield run
-    run.close()
-
-
-def _drive(run) -> list:
-    while run.sched.run_once(block=False):
-        pass
-    return [(rid, f) for m in run.messages() for rid, f in zip(m.rids, m.finished) if f is not None]
+@pytest.fixture
+def run(tiny_scheduler):
+    return tiny_scheduler
 
 
 def test_old_abort_does_not_stop_a_new_request_reusing_the_rid(run):
@@ -71,11 +62,11 @@ def test_old_abort_does_not_stop_a_new_request_reusing_the_rid(run):
     process, which saw `x` finish, submitted a new `x` (submission 2)."""
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     run.submit(TokenizedRequest("x", [1, 2, 3], params, seq=1))
-    assert [(rid, f.type) for rid, f in _drive(run)] == [("x", "length")]
+    assert [(rid, f.type) for rid, f in run.finish_all()] == [("x", "length")]
     run.submit(TokenizedRequest("x", [1, 2, 3], params, seq=2))
     run.requests.send(run.codec.encode(AbortRequest(["x"], STOP_STRING_MATCHED, [1])))
     assert run.sched.recv_sock.poll(5000)
-    assert [(rid, f.type) for rid, f in _drive(run)] == [("x", "length")]  # the new one ran to its length
+    assert [(rid, f.type) for rid, f in run.finish_all()] == [("x", "length")]  # the new one ran to its length
 
 
 def test_a_reused_rid_supersedes_the_request_still_running_under_it(run):
@@ -87,7 +78,7 @@ def test_a_reused_rid_supersedes_the_request_still_running_under_it(run):
     run.submit(TokenizedRequest("y", [4, 5, 6], msgspec.structs.replace(params, max_new_tokens=3), seq=8))
     run.requests.send(run.codec.encode(AbortRequest(["y"], STOP_STRING_MATCHED, [7])))
     assert run.sched.recv_sock.poll(5000)
-    finishes = _drive(run)
+    finishes = run.finish_all()
     assert [(rid, f.type) for rid, f in finishes] == [("y", "abort"), ("y", "length")], finishes
     assert "superseded" in finishes[0][1].message and finishes[1][1].length == 3
 

@@ -8,23 +8,14 @@ import pytest
 
 from engine.ipc.messages import TokenizedRequest
 from engine.sampling_params import SamplingParams
-from test_scheduler_steps import InProcess
 
 GOOD = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
 VOCAB = 49152
 
 
-@pytest.fixture(scope="module")
-def run(tiny_llama_dir):
-    run = InProcess(tiny_llama_dir, max_total_tokens=512, max_running_requests=4)
-    yield run
-    run.close()
-
-
-def _finish_all(run) -> dict:
-    while run.sched.run_once(block=False):
-        pass
-    return {rid: f for m in run.messages() for rid, f in zip(m.rids, m.finished) if f is not None}
+@pytest.fixture
+def run(tiny_scheduler):
+    return tiny_scheduler
 
 
 BAD = {
@@ -48,7 +39,7 @@ def test_bad_value_fails_only_its_request(run, field):
         TokenizedRequest(f"bad-{field}", values.pop("input_ids"), values.pop("sampling"), **values),
         TokenizedRequest(f"good-{field}", [1, 4, 5, 6], GOOD),
     )
-    finishes = _finish_all(run)
+    finishes = dict(run.finish_all())
     bad = finishes[f"bad-{field}"]
     assert bad.type == "abort" and field in bad.message, bad
     assert finishes[f"good-{field}"].type == "length"
@@ -62,7 +53,7 @@ def test_empty_prompt_and_too_long_prompt_are_refused(run):
         TokenizedRequest("huge", [5] * 4096, GOOD),
         TokenizedRequest("fine", [1, 2], GOOD),
     )
-    finishes = _finish_all(run)
+    finishes = dict(run.finish_all())
     assert finishes["empty"].type == "abort" and "input_ids" in finishes["empty"].message
     assert finishes["huge"].type == "abort" and "context_length" in finishes["huge"].message
     assert finishes["fine"].type == "length"
@@ -83,10 +74,10 @@ def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):
     run.sched.kv.lend_prefix = lend
     try:
         run.submit(TokenizedRequest("cursed", [3, 3, 3], GOOD))
-        finishes = _finish_all(run)
+        finishes = dict(run.finish_all())
     finally:
         run.sched.kv.lend_prefix = real
     assert finishes["cursed"].type == "abort" and "injected in schedule" in finishes["cursed"].message
     assert finishes["runner"].type == "length"
     run.submit(TokenizedRequest("after", [1, 2], GOOD))
-    assert _finish_all(run)["after"].type == "length"
+    assert dict(run.finish_all())["after"].type == "length"

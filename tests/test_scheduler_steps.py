@@ -95,6 +95,12 @@ class InProcess:
     def messages(self) -> list[BatchTokenOut]:
         return _drain(self.outputs, Codec(ToDetokenizer))
 
+    def finish_all(self) -> list[tuple[str, object]]:
+        """Run until nothing is left; (rid, FinishReason) of every request that finished, in order."""
+        while self.sched.run_once(block=False):
+            pass
+        return [(rid, f) for m in self.messages() for rid, f in zip(m.rids, m.finished) if f is not None]
+
     def close(self) -> None:
         self.sched.close()
         self.ctx.destroy(linger=0)

@@ -477,7 +477,7 @@ class Scheduler:
                     raise HookError(", ".join(hooks.implementers("engine_schedule")), "engine_schedule",
                                     ValueError("may only reorder or remove the waiting requests"))  # fmt: skip
             except HookError as exc:  # it touched every waiting request it was shown
-                self._abort_rids({r.rid for r in shown}, str(exc))
+                self._abort_rids(dict.fromkeys(r.rid for r in shown), str(exc))
                 return entries
         for req in ordered:
             if budget <= 0 or not self.req_to_token.available:
@@ -704,12 +704,10 @@ class Scheduler:
         self.send_sock.send(self.send_codec.encode(out))
         self.counters["aborted_requests"] += n
 
-    def _abort_rids(self, targets: set[str] | dict[str, set[int] | None], message: str) -> None:
+    def _abort_rids(self, targets: dict[str, set[int] | None], message: str) -> None:
         """The caller's abort (or the detokenizer's stop string): drop the requests wherever they are,
         keep their valid K/V in the cache, report them finished with reason abort. `targets`: rids, or
         rid -> the seqs meant (None: any)."""
-        if not isinstance(targets, dict):
-            targets = dict.fromkeys(targets)
 
         def meant(r: Req) -> bool:
             if r.rid not in targets:

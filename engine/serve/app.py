@@ -118,12 +118,16 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         check_model(model_id)
         return {"id": name, "object": "model", "created": 0, "owned_by": "engine"}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    def opening(body: ChatCompletionRequest | CompletionRequest, prefix: str) -> tuple[dict, bool, int, str]:
+        """What both OpenAI routes do first: the model, the sampling parameters, logprobs, an id."""
         check_model(body.model)
         params = translate.sampling_params(body, engine.server_info.get("context_length"))
         want_logprobs, top = translate.logprob_options(body)
-        rid = translate.new_id("chatcmpl")
+        return params, want_logprobs, top, translate.new_id(prefix)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        params, want_logprobs, top, rid = opening(body, "chatcmpl")
         args = dict(messages=translate.chat_messages(body), sampling_params=params, rid=rid,
                     return_logprob=want_logprobs, top_logprobs_num=top)  # fmt: skip
         if body.stream:
@@ -146,10 +150,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        params = translate.sampling_params(body, engine.server_info.get("context_length"))
-        want_logprobs, top = translate.logprob_options(body)
-        rid = translate.new_id("cmpl")
+        params, want_logprobs, top, rid = opening(body, "cmpl")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             inputs, prompts = {"prompt": prompt, "rid": [f"{rid}-p{i}" for i in range(len(prompt))]}, len(prompt)
