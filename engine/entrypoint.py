@@ -8,6 +8,7 @@ import threading
 import weakref
 
 from engine import envvars, hooks
+from engine.beam_search.api import DEFAULT_BEAM_MAX_NEW_TOKENS, beam_submit_args
 from engine.config import EngineConfig
 from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
@@ -201,6 +202,40 @@ class Engine:
                               logprob_start_len, trace_context)  # fmt: skip
         if stream:
             return async_stream(tm, submit)
+        return await async_collect(tm, submit)
+
+    def beam_search(
+        self, prompt=None, beam_width: int = 4, max_new_tokens: int = DEFAULT_BEAM_MAX_NEW_TOKENS,
+        length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
+        input_ids=None, messages=None, rid=None, trace_context=None, **sampling,
+    ):  # fmt: skip
+        """Beam search in the scheduler (docs/beam_search.md): for one prompt a dict, for a batch a list.
+
+        Each result: {"hypotheses": the num_return_sequences best, best first, each {"text",
+        "output_ids", "logprob" (cumulative), "score" (logprob / length ** length_penalty),
+        "finish_reason"}, "meta_info": {..., "beam_width", "steps"}}. Rules as transformers'
+        generate(num_beams=beam_width, early_stopping=..., length_penalty=...). Keyword sampling
+        parameters that suit beams (logit_bias, repetition/frequency/presence_penalty,
+        min_new_tokens, stop_token_ids, ignore_eos, custom_logit_processor, custom_params, ...) apply
+        to every beam; the others (temperature > 0, top_p, n, seed, stop, stream, ...) raise
+        ValueError naming them, before anything is queued.
+        """
+        tm = self._tm()
+        submit = beam_submit_args(prompt, input_ids, messages, rid, trace_context, beam_width, max_new_tokens,
+                                  length_penalty, early_stopping, num_return_sequences, sampling)  # fmt: skip
+        states, is_batch = tm.submit(**submit)
+        results = tm.wait(states)
+        return results if is_batch else results[0]
+
+    async def async_beam_search(
+        self, prompt=None, beam_width: int = 4, max_new_tokens: int = DEFAULT_BEAM_MAX_NEW_TOKENS,
+        length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
+        input_ids=None, messages=None, rid=None, trace_context=None, **sampling,
+    ):  # fmt: skip
+        """beam_search() for asyncio; cancelling the awaiting task aborts the searches."""
+        tm = self._tm()
+        submit = beam_submit_args(prompt, input_ids, messages, rid, trace_context, beam_width, max_new_tokens,
+                                  length_penalty, early_stopping, num_return_sequences, sampling)  # fmt: skip
         return await async_collect(tm, submit)
 
     def abort(self, rid: str | list[str]) -> None:

@@ -21,11 +21,14 @@ import msgspec
 import zmq
 
 from engine import hooks
+from engine.beam_search.params import check_beam, kv_tokens_needed
 from engine.errors import EngineDeadError
 from engine.hooks.types import PromptRequest
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
 from engine.ipc.messages import (
     BatchTextOut,
+    BeamParams,
+    BeamTextOut,
     Codec,
     AbortRequest,
     FinishReason,
@@ -86,6 +89,17 @@ def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
             print(f"engine: {hook_exc}", file=sys.stderr)
 
 
+def beam_hypotheses(out: BeamTextOut | None) -> list[dict]:
+    """A beam search's result: the returned hypotheses, best first (none when it was aborted)."""
+    if out is None:
+        return []
+    return [
+        {"text": text, "output_ids": list(h.output_ids), "logprob": h.logprob, "score": h.score,
+         "finish_reason": h.finish.to_dict()}
+        for h, text in zip(out.hypotheses, out.texts)
+    ]  # fmt: skip
+
+
 @dataclass
 class ReqState:
     """What the user process knows about one request while it runs."""
@@ -113,6 +127,8 @@ class ReqState:
     # called in the receiver thread with (state, text delta, new token ids) after each output, and with
     # (state, None, None) if the engine dies; streaming and async callers listen here
     listener: Callable[["ReqState", str | None, list[int] | None], None] | None = None
+    beam: BeamParams | None = None  # a beam search: its result is `hypotheses`, not text
+    beam_out: BeamTextOut | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -131,6 +147,11 @@ class ReqState:
             "e2e_latency": (self.finished_at or time.perf_counter()) - self.created,
             "first_token_latency": (self.first_token_at or self.finished_at or time.perf_counter()) - self.created,
         }
+        if self.beam is not None:
+            out = self.beam_out
+            info["beam_width"] = self.beam.width
+            info["steps"] = out.steps if out else 0
+            info["detokenize_seconds"] = out.detokenize_seconds if out else 0.0
         if self.return_logprob:
             info["output_token_logprobs"] = _lp_tuples(self.output_logprobs, self.output_ids)
             if any(t is not None for t in self.output_top):
@@ -145,6 +166,8 @@ class ReqState:
     def result(self) -> dict:
         if self.error is not None:
             raise self.error
+        if self.beam is not None:
+            return {"hypotheses": beam_hypotheses(self.beam_out), "meta_info": self.meta_info()}
         return {"text": "".join(self.text_parts), "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
 
@@ -174,6 +197,7 @@ class TokenizerManager:
         self.vocab_size = len(tokenizer)
         self.context_length = 0
         self.max_total_tokens = 0
+        self.max_running_requests = 0
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ life cycle
@@ -182,6 +206,7 @@ class TokenizerManager:
         """Begin receiving; `sentinels` maps each child's process sentinel fd to its role."""
         self.context_length = info["context_length"]
         self.max_total_tokens = info["max_total_tokens"]
+        self.max_running_requests = info["max_running_requests"]
         self.vocab_size = info["vocab_size"]  # the model's, which may exceed the tokenizer's
         self._on_dead = on_dead
         self._thread = threading.Thread(target=self._recv_loop, args=(sentinels,), name="engine-recv", daemon=True)
@@ -276,6 +301,16 @@ class TokenizerManager:
                     return
 
     def _dispatch(self, message) -> None:
+        if isinstance(message, BeamTextOut):
+            state = self.states.get(message.rid)
+            if state is not None:
+                state.beam_out = message
+                self._finish(state, message.hypotheses[0].finish if message.hypotheses else FinishReason("length", length=0),
+                             message.meta, time.perf_counter())  # fmt: skip
+                if state.listener is not None:
+                    with contextlib.suppress(Exception):
+                        state.listener(state, "", [])
+            return
         if isinstance(message, Stats):
             with self.states_lock:
                 holder = self.pending_stats.pop(message.req_id, None)
@@ -306,20 +341,24 @@ class TokenizerManager:
                     state.output_logprobs.append(logprob.logprob)
                     state.output_top.append(logprob.top)
             if finish is not None:
-                state.finish_reason, state.meta, state.finished_at = finish, meta, now
-                with self.states_lock:
-                    states.pop(rid, None)
-                    if state.group is not None and not any(r in states for r in self.groups.get(state.group, ())):
-                        self.groups.pop(state.group, None)
-                if hooks.has("engine_request_done"):  # before the caller wakes: its spans end first
-                    _done_hook(state, None)
-                state.done.set()
-                if state.on_finish is not None:
-                    with contextlib.suppress(Exception):  # a progress callback must not stop the receiver
-                        state.on_finish(state)
+                self._finish(state, finish, meta, now)
             if state.listener is not None and (delta or token >= 0 or finish is not None):
                 with contextlib.suppress(Exception):  # nor may a listener
                     state.listener(state, delta, [token] if token >= 0 else [])
+
+    def _finish(self, state: ReqState, finish: FinishReason, meta: RequestMeta | None, now: float) -> None:
+        state.finish_reason, state.meta, state.finished_at = finish, meta, now
+        states = self.states
+        with self.states_lock:
+            states.pop(state.rid, None)
+            if state.group is not None and not any(r in states for r in self.groups.get(state.group, ())):
+                self.groups.pop(state.group, None)
+        if hooks.has("engine_request_done"):  # before the caller wakes: its spans end first
+            _done_hook(state, None)
+        state.done.set()
+        if state.on_finish is not None:
+            with contextlib.suppress(Exception):  # a progress callback must not stop the receiver
+                state.on_finish(state)
 
     # ------------------------------------------------------------------ stages
 
@@ -408,6 +447,7 @@ class TokenizerManager:
         self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None,
         on_finish: Callable[[ReqState], None] | None = None, return_logprob: bool = False,
         top_logprobs_num: int = 0, logprob_start_len: int = -1, listener=None, trace_context=None,
+        beam: BeamParams | None = None,
     ) -> tuple[list[ReqState], bool]:  # fmt: skip
         """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error.
 
@@ -428,6 +468,9 @@ class TokenizerManager:
             params = [self.parse_params(sampling_params)] * n_prompts
         _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, self.vocab_size)
         params = [self.validate(ids, p, i if is_batch else 0) for i, (ids, p) in enumerate(zip(id_lists, params))]
+        if beam is not None:
+            for i, (ids, p) in enumerate(zip(id_lists, params)):
+                self._validate_beam(ids, p, beam, f"request {i}: " if is_batch else "")
         for i, ids in enumerate(id_lists):
             if logprob_start_len >= len(ids):
                 where = f"request {i}: " if is_batch else ""
@@ -443,12 +486,12 @@ class TokenizerManager:
                 pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 seq = next(self._seq)
                 reqs.append(TokenizedRequest(
-                    r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len, seq=seq,
+                    r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len, seq=seq, beam=beam,
                 ))  # fmt: skip
                 items_of.append(item)
                 states.append(ReqState(
                     r, ids, seq, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
-                    on_finish=on_finish, listener=listener,
+                    on_finish=on_finish, listener=listener, beam=beam,
                 ))  # fmt: skip
         with self.states_lock:  # before the hooks see them (checked again, atomically, when registering)
             self._check_clash(states)
@@ -471,6 +514,17 @@ class TokenizerManager:
                 req.submitted_ns = now
             self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
         return states, is_batch or any(p.n > 1 for p in params)
+
+    def _validate_beam(self, ids: list[int], p: SamplingParams, beam: BeamParams, where: str) -> None:
+        problem = check_beam(beam, p, self.max_running_requests)
+        if problem is not None:
+            raise ValueError(where + problem)
+        need = kv_tokens_needed(len(ids), beam, p.max_new_tokens)
+        if need > self.max_total_tokens:
+            raise ValueError(
+                f"{where}the beam search needs up to {need} KV tokens (prompt {len(ids)} + beam_width {beam.width} x "
+                f"{p.max_new_tokens - 1} decode steps) but the pool holds max_total_tokens={self.max_total_tokens}"
+            )
 
     def _register(self, states: list[ReqState], base_rids: list[str], params: list[SamplingParams]) -> None:
         with self.states_lock:

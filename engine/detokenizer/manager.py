@@ -4,6 +4,7 @@ to the tokenizer manager; tell the scheduler to stop requests whose stop string 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -19,6 +20,8 @@ from engine.ipc.messages import (
     AbortRequest,
     BatchTextOut,
     BatchTokenOut,
+    BeamSearchOut,
+    BeamTextOut,
     Codec,
     FinishReason,
     RequestMeta,
@@ -79,12 +82,23 @@ class DetokenizerManager:
                         hooks.call("engine_detokenize_output", output=message)
                     except HookError as exc:  # read-only and after the fact: report, send as is
                         print(f"engine::detokenizer: {exc}", file=sys.stderr)
+            elif isinstance(message, BeamSearchOut):
+                message = self.detokenize_beams(message)
             elif hooks.has("engine_stats"):  # Stats on its way to the user process: add this process's figures
                 try:
                     message.plugins["detokenizer"] = hooks.call_named("engine_stats", role="detokenizer")
                 except HookError as exc:
                     message.plugins["detokenizer"] = {"error": str(exc)}
             self.send_sock.send(self.send_codec.encode(message))
+
+    def detokenize_beams(self, out: BeamSearchOut) -> BeamTextOut:
+        """A finished beam search: one batch decode of its returned hypotheses, and nothing else (no
+        per-step text for beams nobody reads)."""
+        start = time.perf_counter()
+        texts = self.incremental.decoder.decode_batch(
+            [h.output_ids for h in out.hypotheses], out.skip_special_tokens, out.spaces_between_special_tokens
+        )
+        return BeamTextOut(out.rid, out.hypotheses, texts, out.meta, out.width, out.steps, time.perf_counter() - start)
 
     def detokenize(self, out: BatchTokenOut) -> BatchTextOut | None:
         """The detokenize stage: one batch decode for every request in the message, then stop strings."""

@@ -126,11 +126,27 @@ class EngineSpecs:
     # ------------------------------------------------------------------ sample (scheduler)
 
     @hookspec
-    def engine_process_logits(self, logits: torch.Tensor, rids: list[str], reqs: list[Req]) -> None:
+    def engine_process_logits(
+        self, logits: torch.Tensor, rids: list[str], reqs: list[Req], beams: list[int | None]
+    ) -> None:
         """The batched logits before sampling, one row per request (`rids`, `reqs` in row order).
         Scheduler, once per step that samples. May change `logits` in place: the place for logit
         processors that need the whole batch. Runs after the engine's own processing (bias,
-        penalties, custom processors) and before greedy/temperature sampling."""
+        penalties, custom processors) and before greedy/temperature sampling or beam selection.
+        Beam searches' rows come last: one row per live beam (its rid and Req repeated, `beams[i]`
+        its beam index 0..K-1; None for an ordinary request's row). Their values are processed
+        log-probabilities, not logits: beam selection ranks beams by cumulative log-probability, as
+        transformers does (docs/beam_search.md)."""
+
+    @hookspec
+    def engine_beam_step(
+        self, rid: str, step: int, parents: list[int], tokens: list[int], scores: list[float], finished: int
+    ) -> None:
+        """A beam search chose its next beams. Scheduler, once per search per selection (the first
+        from the prompt's logits, then one per decode step). Live beam i continues beam `parents[i]`
+        of the previous step (all 0 at the first) with token `tokens[i]`; `scores[i]` is its
+        cumulative log-probability; `step` counts the tokens each beam now has; `finished` is how
+        many finished hypotheses the search holds. Read-only. If it raises, that search fails alone."""
 
     @hookspec
     def engine_sample_after(self, rids: list[str], next_ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:

@@ -28,6 +28,16 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
     submitted_ns: int = 0  # wall-clock ns when the user process sent it: where its queue time starts
     seq: int = 0  # the user process's submission number: with rid, names this request for aborts
+    beam: Union["BeamParams", None] = None  # set: a beam search (engine/beam_search), not a sampled request
+
+
+class BeamParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """A beam search's shape and rules (transformers' meaning for each)."""
+
+    width: int  # K live beams
+    num_return: int = 1  # R <= K hypotheses returned, best first
+    length_penalty: float = 1.0  # score = cumulative logprob / generated length ** length_penalty
+    early_stopping: Union[bool, str] = False  # False, True or "never"
 
 
 STOP_STRING_MATCHED = "stopped: a stop string matched"  # AbortRequest.message from the detokenizer
@@ -145,6 +155,38 @@ class BatchTextOut(msgspec.Struct, tag="text", array_like=True):
     logprobs: list[Union[TokenLogprob, None]] = []
 
 
+class BeamHypothesis(msgspec.Struct, array_like=True):
+    output_ids: list[int]
+    logprob: float  # cumulative log-probability (after logit processors)
+    score: float  # length-normalised: logprob / len(output_ids) ** length_penalty
+    finish: FinishReason
+
+
+class BeamSearchOut(msgspec.Struct, tag="beams", array_like=True, omit_defaults=True):
+    """A finished beam search's returned hypotheses, best first: its only output (no per-step tokens)."""
+
+    rid: str
+    hypotheses: list[BeamHypothesis]
+    meta: RequestMeta
+    width: int
+    steps: int  # selection steps run
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    trace_context: dict[str, str] = {}
+
+
+class BeamTextOut(msgspec.Struct, tag="beam_text", array_like=True):
+    """BeamSearchOut with each hypothesis's text, from the detokenizer."""
+
+    rid: str
+    hypotheses: list[BeamHypothesis]
+    texts: list[str]
+    meta: RequestMeta
+    width: int
+    steps: int
+    detokenize_seconds: float = 0.0
+
+
 class Stats(msgspec.Struct, tag="stats", array_like=True):
     """Scheduler counters: pool and table occupancy, queue lengths, totals since start."""
 
@@ -177,8 +219,8 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
 
 
 ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache, AbortRequest]
-ToDetokenizer = Union[BatchTokenOut, Stats]
-ToTokenizer = Union[BatchTextOut, Stats]
+ToDetokenizer = Union[BatchTokenOut, BeamSearchOut, Stats]
+ToTokenizer = Union[BatchTextOut, BeamTextOut, Stats]
 
 
 class Codec:

@@ -79,6 +79,9 @@ class KVManager:
         else:
             self.cache.release(indices, req.cache_node, req.cache_prefix_len)
         self.slots.free(req.slot)
+        for slot in req.beam_slots:  # a beam search's other beams' rows
+            self.slots.free(slot)
+        req.beam_slots = []
         req.slot, req.kv_len, req.prefix_indices, req.cache_node = None, 0, None, None
 
     def stats(self) -> dict:

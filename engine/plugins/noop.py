@@ -67,6 +67,11 @@ def engine_sample_after(rids, next_ids, logprobs):
 
 
 @hookimpl
+def engine_beam_step(rid, step, parents, tokens, scores, finished):
+    return None
+
+
+@hookimpl
 def engine_detokenize(rids, token_ids, finished):
     return None
 

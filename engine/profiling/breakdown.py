@@ -33,11 +33,11 @@ def _blocking_lines() -> set[str]:
 
     import engine
     from engine.detokenizer.manager import DetokenizerManager
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler import receive
     from engine.tokenizer_manager import TokenizerManager
 
     out = set()
-    for func, marker in ((DetokenizerManager.serve_forever, ".recv("), (Scheduler.recv_requests, ".poll("),
+    for func, marker in ((DetokenizerManager.serve_forever, ".recv("), (receive.recv_requests, ".poll("),
                          (TokenizerManager._recv_loop, "poller.poll(")):  # fmt: skip
         lines, first = inspect.getsourcelines(func)
         root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))

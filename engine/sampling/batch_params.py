@@ -76,13 +76,18 @@ class SamplingTensors:
         return st
 
     def filter(self, keep: torch.Tensor, keep_list: list[bool]) -> "SamplingTensors":
+        return self.take(keep, [i for i, k in enumerate(keep_list) if k])
+
+    def take(self, index: torch.Tensor, index_list: list[int]) -> "SamplingTensors":
+        """The rows `index` picks (a bool mask or row numbers; `index_list`: the row numbers), in order,
+        repeats allowed: beams that continue another beam take its penalty state."""
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                values[f.name] = v[keep]
+                values[f.name] = v[index]
             elif isinstance(v, list):
-                values[f.name] = [x for x, k in zip(v, keep_list) if k]
+                values[f.name] = [v[i] for i in index_list]
             else:  # None, or the vocabulary size
                 values[f.name] = v
         return SamplingTensors(**values)

@@ -16,7 +16,7 @@ A processor is registered through the entry-point group `engine.logit_processors
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,9 @@ class ProcessorBatch:
     params: list[dict]  # each row's custom_params
     output_ids: list[list[int]]  # each row's tokens generated so far (read-only)
     out_lens: torch.Tensor  # [R] int64, tokens generated so far
+    # each row's beam index when the row is a live beam of a beam search (its rid's rows are beams
+    # 0..K-1, output_ids that beam's own tokens), None for an ordinary request's row
+    beams: list[int | None] = field(default_factory=list)
 
 
 class CustomLogitProcessor:

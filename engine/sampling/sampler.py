@@ -52,14 +52,15 @@ def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: to
 
 
 def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, output_ids: list[list[int]],
-                   processors: ProcessorSet, failed: dict[int, str]) -> None:  # fmt: skip
+                   processors: ProcessorSet, failed: dict[int, str], beams: list[int | None] | None = None) -> None:  # fmt: skip
     groups: dict[str, list[int]] = {}
     for row, selected in enumerate(st.processors):
         if selected is not None:
             groups.setdefault(selected[0], []).append(row)
     for name, rows in groups.items():
         idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        batch = ProcessorBatch([st.processors[r][1] for r in rows], [output_ids[r] for r in rows], out_lens[idx])
+        batch = ProcessorBatch([st.processors[r][1] for r in rows], [output_ids[r] for r in rows], out_lens[idx],
+                               [beams[r] for r in rows] if beams is not None else [None] * len(rows))  # fmt: skip
         try:
             logits[idx] = processors.get(name)(logits[idx], batch)
         except Exception as exc:  # noqa: BLE001 - a processor's failure fails only its own rows
@@ -76,11 +77,12 @@ def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tenso
             noise[row].exponential_(generator=gen)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
-           output_ids: list[list[int]], processors: ProcessorSet, on_logits=None) -> SampleOutput:  # fmt: skip
-    """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
-    out = SampleOutput(next_ids=torch.empty(0))
-    logprobs_all = torch.log_softmax(logits, dim=-1) if st.any_logprob else None
+def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+                   output_ids: list[list[int]], processors: ProcessorSet, failed: dict[int, str],
+                   beams: list[int | None] | None = None) -> torch.Tensor:  # fmt: skip
+    """The engine's own processing, in order: logit bias, penalties, min_new_tokens, custom processors.
+    Sampling applies it to logits; beam search to log-probabilities, as transformers does. `beams`:
+    each row's beam index (None: not a beam), for the custom processors."""
     if st.bias is not None:
         logits = logits + st.bias
     if st.counts is not None:
@@ -88,7 +90,16 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
     if st.any_min_new:
         suppress_stop_tokens(logits, st, out_lens, stop_table)
     if st.any_processor:
-        run_processors(logits, st, out_lens, output_ids, processors, out.failed)
+        run_processors(logits, st, out_lens, output_ids, processors, failed, beams)
+    return logits
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+           output_ids: list[list[int]], processors: ProcessorSet, on_logits=None) -> SampleOutput:  # fmt: skip
+    """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
+    out = SampleOutput(next_ids=torch.empty(0))
+    logprobs_all = torch.log_softmax(logits, dim=-1) if st.any_logprob else None
+    logits = process_logits(logits, st, out_lens, stop_table, output_ids, processors, out.failed)
     if on_logits is not None:  # the engine_process_logits hook: may change logits in place
         on_logits(logits)
     greedy_ids = logits.argmax(dim=-1)

@@ -14,12 +14,14 @@ class Req:
         "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
         "return_logprob", "top_logprobs_num", "logprob_from", "logprob_start_len", "input_logprobs", "input_top",
         "header_sent", "trace_context", "arrived_ns", "received_ns", "admitted_ns", "first_token_ns", "seq",
+        "beam", "beam_slots",
     )  # fmt: skip
 
     def __init__(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...],
         return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
         trace_context: dict[str, str] | None = None, arrived_ns: int = 0, received_ns: int = 0, seq: int = 0,
+        beam=None,
     ) -> None:  # fmt: skip
         self.rid = rid
         self.seq = seq  # the user process's submission number (0: not given)
@@ -58,6 +60,8 @@ class Req:
         self.received_ns = received_ns  # read by the scheduler
         self.admitted_ns = 0  # first admission
         self.first_token_ns = 0
+        self.beam = beam  # BeamParams: a beam search (engine/beam_search)
+        self.beam_slots: list[int] = []  # a beam search's extra request slots, one per beam after the first
 
     @property
     def prompt_len(self) -> int:

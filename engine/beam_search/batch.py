@@ -1,0 +1,204 @@
+"""The scheduler's live beam searches: each is one request whose K beams are decode rows, forwarded in
+the same step as the ordinary requests' rows.
+
+Memory: every beam has a row of req_to_token (a slot). The prompt's K/V is computed once and put in
+the prefix cache; each beam's row starts with the same prompt indices. A decode step gives each beam
+one new pool token. When a beam continues another, its row's generated part is overwritten with the
+parent's indices (index rows are copied, never K/V), so branches share their common prefix. A beam
+search holds its prompt plus K tokens per decode step at most (`params.kv_tokens_needed`): tokens of
+branches that died stay allocated until the search ends, when all of them go back to the pool.
+
+Rows of all beam searches sit in one set of tensors (slots, lengths, last tokens, sampling state), in
+group order, beam 0 first; they change when a search starts, ends, or its beams are reordered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import hooks
+from engine.beam_search.selection import BeamSelection
+from engine.sampling.batch_params import SamplingTensors
+from engine.sampling.processors import ProcessorSet
+from engine.sampling.sampler import process_logits
+from engine.scheduler.request import Req
+
+
+class BeamGroup:
+    """One beam search in the scheduler."""
+
+    __slots__ = ("req", "selection", "slots", "owned")
+
+    def __init__(self, req: Req, selection: BeamSelection, slots: torch.Tensor) -> None:
+        self.req = req
+        self.selection = selection
+        self.slots = slots  # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
+        self.owned: list[torch.Tensor] = []  # pool indices of generated tokens, all freed at the end
+
+    @property
+    def width(self) -> int:
+        return self.selection.width
+
+    def remaining_tokens(self) -> int:
+        """Pool tokens this search may still take (one per beam per decode step left)."""
+        return self.width * max(self.selection.max_new - 1 - self.selection.steps, 0)
+
+
+def start_sampling(reqs: list[Req], copies: int, vocab_size: int, device) -> SamplingTensors:
+    """Sampling state for `copies` rows of each request (penalties see the prompt)."""
+    params = [r.sampling for r in reqs for _ in range(copies)]
+    prompts = [r.input_ids for r in reqs for _ in range(copies)]
+    n = len(params)
+    return SamplingTensors.build(params, vocab_size, device, prompts, [[] for _ in range(n)], [(False, 0)] * n)
+
+
+def stop_table(reqs: list[Req], copies: int, device) -> torch.Tensor:
+    width = max([len(r.stop_ids) for r in reqs] + [1])
+    rows = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs for _ in range(copies)]
+    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), width)
+
+
+def beam_step_hook(g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> None:
+    """engine_beam_step, after a selection (a HookError fails this search only)."""
+    s = g.selection
+    hooks.call("engine_beam_step", rid=g.req.rid, step=s.steps, parents=parents.tolist(), tokens=tokens.tolist(),
+               scores=s.scores.tolist(), finished=int(s.is_fin.sum()))  # fmt: skip
+
+
+class BeamBatch:
+    def __init__(self, vocab_size: int, device, table: torch.Tensor) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.table = table  # req_to_token
+        self.groups: list[BeamGroup] = []
+        self._set_rows([])
+
+    def _set_rows(self, groups: list[BeamGroup], tensors: dict | None = None) -> None:
+        self.groups = groups
+        self.reqs = [g.req for g in groups for _ in range(g.width)]  # per row, for hooks
+        self.beam_index = [i for g in groups for i in range(g.width)]
+        if tensors is None:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            tensors = dict(slots=empty, kv_lens=empty, last_ids=empty, out_lens=empty,
+                           stop_table=empty.reshape(0, 1), sampling=start_sampling([], 1, self.vocab_size, self.device))  # fmt: skip
+        for name, value in tensors.items():
+            setattr(self, name, value)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.reqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def remaining_tokens(self) -> int:
+        return sum(g.remaining_tokens() for g in self.groups)
+
+    # ------------------------------------------------------------------ a search starts
+
+    def start(self, req: Req, selection: BeamSelection, first_tokens: torch.Tensor) -> BeamGroup:
+        """After the prompt's prefill (its K/V cached and locked for the request) and the first
+        selection: K rows that all begin with the prompt's indices."""
+        n = req.prompt_len
+        slots = torch.tensor([req.slot, *req.beam_slots], dtype=torch.int64, device=self.device)
+        self.table[slots[1:], :n] = self.table[req.slot, :n]
+        group = BeamGroup(req, selection, slots)
+        k = group.width
+        sampling = start_sampling([req], k, self.vocab_size, self.device)
+        sampling.record(first_tokens)
+        new = dict(
+            slots=slots,
+            kv_lens=torch.full((k,), n, dtype=torch.int64, device=self.device),
+            last_ids=first_tokens,
+            out_lens=torch.ones(k, dtype=torch.int64, device=self.device),
+            stop_table=stop_table([req], k, self.device),
+            sampling=sampling,
+        )
+        if not self.groups:
+            self._set_rows([group], new)
+            return group
+        tensors = {name: torch.cat([getattr(self, name), value]) for name, value in new.items() if name not in ("stop_table", "sampling")}
+        w = max(self.stop_table.shape[1], new["stop_table"].shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, w - t.shape[1]), value=-1)  # noqa: E731
+        tensors["stop_table"] = torch.cat([pad(self.stop_table), pad(new["stop_table"])])
+        tensors["sampling"] = self.sampling.merge(sampling)
+        self._set_rows(self.groups + [group], tensors)
+        return group
+
+    # ------------------------------------------------------------------ decode
+
+    def place(self, loc: torch.Tensor) -> torch.Tensor:
+        """Give each beam row its next pool token (loc, one per row); returns the positions."""
+        positions = self.kv_lens
+        self.table[self.slots, positions] = loc
+        self.kv_lens = positions + 1
+        off = 0
+        for g in self.groups:
+            g.owned.append(loc[off : off + g.width])
+            off += g.width
+        return positions
+
+    # ------------------------------------------------------------------ sample
+
+    def output_ids(self) -> list[list[int]]:
+        """Each row's generated tokens (for custom processors)."""
+        out: list[list[int]] = []
+        for g in self.groups:
+            s = g.selection
+            out += s.tokens[:, : s.steps].tolist()
+        return out
+
+    def process(self, logits: torch.Tensor, processors: ProcessorSet, failed: dict[int, str]) -> torch.Tensor:
+        """Log-probabilities of every beam row, then the engine's processing on them (transformers'
+        order for beam search: processors see log-probabilities)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        ids = self.output_ids() if self.sampling.any_processor else []
+        return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed, self.beam_index)
+
+    def select(self, scores: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One selection per search: (parent beam, token) of each next beam."""
+        out, off = [], 0
+        for g in self.groups:
+            out.append(g.selection.step(scores[off : off + g.width]))
+            off += g.width
+        return out
+
+    # ------------------------------------------------------------------ results
+
+    def advance(self, choices: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Reorder each search's beams to their chosen parents and append the chosen tokens."""
+        if not self.groups:
+            return
+        table, src, off = self.table, [], 0
+        kv_lens = self.kv_lens.tolist()
+        for g, (parents, tokens) in zip(self.groups, choices):
+            start, end = g.req.prompt_len, kv_lens[off]
+            if end > start:
+                table[g.slots, start:end] = table[g.slots[parents], start:end]
+            src.append(parents + off)
+            off += g.width
+            if hooks.has("engine_beam_step"):
+                beam_step_hook(g, parents, tokens)
+        index = torch.cat(src)
+        tokens = torch.cat([t for _, t in choices])
+        self.last_ids = tokens
+        self.out_lens = self.out_lens + 1
+        if self.sampling.counts is not None:
+            self.sampling = self.sampling.take(index, index.tolist())
+        self.sampling.record(tokens)
+
+    def remove(self, leaving: list[BeamGroup]) -> None:
+        """Drop these searches' rows (finished, aborted or retracted)."""
+        ids = {id(g) for g in leaving}
+        keep_list = [id(g) not in ids for g in self.groups for _ in range(g.width)]
+        groups = [g for g in self.groups if id(g) not in ids]
+        if not groups:
+            self._set_rows([])
+            return
+        keep = torch.tensor(keep_list, dtype=torch.bool, device=self.device)
+        tensors = {name: getattr(self, name)[keep] for name in ("slots", "kv_lens", "last_ids", "out_lens", "stop_table")}
+        tensors["sampling"] = self.sampling.filter(keep, keep_list)
+        self._set_rows(groups, tensors)
+
+    def owned_tokens(self, g: BeamGroup) -> torch.Tensor:
+        return torch.cat(g.owned) if g.owned else torch.zeros(0, dtype=torch.int64, device=self.device)

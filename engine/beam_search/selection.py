@@ -1,0 +1,114 @@
+"""One beam search's selection rules, step by step: transformers' beam search, whose output is the reference.
+
+Per step, over the K live beams' processed log-probabilities [K, V]:
+  1. every continuation's cumulative score: beam score + token log-probability (K x V candidates);
+  2. the best `keep` = max(2, 1 + number of stop tokens) x K of them: one top-k;
+  3. a candidate "hits" when its token is a stop token or the hypothesis reached max_new_tokens;
+  4. the K best candidates that do not hit become the live beams (scores of those that hit are pushed
+     down by 1e9, so fewer than K non-hitting candidates leave hopeless beams, as in transformers);
+  5. hitting candidates among the first K join the finished hypotheses with score
+     cumulative log-probability / generated length ** length_penalty, and the K best finished are kept.
+The search ends when no live beam can beat the worst finished hypothesis (early_stopping False: judged
+at the current length; "never": at max_new_tokens when length_penalty > 0), when K hypotheses are
+finished and early_stopping is True, or when every candidate hits.
+
+All of it is tensor operations on the scheduler's device; nothing here loops over beams or tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PUSH_DOWN = -1.0e9  # transformers' constant: added to scores that must not be chosen
+
+
+@dataclass
+class Hypothesis:
+    output_ids: list[int]
+    logprob: float  # cumulative log-probability (after the logit processors), as in beam scores
+    score: float  # logprob / len(output_ids) ** length_penalty
+    stopped: bool  # its last token is a stop token (else it reached max_new_tokens)
+
+
+class BeamSelection:
+    """The state of one beam search: live beams' scores and tokens, the finished hypotheses so far."""
+
+    def __init__(self, width: int, max_new_tokens: int, stop_ids: tuple[int, ...], length_penalty: float = 1.0,
+                 early_stopping: bool | str = False, device="cpu") -> None:  # fmt: skip
+        k = width
+        self.width = k
+        self.max_new = max_new_tokens
+        self.length_penalty = float(length_penalty)
+        self.early_stopping = early_stopping
+        self.keep = max(2, 1 + len(stop_ids)) * k
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.int64, device=device)
+        self.scores = torch.zeros(k, dtype=torch.float32, device=device)
+        self.scores[1:] = PUSH_DOWN  # at the start every beam is the prompt: only the first one counts
+        self.tokens = torch.full((k, max_new_tokens), -1, dtype=torch.int64, device=device)
+        self.fin_scores = torch.full((k,), PUSH_DOWN, dtype=torch.float32, device=device)
+        self.fin_logprobs = torch.zeros(k, dtype=torch.float32, device=device)
+        self.fin_tokens = torch.full((k, max_new_tokens), -1, dtype=torch.int64, device=device)
+        self.fin_lens = torch.zeros(k, dtype=torch.int64, device=device)
+        self.is_fin = torch.zeros(k, dtype=torch.bool, device=device)
+        self.improvable = True
+        self.steps = 0  # tokens generated so far by every live beam
+        self.done = False
+        self._top_mask = torch.arange(self.keep, device=device) < k
+
+    def step(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Processed log-probabilities [K, V] of the live beams (or [1, V] at the start, the prompt's)
+        -> (parent beam [K], chosen token [K]) of the next live beams."""
+        k, t = self.width, self.steps
+        if logprobs.shape[0] != k:
+            logprobs = logprobs.expand(k, -1)
+        vocab = logprobs.shape[1]
+        total = (logprobs + self.scores[:, None]).reshape(-1)
+        top_scores, top_index = torch.topk(total, self.keep)
+        parents, tokens = top_index // vocab, top_index % vocab
+        cand = self.tokens[parents]
+        cand[:, t] = tokens
+        hits = torch.isin(tokens, self.stop_ids) if self.stop_ids.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        if t + 1 >= self.max_new:
+            hits = torch.ones_like(hits)
+        # the next live beams: the best candidates that did not hit
+        running = top_scores + hits.to(torch.float32) * PUSH_DOWN
+        nxt = torch.topk(running, k).indices
+        self.tokens, self.scores = cand[nxt], running[nxt]
+        # finished hypotheses: hitting candidates among the first K, if they can still count
+        just = hits & self._top_mask
+        norm = top_scores / ((t + 1) ** self.length_penalty)
+        if bool(self.is_fin.all()) and self.early_stopping is True:
+            norm = norm + PUSH_DOWN
+        if not self.improvable:
+            norm = norm + PUSH_DOWN
+        norm = norm + (~just).to(torch.float32) * PUSH_DOWN
+        merged = torch.cat([self.fin_scores, norm])
+        best = torch.topk(merged, k).indices
+        self.fin_scores = merged[best]
+        self.fin_logprobs = torch.cat([self.fin_logprobs, top_scores])[best]
+        self.fin_tokens = torch.cat([self.fin_tokens, cand])[best]
+        self.fin_lens = torch.cat([self.fin_lens, torch.full_like(tokens, t + 1)])[best]
+        self.is_fin = torch.cat([self.is_fin, just])[best]
+        self.steps = t = t + 1
+        # can a live beam still beat the worst finished hypothesis?
+        never_long = self.early_stopping == "never" and self.length_penalty > 0.0
+        best_len = self.max_new if never_long else t
+        best_possible = self.scores[0] / (best_len**self.length_penalty)
+        worst = torch.where(self.is_fin, self.fin_scores.min(), torch.tensor(PUSH_DOWN, device=merged.device))
+        self.improvable = self.improvable and bool((best_possible > worst).any())
+        all_finished = bool(self.is_fin.all()) and self.early_stopping is True
+        self.done = not self.improvable or all_finished or bool(hits.all())
+        return parents[nxt], tokens[nxt]
+
+    def results(self, count: int) -> list[Hypothesis]:
+        """The `count` best finished hypotheses, best first."""
+        scores, logprobs = self.fin_scores[:count].tolist(), self.fin_logprobs[:count].tolist()
+        lens, tokens = self.fin_lens[:count].tolist(), self.fin_tokens[:count].tolist()
+        stops = set(self.stop_ids.tolist())
+        out = []
+        for ids, n, lp, score in zip(tokens, lens, logprobs, scores):
+            ids = ids[:n]
+            out.append(Hypothesis(ids, lp, score, bool(ids) and ids[-1] in stops))
+        return out

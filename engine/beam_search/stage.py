@@ -1,0 +1,235 @@
+"""Beam search in the scheduler's stages: what each stage does for beam rows, called from the stage's
+own module (prefill admission, decode inputs, sample, process results, endings, memory pressure).
+
+A beam search is admitted like any request, with K request slots and its whole KV need reserved up
+front (prompt + K tokens per decode step). Its prompt's last logits give the first selection; then its
+K beams decode as rows of the ordinary decode step. It emits nothing until it ends, and then only the
+returned hypotheses (BeamSearchOut), which alone the detokenizer decodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import hooks
+from engine.beam_search.batch import BeamGroup, beam_step_hook, start_sampling, stop_table
+from engine.beam_search.params import check_beam, kv_tokens_needed
+from engine.beam_search.selection import BeamSelection
+from engine.hooks import HookError
+from engine.ipc.messages import BatchTokenOut, BeamHypothesis, BeamSearchOut, FinishReason, NO_TOKEN, RequestMeta
+from engine.sampling.sampler import process_logits
+
+if TYPE_CHECKING:
+    from engine.scheduler.request import Req
+    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.step import Step
+
+
+# ------------------------------------------------------------------ arrival and admission
+
+
+def arrival_problem(sched: Scheduler, r) -> str | None:
+    """Why a beam search cannot be queued here (the user process checks the same)."""
+    problem = check_beam(r.beam, r.sampling, sched.req_to_token.size)
+    if problem is None and r.return_logprob:
+        problem = "return_logprob: a beam search returns cumulative logprobs, not per-token ones"
+    return problem
+
+
+def never_fits(sched: Scheduler, req: Req) -> str | None:
+    most = kv_tokens_needed(req.prompt_len, req.beam, req.sampling.max_new_tokens)
+    if most > sched.max_total_tokens:
+        return (f"the beam search needs up to {most} KV tokens (prompt {req.prompt_len} + beam_width "
+                f"{req.beam.width} x {req.sampling.max_new_tokens - 1} decode steps) but the pool holds "
+                f"max_total_tokens={sched.max_total_tokens}")  # fmt: skip
+    return None
+
+
+def admission_need(req: Req, take: int) -> int:
+    """Pool tokens to admit it now: this step's prompt tokens plus every token its beams may take."""
+    return take + req.beam.width * max(req.sampling.max_new_tokens - 1, 0)
+
+
+def take_slots(sched: Scheduler, req: Req) -> None:
+    """The K-1 extra request slots its beams will use (admission checked they are free)."""
+    req.beam_slots = [sched.req_to_token.alloc() for _ in range(req.beam.width - 1)]
+
+
+# ------------------------------------------------------------------ sample
+
+
+def process_starts(sched: Scheduler, reqs: list[Req], logits: torch.Tensor, failed: dict[int, str]) -> torch.Tensor:
+    """The prompts' last log-probabilities, processed (one row per starting search)."""
+    st = start_sampling(reqs, 1, sched.model_config.vocab_size, sched.device)
+    out_lens = torch.zeros(len(reqs), dtype=torch.int64, device=sched.device)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = [[] for _ in reqs]
+    return process_logits(logprobs, st, out_lens, stop_table(reqs, 1, sched.device), ids, sched.processors, failed, [0] * len(reqs))
+
+
+def select_starts(sched: Scheduler, reqs: list[Req], scores: torch.Tensor) -> list:
+    out = []
+    for i, req in enumerate(reqs):
+        b = req.beam
+        selection = BeamSelection(b.width, req.sampling.max_new_tokens, req.stop_ids, b.length_penalty,
+                                  b.early_stopping, sched.device)  # fmt: skip
+        parents, tokens = selection.step(scores[i : i + 1])
+        out.append((req, selection, parents, tokens))
+    return out
+
+
+@dataclass
+class BeamScores:
+    """The beam rows of a step after processing, as the logits hook sees them."""
+
+    scores: torch.Tensor  # [rows, V] processed log-probabilities
+    rids: list[str]
+    reqs: list
+    beams: list[int | None]  # each row's beam index
+
+
+def prepare(sched: Scheduler, step: Step, logits: torch.Tensor) -> BeamScores:
+    """Log-probabilities of the beam rows, processed (bias, penalties, min_new_tokens, custom
+    processors); a custom processor's failure is kept in the step and fails its search only."""
+    failed: dict[int, str] = {}
+    if step.beam_starts:
+        reqs = step.beam_starts
+        scores = process_starts(sched, reqs, logits, failed)
+        beams: list[int | None] = [0] * len(reqs)
+    else:
+        reqs = sched.beams.reqs
+        scores = sched.beams.process(logits, sched.processors, failed)
+        beams = list(sched.beams.beam_index)
+    step.beam_failed = {id(reqs[i]): m for i, m in failed.items()}
+    return BeamScores(scores, [r.rid for r in reqs], list(reqs), beams)
+
+
+def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
+    """One selection per search (kept in the step for process results)."""
+    if step.beam_starts:
+        reqs = step.beam_starts
+        ok = [i for i in range(len(reqs)) if id(reqs[i]) not in step.beam_failed]
+        step.beam_out = select_starts(sched, [reqs[i] for i in ok], beam.scores[ok])
+    else:
+        step.beam_out = sched.beams.select(beam.scores)
+
+
+# ------------------------------------------------------------------ process results
+
+
+def process_results(sched: Scheduler, step: Step) -> None:
+    if step.beam_starts:
+        _start(sched, step)
+    elif step.beam_out is not None:
+        _advance(sched, step)
+
+
+def _start(sched: Scheduler, step: Step) -> None:
+    from engine.scheduler.endings import abort_reqs
+
+    for r in step.beam_starts:
+        if id(r) in step.beam_failed:
+            abort_reqs(sched, [r], [r.kv_len], step.beam_failed[id(r)], keep_kv=False)
+    now = time.time_ns()
+    for req, selection, parents, tokens in step.beam_out:
+        sched.kv.cache_prompt(req)  # shared by every beam, and by later requests with the same prompt
+        req.first_token_ns = now
+        group = sched.beams.start(req, selection, tokens)
+        sched.counters["generated_tokens"] += group.width
+        if _hook(sched, group, parents, tokens) and selection.done:
+            finish(sched, [group])
+
+
+def _advance(sched: Scheduler, step: Step) -> None:
+    beams = sched.beams
+    failed = [g for g in beams.groups if id(g.req) in step.beam_failed]
+    choices = step.beam_out
+    if failed:
+        keep = [i for i, g in enumerate(beams.groups) if id(g.req) not in step.beam_failed]
+        for g in failed:
+            abort(sched, [g], step.beam_failed[id(g.req)], keep_kv=False)
+        choices = [choices[i] for i in keep]
+    beams.advance(choices)
+    sched.counters["generated_tokens"] += beams.num_rows
+    done = []
+    for g, (parents, tokens) in zip(list(beams.groups), choices):
+        if _hook(sched, g, parents, tokens) and g.selection.done:
+            done.append(g)
+    if done:
+        finish(sched, done)
+
+
+def _hook(sched: Scheduler, g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> bool:
+    """engine_beam_step; a failing plugin fails this search only. Returns whether it still runs."""
+    if not hooks.has("engine_beam_step"):
+        return True
+    try:
+        beam_step_hook(g, parents, tokens)
+    except HookError as exc:
+        abort(sched, [g], str(exc))
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ endings
+
+
+def _free(sched: Scheduler, g: BeamGroup, keep_kv: bool = True) -> None:
+    """Every generated token back to the pool; the prompt to the cache (unlocked), the slots freed."""
+    sched.kv.pool.free(sched.beams.owned_tokens(g))
+    g.owned = []
+    sched.kv.free_request(g.req, g.req.prompt_len, keep=keep_kv)
+
+
+def _meta(g: BeamGroup, completion_tokens: int) -> RequestMeta:
+    return RequestMeta(g.req.prompt_len, completion_tokens, g.req.cached_tokens)
+
+
+def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
+    """Searches that ended: their R best hypotheses to the detokenizer, their memory freed."""
+    from engine.scheduler.endings import finished_hook
+
+    sched.beams.remove(groups)
+    for g in groups:
+        req, sel = g.req, g.selection
+        hyps = []
+        for h in sel.results(req.beam.num_return):
+            reason = FinishReason("stop", matched=h.output_ids[-1]) if h.stopped else FinishReason("length", length=len(h.output_ids))
+            hyps.append(BeamHypothesis(h.output_ids, h.logprob, h.score, reason))
+        req.finished = hyps[0].finish if hyps else FinishReason("length", length=0)
+        _free(sched, g)
+        p = req.sampling
+        out = BeamSearchOut(req.rid, hyps, _meta(g, sum(len(h.output_ids) for h in hyps)), g.width, sel.steps,
+                            p.skip_special_tokens, p.spaces_between_special_tokens, req.trace_context)  # fmt: skip
+        sched.send_sock.send(sched.send_codec.encode(out))
+        sched.counters["finished_requests"] += 1
+        finished_hook(req)
+
+
+def abort(sched: Scheduler, groups: list[BeamGroup], message: str, keep_kv: bool = True) -> None:
+    """Searches that fail or are aborted: all their beams freed, reported finished with reason abort."""
+    from engine.scheduler.endings import finished_hook
+
+    sched.beams.remove(groups)
+    for g in groups:
+        reason = g.req.finished = FinishReason("abort", message=message)
+        _free(sched, g, keep_kv)
+        out = BatchTokenOut([g.req.rid], [NO_TOKEN], [reason], [_meta(g, 0)])
+        sched.send_sock.send(sched.send_codec.encode(out))
+        sched.counters["aborted_requests"] += 1
+        finished_hook(g.req)
+
+
+def retract_last(sched: Scheduler) -> Req:
+    """Memory pressure: the most recent search starts over later (its prompt stays cached; beam search
+    is deterministic, so the result is the same)."""
+    g = sched.beams.groups[-1]
+    sched.beams.remove([g])
+    _free(sched, g)
+    req = g.req
+    req.fill_ids = req.input_ids
+    return req

@@ -1,0 +1,61 @@
+"""Running a step: the model's forward pass, then the sample stage (prompt logprobs, then one token per row)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import hooks
+from engine.beam_search import stage as beam_stage
+from engine.sampling.sampler import SampleOutput, sample as sample_rows
+from engine.scheduler.results import prompt_logprobs
+from engine.scheduler.step import Step
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
+
+
+def forward(sched: Scheduler, step: Step) -> torch.Tensor:
+    batch = step.forward_batch
+    if hooks.has("engine_forward_before"):
+        hooks.call("engine_forward_before", batch=batch, rids=step.rids)
+    logits = sched.model(batch, sched.backend)
+    if hooks.has("engine_forward_after"):
+        hooks.call("engine_forward_after", batch=batch, rids=step.rids, logits=logits)
+    return logits
+
+
+def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput | None:
+    """Prompt logprobs from the extra rows of a prefill, then one token per ordinary row (None: no
+    ordinary row samples), and the beam searches' selections (kept in the step). The logits hook sees
+    every row once: the ordinary rows' processed logits, then the beam rows' processed log-probabilities."""
+    rows = step.rows
+    n, nb = len(rows), len(step.beam_starts) or step.beam_rows
+    if step.prompt_logprobs:
+        prompt_logprobs(sched, step, logits[n + nb :])
+    beam = beam_stage.prepare(sched, step, logits[n : n + nb]) if nb else None
+    logits = logits[:n]
+    hook = hooks.has("engine_process_logits")
+    out = None
+    if n:
+        output_ids = [r.output_ids for r in rows.reqs] if rows.sampling.any_processor else []
+        on_logits = None
+        if hook:
+            def on_logits(processed: torch.Tensor) -> None:
+                if beam is None:
+                    hooks.call("engine_process_logits", logits=processed, rids=rows.rids, reqs=rows.reqs, beams=[None] * n)
+                    return
+                both = torch.cat([processed, beam.scores])
+                hooks.call("engine_process_logits", logits=both, rids=rows.rids + beam.rids, reqs=rows.reqs + beam.reqs,
+                           beams=[None] * n + beam.beams)  # fmt: skip
+                processed.copy_(both[:n])
+                beam.scores = both[n:]
+        out = sample_rows(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, sched.processors, on_logits)
+        if hooks.has("engine_sample_after"):
+            hooks.call("engine_sample_after", rids=rows.rids, next_ids=out.next_ids, logprobs=out.logprobs)
+    elif beam is not None and hook:
+        hooks.call("engine_process_logits", logits=beam.scores, rids=beam.rids, reqs=beam.reqs, beams=beam.beams)
+    if beam is not None:
+        beam_stage.select(sched, step, beam)
+    return out

@@ -1,0 +1,67 @@
+"""Memory pressure: when a decode step finds the pool short, the radix cache gives up unlocked entries
+first; then the most recently admitted requests are retracted to the waiting queue, their K/V kept in
+the cache where it survives, and resume later from there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.beam_search import stage as beam_stage
+from engine.scheduler.batch import RunningBatch
+from engine.scheduler.endings import abort_reqs
+from engine.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
+
+RETRACT_HEADROOM_STEPS = 4  # after a retraction, room for this many decode steps of what remains
+
+
+def make_room_for_decode(sched: Scheduler) -> bool:
+    """Ensure one pool token per decode row: evict cache, then retract the most recently admitted
+    requests (a prompt part-way through chunked prefill first, beam searches last: they start over).
+    Returns False when nothing is left to decode."""
+    kv = sched.kv
+    rows, beams = sched.running, sched.beams
+
+    def need() -> int:
+        return len(rows) + beams.num_rows
+
+    if kv.headroom >= need():
+        return True
+    retracted: list[Req] = []
+    while kv.headroom < need() * RETRACT_HEADROOM_STEPS and (sched.chunked_req is not None or len(rows) + len(beams.groups) > 1):
+        if sched.chunked_req is not None:
+            req, kv_len, sched.chunked_req = sched.chunked_req, sched.chunked_req.kv_len, None
+        elif not len(rows):
+            retracted.append(beam_stage.retract_last(sched))
+            continue
+        else:
+            req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
+            keep = [True] * (len(rows) - 1) + [False]
+            rows.filter(torch.tensor(keep, device=sched.device), keep)
+        kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
+        req.fill_ids = req.all_ids()
+        if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
+            req.reset_prompt_logprobs()
+        retracted.append(req)
+    if retracted:
+        sched.waiting[:0] = retracted[::-1]
+        sched.counters["retracted_requests"] += len(retracted)
+        ratio = sched.config.init_new_token_ratio
+        sched.new_token_ratio = min(1.0, max(ratio, sched.new_token_ratio + 0.1))
+    if kv.headroom >= need():
+        return True
+    # one request left and the pool cannot hold its next token (the user process refuses requests
+    # that could get here, so this guards a mis-sized pool)
+    if beams:
+        beam_stage.abort(sched, list(beams.groups), f"KV pool exhausted (max_total_tokens={sched.max_total_tokens})")
+        return False
+    kv_len = int(rows.kv_lens[0])
+    message = f"KV pool exhausted at {kv_len} tokens (max_total_tokens={sched.max_total_tokens})"
+    abort_reqs(sched, rows.reqs, [kv_len], message, keep_kv=True)
+    sched.running = RunningBatch.empty(sched.model_config.vocab_size, sched.device)
+    return False

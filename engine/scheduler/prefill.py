@@ -1,0 +1,189 @@
+"""Building a prefill (EXTEND) step: admit waiting requests into memory and slots, then lay out their
+prompts after their cached prefixes, up to a token budget (the last one possibly cut into a chunk).
+
+Memory is admitted optimistically: the prompt plus an estimate of the new tokens (the estimate shrinks
+while all goes well, and grows after a retraction).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import hooks
+from engine.beam_search import stage as beam_stage
+from engine.hooks import HookError
+from engine.scheduler.batch import RunningBatch
+from engine.scheduler.endings import abort_rids, finish_unstarted
+from engine.scheduler.policy import order_waiting
+from engine.scheduler.request import Req
+from engine.scheduler.step import Step
+from kernels.attention import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
+
+CLIP_NEW_TOKENS = 4096  # a request's remaining max_new_tokens counts at most this much in the estimate
+
+
+def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
+    """Pick (request, tokens already in the pool, tokens to compute now) for a prefill step.
+
+    The budget is chunked_prefill_size tokens (max_prefill_tokens with chunking off, when an
+    over-budget prompt still runs whole, alone). Memory: what the step takes plus an estimate of
+    every admitted request's new tokens must fit in free plus evictable pool tokens.
+    """
+    chunk = sched.config.chunked_prefill_size
+    budget = chunk if chunk > 0 else sched.config.max_prefill_tokens
+    kv = sched.kv
+    reserved = int(sched.new_token_ratio * sched.running.remaining_new_tokens(CLIP_NEW_TOKENS))
+    reserved += sched.beams.remaining_tokens()  # beam searches keep their whole reservation
+    entries: list[tuple[Req, int, int]] = []
+    req = in_progress = sched.chunked_req  # its prompt is not cached until its last chunk is done
+    if req is not None:
+        take = min(len(req.fill_ids) - req.kv_len, budget)
+        if take > kv.headroom - len(sched.running) - sched.beams.num_rows:  # leave the running rows their next token
+            return []  # decode steps will finish requests and free memory
+        entries.append((req, req.kv_len, take))
+        sched._planned.append(req)
+        budget -= take
+        reserved += take
+        if req.kv_len + take < len(req.fill_ids):
+            return entries
+        sched.chunked_req = None
+    if not sched.waiting or budget <= 0:
+        return entries
+    taken: set[int] = set()
+    ordered = order_waiting(sched.waiting, sched.config.schedule_policy, kv.cache, in_progress)
+    if hooks.has("engine_schedule"):
+        shown = list(ordered)
+        try:
+            hooks.call("engine_schedule", waiting=ordered, running=len(sched.running))
+            ids = [id(r) for r in ordered]
+            if len(set(ids)) != len(ids) or not set(ids) <= {id(r) for r in shown}:
+                raise HookError(", ".join(hooks.implementers("engine_schedule")), "engine_schedule",
+                                ValueError("may only reorder or remove the waiting requests"))  # fmt: skip
+        except HookError as exc:  # it touched every waiting request it was shown
+            abort_rids(sched, dict.fromkeys(r.rid for r in shown), str(exc))
+            return entries
+    for req in ordered:
+        if budget <= 0 or not sched.req_to_token.available:
+            break
+        if req.beam is not None and sched.req_to_token.available < req.beam.width:
+            break  # a slot per beam
+        limit = never_fits(sched, req)
+        if limit is not None:
+            taken.add(id(req))
+            finish_unstarted(sched, req, limit)
+            continue
+        prefix = kv.lend_prefix(req)  # locked first: a prefix in use is no longer evictable
+        ext = len(req.fill_ids) - prefix
+        take = min(ext, budget) if chunk > 0 else ext
+        if chunk <= 0 and entries and take > budget:
+            kv.unlend(req)
+            break
+        remaining_new = req.sampling.max_new_tokens - len(req.output_ids)
+        need = take + int(sched.new_token_ratio * min(remaining_new, CLIP_NEW_TOKENS))
+        alone = not entries and not len(sched.running) and not sched.beams
+        if req.beam is not None:  # reserved whole: beams are never retracted part-way for lack of KV
+            need = beam_stage.admission_need(req, take)
+            alone = alone and need <= kv.headroom
+        if need > kv.headroom - reserved and not (alone and take <= kv.headroom):
+            kv.unlend(req)
+            break
+        kv.assign_slot(req)
+        if req.beam is not None:
+            beam_stage.take_slots(sched, req)
+        if req.admissions == 0:
+            req.admitted_ns = time.time_ns()
+            req.cached_tokens = min(prefix, req.prompt_len)
+            sched.counters["prompt_tokens"] += req.prompt_len
+        req.admissions += 1
+        if hooks.has("engine_request_admitted"):
+            try:
+                hooks.call("engine_request_admitted", req=req, cached_tokens=prefix)
+            except HookError as exc:  # this request fails alone, before any work
+                kv.free_request(req, req.kv_len)
+                taken.add(id(req))
+                finish_unstarted(sched, req, str(exc))
+                continue
+        sched.counters["cache_hit_tokens"] += prefix
+        entries.append((req, prefix, take))
+        sched._planned.append(req)
+        taken.add(id(req))
+        budget -= take
+        reserved += need
+        if take < ext:
+            sched.chunked_req = req
+            break
+    if taken:
+        sched.waiting = [r for r in sched.waiting if id(r) not in taken]
+    return entries
+
+
+def never_fits(sched: Scheduler, req: Req) -> str | None:
+    """Why a request can never run here (the user process refuses these up front; this is the guard)."""
+    n = req.prompt_len
+    if n >= sched.context_len:
+        return f"the prompt has {n} tokens but context_length is {sched.context_len}"
+    if req.beam is not None:
+        return beam_stage.never_fits(sched, req)
+    most = n + req.sampling.max_new_tokens - 1
+    if most > sched.max_total_tokens:
+        return (
+            f"the prompt ({n} tokens) plus max_new_tokens needs up to {most} KV tokens but the pool holds "
+            f"max_total_tokens={sched.max_total_tokens}"
+        )
+    return None
+
+
+def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step:
+    dev = sched.device
+    takes = [take for _, _, take in entries]
+    total = sum(takes)
+    loc = sched.kv.alloc(total)
+    takes_t = torch.tensor(takes, dtype=torch.int64, device=dev)
+    prefix_t = torch.tensor([p for _, p, _ in entries], dtype=torch.int64, device=dev)
+    ends = torch.cumsum(takes_t, 0)
+    positions = torch.arange(total, device=dev) + torch.repeat_interleave(prefix_t - (ends - takes_t), takes_t)
+    slots = torch.tensor([r.slot for r, _, _ in entries], dtype=torch.int64, device=dev)
+    sched.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
+    input_ids: list[int] = []
+    completing, logits_rows = [], []
+    beam_starts, beam_rows = [], []  # beam searches: their prompt's last row, after the ordinary rows
+    extra_rows: list[int] = []  # prompt logprobs: hidden rows of positions logprob_from .. prompt_len - 2
+    prompt_logprobs: list[tuple[Req, int, int, int]] = []
+    start = 0
+    for i, (req, prefix, take) in enumerate(entries):
+        input_ids += req.fill_ids[prefix : prefix + take]
+        req.kv_len = prefix + take
+        if req.kv_len == len(req.fill_ids):
+            (beam_starts if req.beam is not None else completing).append(req)
+            (beam_rows if req.beam is not None else logits_rows).append(start + take - 1)
+        if req.logprob_from is not None and not req.header_sent:
+            lo, hi = max(prefix, req.logprob_from), min(prefix + take, req.prompt_len - 1)
+            if hi > lo:
+                prompt_logprobs.append((req, len(extra_rows), hi - lo, lo))
+                extra_rows.extend(range(start + lo - prefix, start + hi - prefix))
+        start += take
+    sched.counters["prefill_steps"] += 1
+    sched.counters["prefill_tokens"] += total
+    if len(completing) + len(beam_starts) < len(entries):
+        sched.counters["chunked_prefill_steps"] += 1
+    seq_lens = prefix_t + takes_t
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+        positions=positions,
+        out_cache_loc=loc,
+        req_slots=slots,
+        seq_lens=seq_lens,
+        max_seq_len=int(seq_lens.max()),
+        logits_indices=torch.tensor(logits_rows + beam_rows + extra_rows, dtype=torch.int64, device=dev),
+        extend_lens=takes,
+        prefix_lens=[p for _, p, _ in entries],
+    )
+    rows = RunningBatch(completing, sched.model_config.vocab_size, dev)
+    return Step(batch, rows, [req for req, _, _ in entries], prompt_logprobs, beam_starts=beam_starts)

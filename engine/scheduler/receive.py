@@ -1,0 +1,115 @@
+"""The receive stage: drain the request socket, check each arrival, queue it or answer it.
+
+A message that cannot be handled is reported and dropped; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from engine.beam_search import stage as beam_stage
+from engine.ipc.messages import (
+    AbortRequest, BatchTokenOut, FinishReason, FlushCache, GenerateBatch, NO_TOKEN, RequestMeta, StatsRequest,
+)  # fmt: skip
+from engine.scheduler.admission import check_request, clip_to_context
+from engine.scheduler.endings import abort_rids
+from engine.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
+
+SUPERSEDED = "superseded: a new request reused this rid"
+
+
+def recv_requests(sched: Scheduler, block: bool) -> None:
+    """Drain the request socket; when nothing runs, block on it (no spinning on an idle machine).
+    A message that cannot be handled is reported and dropped: it never stops the loop."""
+    if block:
+        sched.recv_sock.poll(timeout=None)
+    while True:
+        try:
+            data = sched.recv_sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            message = sched.recv_codec.decode(data)
+        except msgspec.DecodeError as exc:  # not ours: drop it rather than die
+            print(f"engine::scheduler: dropped a malformed message ({exc})", file=sys.stderr)
+            continue
+        try:
+            handle(sched, message)
+        except Exception as exc:  # noqa: BLE001 - one message must not take the process down
+            print(f"engine::scheduler: dropped a {type(message).__name__} message that failed "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+
+
+def handle(sched: Scheduler, message) -> None:
+    if isinstance(message, GenerateBatch):
+        admit_arrivals(sched, message.reqs)
+    elif isinstance(message, AbortRequest):
+        abort_rids(sched, abort_targets(message), message.message)
+    elif isinstance(message, StatsRequest):
+        sched.send_sock.send(sched.send_codec.encode(sched.stats(message.req_id)))
+    elif isinstance(message, FlushCache):
+        flushed = sched.kv.cache.flush()
+        sched.send_sock.send(sched.send_codec.encode(sched.stats(message.req_id, flushed)))
+
+
+def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
+    """Queue each request that passes the arrival checks; answer the others with an abort naming the
+    field at fault (each fails alone)."""
+    eos = sched.model_config.eos_token_ids
+    now = time.time_ns()
+    vocab = sched.model_config.vocab_size
+    live = live_rids(sched)
+    for r in arrivals:
+        problem = check_request(r, vocab, sched.context_len)
+        if problem is None and r.beam is not None:
+            problem = beam_stage.arrival_problem(sched, r)
+        if problem is not None:
+            refuse(sched, r, problem)
+            continue
+        if r.rid in live:  # reused: the user process only reuses a rid whose request it saw finish,
+            # here by a stop string whose abort is still on its way from the detokenizer
+            abort_rids(sched, {r.rid: {live[r.rid]}}, SUPERSEDED)
+        r = clip_to_context(r, sched.context_len)  # the user process does this too; be safe
+        sched.waiting.append(Req(
+            r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
+            r.trace_context, r.submitted_ns or now, now, r.seq, r.beam,
+        ))  # fmt: skip
+        live[r.rid] = r.seq
+
+
+def live_rids(sched: Scheduler) -> dict[str, int]:
+    """rid -> seq of every request the scheduler holds."""
+    live = {r.rid: r.seq for r in sched.waiting}
+    live.update((r.rid, r.seq) for r in sched.running.reqs)
+    live.update((g.req.rid, g.req.seq) for g in sched.beams.groups)
+    if sched.chunked_req is not None:
+        live[sched.chunked_req.rid] = sched.chunked_req.seq
+    return live
+
+
+def refuse(sched: Scheduler, r, problem: str) -> None:
+    """Answer a request that failed the arrival checks: finished, reason abort, nothing queued."""
+    reason = FinishReason("abort", message=f"invalid request: {problem}")
+    out = BatchTokenOut([r.rid], [NO_TOKEN], [reason], [RequestMeta(len(r.input_ids), 0, 0)])
+    sched.send_sock.send(sched.send_codec.encode(out))
+    sched.counters["aborted_requests"] += 1
+
+
+def abort_targets(message: AbortRequest) -> dict[str, set[int] | None]:
+    """rid -> the submission numbers an abort means (None: any; 0 or no seqs given means any)."""
+    targets: dict[str, set[int] | None] = {}
+    seqs = message.seqs if len(message.seqs) == len(message.rids) else [0] * len(message.rids)
+    for rid, seq in zip(message.rids, seqs):
+        if seq == 0 or (rid in targets and targets[rid] is None):
+            targets[rid] = None
+        else:
+            targets.setdefault(rid, set()).add(seq)
+    return targets

@@ -1,0 +1,47 @@
+"""The scheduler's counters, as the Stats message the user process asks for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine import hooks
+from engine.hooks import HookError
+from engine.ipc.messages import Stats
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
+
+
+
+def stats(sched: Scheduler, req_id: str, flushed_tokens: int = 0) -> Stats:
+    c = sched.counters
+    return Stats(
+        req_id=req_id,
+        max_total_tokens=sched.max_total_tokens,
+        free_tokens=sched.kv_pool.available,
+        max_running_requests=sched.req_to_token.size,
+        free_slots=sched.req_to_token.available,
+        running=len(sched.running) + (sched.chunked_req is not None) + len(sched.beams.groups),
+        waiting=len(sched.waiting),
+        prefill_steps=c["prefill_steps"],
+        decode_steps=c["decode_steps"],
+        prompt_tokens=c["prompt_tokens"],
+        generated_tokens=c["generated_tokens"],
+        finished_requests=c["finished_requests"],
+        aborted_requests=c["aborted_requests"],
+        stage_seconds=dict(sched.busy_seconds),
+        prefill_tokens=c["prefill_tokens"],
+        chunked_prefill_steps=c["chunked_prefill_steps"],
+        cache_hit_tokens=c["cache_hit_tokens"],
+        retracted_requests=c["retracted_requests"],
+        flushed_tokens=flushed_tokens,
+        plugins={"scheduler": _plugin_stats("scheduler")} if hooks.has("engine_stats") else {},
+        **sched.kv.stats(),
+    )
+
+
+def _plugin_stats(role: str) -> dict:
+    try:
+        return hooks.call_named("engine_stats", role=role)
+    except HookError as exc:
+        return {"error": str(exc)}

@@ -1,0 +1,45 @@
+"""One scheduled step: what the schedule stage hands to forward, sample and process results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.scheduler.batch import RunningBatch
+from engine.scheduler.request import Req
+from kernels.attention import ForwardBatch, ForwardMode
+
+
+@dataclass
+class Step:
+    """The forward inputs plus the rows (with their sampling tensors) the step serves."""
+
+    forward_batch: ForwardBatch
+    rows: RunningBatch  # DECODE: the running batch itself; EXTEND: requests whose prefill completes
+    extend_reqs: list[Req] = field(default_factory=list)  # EXTEND: every request in the step, chunks too
+    # EXTEND: prompt logprob rows after the next-token rows: (request, first extra row, rows, first position)
+    prompt_logprobs: list[tuple[Req, int, int, int]] = field(default_factory=list)
+    # beam searches (engine/beam_search): their rows follow the ordinary rows in the logits. EXTEND:
+    # searches whose prompt completes (one row each); DECODE: every live beam (beam_rows rows)
+    beam_starts: list[Req] = field(default_factory=list)
+    beam_rows: int = 0
+    beam_reqs: list[Req] = field(default_factory=list)  # DECODE: each beam row's request, row by row
+    beam_out: list | None = None  # the sample stage's selections, for process results
+    beam_failed: dict[int, str] = field(default_factory=dict)  # id(req) -> a custom processor's error
+
+    @property
+    def mode(self) -> ForwardMode:
+        return self.forward_batch.mode
+
+    @property
+    def rids(self) -> list[str]:
+        """Every request in the step (for EXTEND, chunks that produce no token yet included)."""
+        if self.extend_reqs:
+            return [r.rid for r in self.extend_reqs]
+        return self.rows.rids + [r.rid for r in self.beam_reqs]
+
+    @property
+    def reqs(self) -> list[Req]:
+        """Every request the step serves, once each (a beam search once, not once per beam)."""
+        if self.extend_reqs:
+            return self.extend_reqs
+        return self.rows.reqs + list({id(r): r for r in self.beam_reqs}.values())
