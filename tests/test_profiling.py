@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
@@ -17,46 +18,83 @@ from engine.profiling.stacks import write_flamegraph
 
 ENGINE_CLI = [sys.executable, "-m", "engine.profiling.cli"]
 
+# The profiled workload: 2000 one-token prompts, 24 tokens each, on a micro model (one layer 32 wide,
+# a 1024-token vocabulary, the SmolLM2 tokenizer). A step for all 2000 rows costs the scheduler only
+# a few times what the detokenizer's batch decode of their 2000 new tokens costs, so a few seconds of
+# serving give the detokenizer hundreds of working samples at --rate 500 (on the embedded model the
+# forward is about a thousand times the decode: minutes of profiling for as many). One torch thread:
+# the scheduler and the detokenizer each keep a core of a small machine.
 WORKLOAD = textwrap.dedent(
     """
     import sys
     from engine import Engine
 
     if __name__ == "__main__":
-        kind = sys.argv[1]
-        with Engine(dtype="float32", max_total_tokens=40000, max_running_requests=2048) as engine:
-            if kind == "short":
-                engine.generate(["The sky is", "Two plus two is"], {"max_new_tokens": 16, "temperature": 0})
-            else:  # detokenization-heavy: many candidates sharing a prompt, few tokens each
-                prompt = engine.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
-                for r in range(3):
-                    engine.generate(input_ids=[prompt + [100 + i + r] for i in range(2000)],
-                                    sampling_params={"max_new_tokens": 3, "temperature": 0})
+        model, requests = sys.argv[1], int(sys.argv[2])
+        with Engine(model_path=model, dtype="float32", num_threads=1, max_total_tokens=60000,
+                    max_running_requests=2048) as engine:
+            engine.generate(input_ids=[[100 + i % 900] for i in range(requests)],
+                            sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
     """
 )
+REQUESTS = 2000
 
 
-def profile(tmp_path, kind: str, env_extra: dict | None = None, name: str = "out") -> tuple[subprocess.CompletedProcess, dict]:
-    (tmp_path / "workload.py").write_text(WORKLOAD)
-    out = tmp_path / name
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory, model_dir) -> str:
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import TOKENIZER_FILES
+
+    folder = tmp_path_factory.mktemp("micro-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.2,
+        eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, folder / name)
+    return str(folder)
+
+
+def profile(folder: Path, model: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    (folder / "workload.py").write_text(WORKLOAD)
     env = {k: v for k, v in os.environ.items() if k != "ENGINE_PLUGINS"}
     env.update(env_extra or {})
     proc = subprocess.run(
-        [*ENGINE_CLI, "profile", "--rate", "500", "-o", str(out), "--", sys.executable, "workload.py", kind],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [*ENGINE_CLI, "profile", "--rate", "500", "-o", "out", "--", sys.executable, "workload.py", model, f"{REQUESTS}"],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads((out / "breakdown.json").read_text())
+    return proc, json.loads((folder / "out" / "breakdown.json").read_text())
 
 
-def test_profile_writes_three_flamegraphs_and_a_breakdown(tmp_path):
-    proc, report = profile(tmp_path, "short")
+# One profile of the workload as is and one with skipdetok, shared by the tests that read them.
+@pytest.fixture(scope="module")
+def plain_profile(tmp_path_factory, micro_model) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    folder = tmp_path_factory.mktemp("profile-plain")
+    return (folder, *profile(folder, micro_model))
+
+
+@pytest.fixture(scope="module")
+def skipdetok_profile(tmp_path_factory, micro_model) -> dict:
+    return profile(tmp_path_factory.mktemp("profile-skipdetok"), micro_model, {"ENGINE_PLUGINS": "skipdetok"})[1]
+
+
+def test_profile_writes_three_flamegraphs_and_a_breakdown(plain_profile):
+    folder, proc, report = plain_profile
     assert set(report["processes"]) == {"user", "scheduler", "detokenizer"}
     for role, p in report["processes"].items():
-        svg = (tmp_path / "out" / f"{role}.svg").read_text()
+        svg = (folder / "out" / f"{role}.svg").read_text()
         assert svg.startswith("<svg") and "<rect" in svg
-        ElementTree.parse(tmp_path / "out" / f"{role}.svg")  # well-formed XML, as browsers demand
-        speedscope = json.loads((tmp_path / "out" / f"{role}.speedscope.json").read_text())
+        ElementTree.parse(folder / "out" / f"{role}.svg")  # well-formed XML, as browsers demand
+        speedscope = json.loads((folder / "out" / f"{role}.speedscope.json").read_text())
         assert p["samples"] > 0 and sum(speedscope["profiles"][0]["weights"]) >= p["samples"]
         assert sum(p["stages_pct"].values()) == pytest.approx(100.0)
         assert p["reading"] and p["top_own"]
@@ -64,16 +102,15 @@ def test_profile_writes_three_flamegraphs_and_a_breakdown(tmp_path):
     assert "per-stage share of samples (%, of all thread samples, idle included)" in proc.stdout
 
 
-def test_detokenizer_heavy_workload_and_skipdetok(tmp_path):
-    _, plain = profile(tmp_path, "detok", name="plain")
-    _, skipped = profile(tmp_path, "detok", {"ENGINE_PLUGINS": "skipdetok"}, name="skipped")
-    detok = plain["processes"]["detokenizer"]
+def test_detokenizer_heavy_workload_and_skipdetok(plain_profile, skipdetok_profile):
+    detok = plain_profile[2]["processes"]["detokenizer"]
+    assert detok["busy_samples"] >= MIN_SAMPLES, detok  # enough working samples for the reading to speak
     assert detok["busy_stages_pct"]["detokenize"] > 50, detok  # the decode stage dominates the detokenizer's work
     assert "skipdetok" in detok["reading"]
     # the same workload with skipdetok: the detokenize stage takes far fewer samples
     decode_plain = detok["stage_samples"]["detokenize"]
-    decode_skipped = skipped["processes"]["detokenizer"]["stage_samples"]["detokenize"]
-    assert decode_plain >= 20, detok  # enough samples to compare
+    decode_skipped = skipdetok_profile["processes"]["detokenizer"]["stage_samples"]["detokenize"]
+    assert decode_plain >= MIN_SAMPLES, detok  # enough samples to compare
     assert decode_skipped < decode_plain / 2, (decode_plain, decode_skipped)
 
 
@@ -85,7 +122,7 @@ def test_dump_lists_the_three_roles(engine):
     assert "serve_forever" in proc.stdout
 
 
-def test_failures_are_one_line_and_non_zero(tmp_path):
+def test_failures_are_one_line_and_non_zero(tmp_path, micro_model):
     def run(args, env_extra=None):
         env = {**os.environ, **(env_extra or {})}
         return subprocess.run([*ENGINE_CLI, *args], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -100,7 +137,7 @@ def test_failures_are_one_line_and_non_zero(tmp_path):
     fake.write_text("#!/bin/sh\necho 'Error: Permission Denied (os error 13)' >&2\nexit 1\n")
     fake.chmod(0o755)
     (tmp_path / "workload.py").write_text(WORKLOAD)
-    denied = run(["profile", "-o", "p", "--", sys.executable, "workload.py", "short"], {"ENGINE_PYSPY": str(fake)})
+    denied = run(["profile", "-o", "p", "--", sys.executable, "workload.py", micro_model, "2"], {"ENGINE_PYSPY": str(fake)})
     assert denied.returncode == 2 and "ptrace" in denied.stderr and "SYS_PTRACE" in denied.stderr
 
     no_engine = run(["dump", "--pid", "1"])
