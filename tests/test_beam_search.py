@@ -104,3 +104,133 @@ def test_custom_logit_processor_matches_transformers(engine, hf_model, tokenizer
     _same(ours["hypotheses"], ref, tokenizer.eos_token_id)
     if name == "disallowed_tokens":
         assert not set(params["token_ids"]) & {t for h in ours["hypotheses"] for t in h["output_ids"]}
+
+
+def _idle(engine) -> dict:
+    stats = engine.get_stats()
+    assert stats["running"] == stats["waiting"] == stats["beam_searches"] == stats["beam_kv_tokens"] == 0, stats
+    assert stats["cache_lock_refs"] == 0 and stats["free_slots"] == stats["max_running_requests"], stats
+    assert stats["free_tokens"] + stats["cache_tokens"] == stats["max_total_tokens"], stats
+    return stats
+
+
+SEARCHES = [(0, 4, 16), (2, 8, 12), (5, 2, 20)]  # (prompt, K, N)
+
+
+def test_concurrent_searches_and_ordinary_requests_give_the_same_results_as_alone(engine, tokenizer):
+    alone = [engine.beam_search(PROMPTS[p], beam_width=k, max_new_tokens=n, num_return_sequences=2)["hypotheses"]
+             for p, k, n in SEARCHES]  # fmt: skip
+    greedy = {"max_new_tokens": 24, "temperature": 0}
+    plain_alone = [engine.generate(PROMPTS[i], greedy)["output_ids"] for i in (1, 3)]
+    engine.flush_cache()  # nothing shared from the runs alone
+    results: dict = {}
+
+    def search(i: int, p: int, k: int, n: int) -> None:
+        results[("beam", i)] = engine.beam_search(PROMPTS[p], beam_width=k, max_new_tokens=n, num_return_sequences=2)
+
+    def plain(i: int, p: int) -> None:
+        results[("plain", i)] = engine.generate(PROMPTS[p], greedy)
+
+    threads = [threading.Thread(target=search, args=(i, *s)) for i, s in enumerate(SEARCHES)]
+    threads += [threading.Thread(target=plain, args=(i, p)) for i, p in enumerate((1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(len(SEARCHES)):
+        assert [h["output_ids"] for h in results[("beam", i)]["hypotheses"]] == [h["output_ids"] for h in alone[i]]
+    for i in range(2):
+        assert results[("plain", i)]["output_ids"] == plain_alone[i]
+    # a batch call: one search per prompt, the same results again
+    batch = engine.beam_search([PROMPTS[p] for p, _, _ in SEARCHES[:1]] * 2, beam_width=4, max_new_tokens=16, num_return_sequences=2)
+    assert [[h["output_ids"] for h in b["hypotheses"]] for b in batch] == [[h["output_ids"] for h in alone[0]]] * 2
+    _idle(engine)
+
+
+def test_memory_bound_from_pool_stats(engine, tokenizer):
+    """K beams over a P-token prompt hold at most P + K x N pool tokens: the prompt once (in the cache),
+    one token per beam per decode step; no K/V is ever copied."""
+    engine.flush_cache()
+    k, n = 8, 48
+    ids = _prompt_ids(tokenizer, 7)
+    samples: list[dict] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            samples.append(engine.get_stats())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        out = engine.beam_search(input_ids=ids, beam_width=k, max_new_tokens=n, ignore_eos=True)
+    finally:
+        done.set()
+        watcher.join()
+    assert out["meta_info"]["steps"] == n  # no stop token: every beam runs to max_new_tokens
+    running = [s for s in samples if s["beam_searches"] == 1]
+    assert running, "the watcher never saw the search running"
+    for s in running:
+        used = s["max_total_tokens"] - s["free_tokens"]
+        assert used == s["cache_tokens"] + s["beam_kv_tokens"], s  # the prompt in the cache, beams' tokens
+        assert s["cache_tokens"] <= len(ids) and s["beam_kv_tokens"] <= k * (n - 1), s
+        assert used <= len(ids) + k * n
+    stats = _idle(engine)
+    assert stats["beam_kv_peak_tokens"] >= k * (n - 1)  # it did hold one token per beam per decode step
+
+
+def test_refused_arguments_name_themselves_before_anything_is_queued(engine):
+    before = engine.get_stats()
+    cases = {
+        "temperature": dict(temperature=0.7), "top_p": dict(top_p=0.9), "n": dict(n=2), "seed": dict(seed=1),
+        "stop": dict(stop=["."]), "stream": dict(stream=True), "return_logprob": dict(return_logprob=True),
+        "num_return_sequences": dict(num_return_sequences=5), "beam_width": dict(beam_width=0),
+        "early_stopping": dict(early_stopping="sometimes"), "length_penalty": dict(length_penalty=float("nan")),
+        "max_total_tokens": dict(beam_width=256, max_new_tokens=200), "unknown": dict(best_of=3),
+        "max_new_tokens": dict(max_new_tokens=0),
+    }  # fmt: skip
+    for name, kwargs in cases.items():
+        kwargs = {"beam_width": 4, **kwargs}
+        with pytest.raises(ValueError, match=name if name != "unknown" else "best_of"):
+            engine.beam_search(PROMPTS[0], **kwargs)
+    after = engine.get_stats()
+    assert after["aborted_requests"] == before["aborted_requests"] and after["prompt_tokens"] == before["prompt_tokens"]
+
+
+def test_abort_frees_every_beam(engine):
+    results = {}
+
+    def run() -> None:
+        results["out"] = engine.beam_search(PROMPTS[7], beam_width=8, max_new_tokens=400, ignore_eos=True, rid="long-beam")
+
+    t = threading.Thread(target=run)
+    t.start()
+    import time
+
+    deadline = time.time() + 60
+    while engine.get_stats()["beam_kv_tokens"] < 64 and time.time() < deadline:
+        time.sleep(0.05)
+    engine.abort("long-beam")
+    t.join(60)
+    assert not t.is_alive()
+    out = results["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["hypotheses"] == []
+    _idle(engine)
+
+
+def test_async_form_gives_the_same_result(engine):
+    import asyncio
+
+    sync = engine.beam_search(PROMPTS[4], beam_width=3, max_new_tokens=10, num_return_sequences=3)
+    both = asyncio.run(_two_async(engine))
+    assert [h["output_ids"] for h in both[0]["hypotheses"]] == [h["output_ids"] for h in sync["hypotheses"]]
+    assert len(both[1]) == 2 and all(len(r["hypotheses"]) == 1 for r in both[1])
+
+
+async def _two_async(engine):
+    import asyncio
+
+    return await asyncio.gather(
+        engine.async_beam_search(PROMPTS[4], beam_width=3, max_new_tokens=10, num_return_sequences=3),
+        engine.async_beam_search(messages=[[{"role": "user", "content": "Hi"}]] * 2, beam_width=2, max_new_tokens=6),
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine.ipc.messages import TokenizedRequest
+from engine.ipc.messages import BeamParams, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 GOOD = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
@@ -29,6 +29,13 @@ BAD = {
     "top_logprobs_num": dict(return_logprob=True, top_logprobs_num=10**6),
     "logprob_start_len": dict(return_logprob=True, logprob_start_len=10**6),
     "custom_logit_processor": dict(sampling=msgspec.structs.replace(GOOD, custom_logit_processor="no-such")),
+    # beam searches (issue 15)
+    "beam_width": dict(beam=BeamParams(0)),
+    "num_return_sequences": dict(beam=BeamParams(2, 3)),
+    "early_stopping": dict(beam=BeamParams(2, 1, 1.0, "sometimes")),
+    "length_penalty": dict(beam=BeamParams(2, 1, float("inf"))),
+    "seed": dict(beam=BeamParams(2), sampling=msgspec.structs.replace(GOOD, seed=5)),
+    "return_logprob": dict(beam=BeamParams(2), return_logprob=True),
 }
 
 

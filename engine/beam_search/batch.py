@@ -71,6 +71,8 @@ class BeamBatch:
         self.device = device
         self.table = table  # req_to_token
         self.groups: list[BeamGroup] = []
+        self.kv_tokens = 0  # pool tokens the live searches' generated beams hold
+        self.kv_peak_tokens = 0
         self._set_rows([])
 
     def _set_rows(self, groups: list[BeamGroup], tensors: dict | None = None) -> None:
@@ -136,6 +138,8 @@ class BeamBatch:
         for g in self.groups:
             g.owned.append(loc[off : off + g.width])
             off += g.width
+        self.kv_tokens += off
+        self.kv_peak_tokens = max(self.kv_peak_tokens, self.kv_tokens)
         return positions
 
     # ------------------------------------------------------------------ sample
@@ -200,5 +204,8 @@ class BeamBatch:
         tensors["sampling"] = self.sampling.filter(keep, keep_list)
         self._set_rows(groups, tensors)
 
-    def owned_tokens(self, g: BeamGroup) -> torch.Tensor:
-        return torch.cat(g.owned) if g.owned else torch.zeros(0, dtype=torch.int64, device=self.device)
+    def release_tokens(self, g: BeamGroup) -> torch.Tensor:
+        """Every pool index the search's beams took (for the pool's free list); the search holds none after."""
+        owned, g.owned = g.owned, []
+        self.kv_tokens -= sum(int(t.numel()) for t in owned)
+        return torch.cat(owned) if owned else torch.zeros(0, dtype=torch.int64, device=self.device)

@@ -180,8 +180,7 @@ def _hook(sched: Scheduler, g: BeamGroup, parents: torch.Tensor, tokens: torch.T
 
 def _free(sched: Scheduler, g: BeamGroup, keep_kv: bool = True) -> None:
     """Every generated token back to the pool; the prompt to the cache (unlocked), the slots freed."""
-    sched.kv.pool.free(sched.beams.owned_tokens(g))
-    g.owned = []
+    sched.kv.pool.free(sched.beams.release_tokens(g))
     sched.kv.free_request(g.req, g.req.prompt_len, keep=keep_kv)
 
 

@@ -215,6 +215,9 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     cache_locked_tokens: int = 0  # held by running requests' prefixes
     cache_lock_refs: int = 0  # sum of lock counts in the tree: 0 when idle
     cache_evicted_tokens: int = 0
+    beam_searches: int = 0  # beam searches decoding now (each also counts once in running)
+    beam_kv_tokens: int = 0  # pool tokens their generated beams hold now (prompts are in the cache)
+    beam_kv_peak_tokens: int = 0  # the most beam_kv_tokens has been since start
     plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
 
 

@@ -35,6 +35,9 @@ def stats(sched: Scheduler, req_id: str, flushed_tokens: int = 0) -> Stats:
         cache_hit_tokens=c["cache_hit_tokens"],
         retracted_requests=c["retracted_requests"],
         flushed_tokens=flushed_tokens,
+        beam_searches=len(sched.beams.groups),
+        beam_kv_tokens=sched.beams.kv_tokens,
+        beam_kv_peak_tokens=sched.beams.kv_peak_tokens,
         plugins={"scheduler": _plugin_stats("scheduler")} if hooks.has("engine_stats") else {},
         **sched.kv.stats(),
     )
