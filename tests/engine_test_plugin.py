@@ -7,7 +7,10 @@ ENGINE_TEST_PROBE, and changes behaviour for marked requests:
 - a request whose rid starts "boom-" makes engine_request_admitted raise;
 - a prompt containing "EXPLODE" makes engine_tokenize_before raise;
 - a batch with a rid starting "badtexts-" gets one text too many from engine_detokenize;
-- a result whose rid starts "badoutput-" makes engine_output raise.
+- a result whose rid starts "badoutput-" makes engine_output raise;
+- a beam search whose rid starts "boomstep-" makes engine_beam_step raise;
+- it provides the custom logit processor "explode_after", which raises once a row has generated
+  custom_params["after"] tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 
 from engine import hooks
 from engine.hooks import hookimpl
+from engine.sampling.processors import CustomLogitProcessor
 
 HOLD_STEPS = 3
 BANNED = 13
@@ -93,11 +97,35 @@ def engine_forward_after(batch, rids, logits):
 
 
 @hookimpl
-def engine_process_logits(logits, rids, reqs):
+def engine_process_logits(logits, rids, reqs, beams):
     for row, rid in enumerate(rids):
         if rid.startswith("ban-"):
             logits[row, BANNED] = float("-inf")
-    _record("engine_process_logits", rids=list(rids), shape=list(logits.shape), reqs=[r.rid for r in reqs])
+    _record("engine_process_logits", rids=list(rids), shape=list(logits.shape), reqs=[r.rid for r in reqs],
+            beams=list(beams))  # fmt: skip
+
+
+@hookimpl
+def engine_beam_step(rid, step, parents, tokens, scores, finished):
+    if rid.startswith("boomstep-"):
+        raise RuntimeError("beam step refused on purpose")
+    _record("engine_beam_step", rid=rid, step=step, parents=parents, tokens=tokens, scores=scores, finished=finished)
+
+
+class ExplodeAfter(CustomLogitProcessor):
+    def validate_params(self, params: dict, vocab_size: int) -> None:
+        if not isinstance(params.get("after"), int):
+            raise ValueError("custom_params['after'] must be an integer")
+
+    def __call__(self, logits, batch):
+        if any(int(n) >= p["after"] for n, p in zip(batch.out_lens, batch.params)):
+            raise RuntimeError("exploded on purpose")
+        return logits
+
+
+@hookimpl
+def engine_logit_processors():
+    return {"explode_after": ExplodeAfter}
 
 
 @hookimpl

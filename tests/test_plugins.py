@@ -5,6 +5,8 @@ visibly change the outcome; a failing hook fails only the requests it touched, n
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -45,6 +47,9 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     path.write_text("")
     out = eng.generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, rid="probe-1")
     assert out["meta_info"]["seen_by_test_plugin"] is True
+    deadline = time.time() + 10  # engine_step_end runs after the step's output left: maybe after the result
+    while sum(e["hook"] == "engine_step_end" for e in events(path)) < 4 and time.time() < deadline:
+        time.sleep(0.01)
     ev = events(path)
     pids = eng.pids
     role_of = {pids["user"]: "user", pids["scheduler"]: "scheduler", pids["detokenizer"]: "detokenizer"}
@@ -230,3 +235,77 @@ def test_engine_plugins_argument_overrides_the_variable(monkeypatch):
     monkeypatch.setenv("ENGINE_PLUGINS", "no_such_plugin")
     with Engine(dtype="float32", max_total_tokens=512, plugins="") as eng:  # the children load nothing
         assert eng.generate(PROMPTS[0], {"max_new_tokens": 2})["output_ids"]
+
+
+# ------------------------------------------------------------------ beam search (issue 15)
+
+
+def test_hooks_and_processors_see_beam_rows(probe):
+    """A beam search's live beams are rows like any other: the logits hook sees them (with each row's
+    beam index), changes them, and engine_beam_step reports every selection."""
+    eng, path = probe
+    path.write_text("")
+    k, n = 3, 5
+    params = dict(beam_width=k, max_new_tokens=n, num_return_sequences=k, ignore_eos=True, logit_bias={BANNED: 100.0})
+    free = eng.beam_search(PROMPTS[5], rid="free-beams", **params)
+    banned = eng.beam_search(PROMPTS[5], rid="ban-beams", **params)
+    assert BANNED in free["hypotheses"][0]["output_ids"]  # the bias makes it the best choice...
+    assert all(BANNED not in h["output_ids"] for h in banned["hypotheses"])  # ...unless the hook removes it
+    ev = events(path)
+    rows = [e for e in ev if e["hook"] == "engine_process_logits" and "ban-beams" in e["rids"]]
+    assert rows[0]["beams"] == [0] and rows[0]["shape"][0] == 1  # the first selection: the prompt's row
+    assert all(e["beams"] == list(range(k)) and e["reqs"] == ["ban-beams"] * k for e in rows[1:])
+    steps = [e for e in ev if e["hook"] == "engine_beam_step" and e["rid"] == "ban-beams"]
+    assert [e["step"] for e in steps] == list(range(1, n + 1)) == list(range(1, banned["meta_info"]["steps"] + 1))
+    assert steps[0]["parents"] == [0] * k and all(len(e["tokens"]) == len(e["scores"]) == k for e in steps)
+    # the trail of parents and tokens rebuilds the live beams; each hypothesis (all end at the last step:
+    # no stop token) is a beam alive one step before, plus one token
+    live = [[]] * k
+    for e in steps[:-1]:
+        live = [live[p] + [t] for p, t in zip(e["parents"], e["tokens"])]
+    assert all(h["output_ids"][:-1] in live for h in banned["hypotheses"])
+
+
+def test_plugin_processor_on_beams_matches_transformers(probe, hf_model, tokenizer):
+    """no_repeat_ngram reads each row's own output_ids: right only if beams carry their own history."""
+    from engine.plugins.no_repeat_ngram import NoRepeatNGram
+    from test_beam_search import ForTransformers, _same, hf_beam_search
+
+    eng, _ = probe
+    ids = tokenizer.encode("Repeat after me: one two one two one two one two")
+    params = {"n": 2}
+    ours = eng.beam_search(input_ids=ids, beam_width=4, max_new_tokens=16, num_return_sequences=2,
+                           custom_logit_processor="no_repeat_ngram", custom_params=params)  # fmt: skip
+    adapter = ForTransformers("no_repeat_ngram", params, len(ids))
+    adapter.proc = NoRepeatNGram()
+    _same(ours["hypotheses"], hf_beam_search(hf_model, ids, 4, 16, 2, processors=[adapter]), tokenizer.eos_token_id)
+
+
+def test_failing_processor_or_beam_hook_fails_only_its_search(probe):
+    eng, _ = probe
+    results = {}
+
+    def beam(rid: str, **extra) -> None:
+        results[rid] = eng.beam_search(PROMPTS[7], rid=rid, beam_width=4, max_new_tokens=12, ignore_eos=True, **extra)
+
+    def plain() -> None:
+        results["plain"] = eng.generate(PROMPTS[2], {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+
+    threads = [threading.Thread(target=beam, args=("explodes",), kwargs=dict(custom_logit_processor="explode_after",
+                                                                                custom_params={"after": 3})),
+               threading.Thread(target=beam, args=("boomstep-1",)), threading.Thread(target=beam, args=("fine-beams",)),
+               threading.Thread(target=plain)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    exploded = results["explodes"]["meta_info"]["finish_reason"]
+    assert exploded["type"] == "abort" and "explode_after" in exploded["message"] and "on purpose" in exploded["message"]
+    hooked = results["boomstep-1"]["meta_info"]["finish_reason"]
+    assert hooked["type"] == "abort" and "engine_beam_step" in hooked["message"] and PLUGIN in hooked["message"]
+    assert results["fine-beams"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(results["fine-beams"]["hypotheses"][0]["output_ids"]) == 12
+    assert results["plain"]["meta_info"]["completion_tokens"] == 16
+    stats = eng.get_stats()
+    assert stats["running"] == stats["beam_kv_tokens"] == stats["cache_lock_refs"] == 0
+    assert stats["free_slots"] == stats["max_running_requests"]

@@ -175,14 +175,12 @@ class BeamBatch:
             return
         table, src, off = self.table, [], 0
         kv_lens = self.kv_lens.tolist()
-        for g, (parents, tokens) in zip(self.groups, choices):
+        for g, (parents, _) in zip(self.groups, choices):
             start, end = g.req.prompt_len, kv_lens[off]
             if end > start:
                 table[g.slots, start:end] = table[g.slots[parents], start:end]
             src.append(parents + off)
             off += g.width
-            if hooks.has("engine_beam_step"):
-                beam_step_hook(g, parents, tokens)
         index = torch.cat(src)
         tokens = torch.cat([t for _, t in choices])
         self.last_ids = tokens
