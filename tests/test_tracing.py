@@ -492,3 +492,17 @@ def test_http_export_file_exporter_and_spans_delivered_when_the_script_just_ends
     in_file = read_spans(str(trace_file))  # the file exporter wrote the same spans, from all three processes
     assert sorted(s.span_id for s in in_file) == sorted(s.span_id for s in spans)
     assert {s.role for s in in_file} == ROLES
+
+
+def test_one_trace_per_beam_search_with_its_width_and_steps(traced, receiver):
+    out = traced.beam_search(PROMPTS[1], beam_width=3, max_new_tokens=6, num_return_sequences=2, ignore_eos=True)
+    rid = out["meta_info"]["id"]
+    assert receiver.wait_for(_complete([rid], {"tokenize", "queue", "prefill", "beam_search"}), SPAN_WAIT)
+    s = _request_spans(receiver.spans(), rid)
+    assert set(s) == {"root", "tokenize", "queue", "prefill", "beam_search"}  # no per-token decode span
+    assert len({x.trace_id for x in s.values()}) == 1
+    assert all(s[name].parent_span_id == s["root"].span_id for name in s if name != "root")
+    for name in ("root", "beam_search"):
+        assert s[name].attributes["engine.beam.width"] == 3
+        assert s[name].attributes["engine.beam.steps"] == out["meta_info"]["steps"] == 6
+    assert s["beam_search"].role == "scheduler"

@@ -200,6 +200,7 @@ def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
             reason = FinishReason("stop", matched=h.output_ids[-1]) if h.stopped else FinishReason("length", length=len(h.output_ids))
             hyps.append(BeamHypothesis(h.output_ids, h.logprob, h.score, reason))
         req.finished = hyps[0].finish if hyps else FinishReason("length", length=0)
+        req.beam_steps = sel.steps
         _free(sched, g)
         p = req.sampling
         out = BeamSearchOut(req.rid, hyps, _meta(g, sum(len(h.output_ids) for h in hyps)), g.width, sel.steps,
@@ -216,6 +217,7 @@ def abort(sched: Scheduler, groups: list[BeamGroup], message: str, keep_kv: bool
     sched.beams.remove(groups)
     for g in groups:
         reason = g.req.finished = FinishReason("abort", message=message)
+        g.req.beam_steps = g.selection.steps
         _free(sched, g, keep_kv)
         out = BatchTokenOut([g.req.rid], [NO_TOKEN], [reason], [_meta(g, 0)])
         sched.send_sock.send(sched.send_codec.encode(out))

@@ -184,6 +184,8 @@ class TracingPlugin:
             "engine.cached_tokens": meta_info.get("cached_tokens", 0),
             "engine.time_to_first_token_s": float(meta_info.get("first_token_latency", 0.0)),
         })  # fmt: skip
+        if "beam_width" in meta_info:  # a beam search
+            root.set_attributes({"engine.beam.width": meta_info["beam_width"], "engine.beam.steps": meta_info["steps"]})
         if error is not None:  # never sent (a later hook or check failed), or the engine stopped first
             _set_error(root, error, "not_sent" if error.startswith("not sent:") else "engine_stopped")
         elif finish.get("type") == "abort":
@@ -226,7 +228,12 @@ class TracingPlugin:
                 "engine.request_id": rid, "gen_ai.usage.input_tokens": req.prompt_len,
                 "engine.cached_tokens": req.cached_tokens,
             }))  # fmt: skip
-        if req.first_token_ns and (len(req.output_ids) > 1 or kind != "stop" and kind != "length"):
+        if req.beam is not None and req.first_token_ns:  # one span for the whole search
+            stages.append(("beam_search", req.first_token_ns, now, {
+                "engine.request_id": rid, "engine.beam.width": req.beam.width, "engine.beam.steps": req.beam_steps,
+                "gen_ai.response.finish_reasons": [kind],
+            }))  # fmt: skip
+        elif req.first_token_ns and (len(req.output_ids) > 1 or kind != "stop" and kind != "length"):
             decode = {"engine.request_id": rid, "gen_ai.usage.output_tokens": len(req.output_ids),
                       "engine.retractions": max(req.admissions - 1, 0)}  # fmt: skip
             if finish_reason is not None:
