@@ -329,3 +329,37 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(engine):
     tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
     with pytest.raises(ValueError, match="messages: the model's chat template refused them: roles must alternate"):
         TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tokenizer), CHAT)
+
+
+# ------------------------------------------------------------------ beam search (issue 15)
+
+
+def test_beam_search_as_extra_body_fields_equals_engine_beam_search(client, engine):
+    ref = engine.beam_search(CHAT[0]["content"], beam_width=4, max_new_tokens=12, num_return_sequences=2)
+    out = client.completions.create(model="smol", prompt=CHAT[0]["content"], max_tokens=12, n=2,
+                                    extra_body={"use_beam_search": True, "beam_width": 4})  # fmt: skip
+    assert [c.text for c in out.choices] == [h["text"] for h in ref["hypotheses"]]
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == sum(len(h["output_ids"]) for h in ref["hypotheses"])
+    chat_ref = engine.beam_search(messages=CHAT, beam_width=3, max_new_tokens=10, length_penalty=0.5, early_stopping=True)
+    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=10,
+                                          extra_body={"use_beam_search": True, "beam_width": 3, "length_penalty": 0.5,
+                                                      "early_stopping": True})  # fmt: skip
+    assert chat.choices[0].message.content == chat_ref["hypotheses"][0]["text"]
+    expected = "stop" if chat_ref["hypotheses"][0]["finish_reason"]["type"] == "stop" else "length"
+    assert chat.choices[0].finish_reason == expected
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"use_beam_search": True, "temperature": 0.8}, "temperature"),
+    ({"use_beam_search": True, "stream": True}, "stream"),
+    ({"use_beam_search": True, "n": 5, "beam_width": 2}, "beam_width"),
+    ({"use_beam_search": True, "beam_width": 0}, "beam_width"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+])  # fmt: skip
+def test_bad_beam_search_bodies_are_400s_naming_the_field(server, extra, param):
+    body = {"model": "smol", "prompt": "Hello", "max_tokens": 4, **extra}
+    r = http(server, "POST", "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert param in r.json()["error"]["message"], r.json()

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.serve import errors, sse, translate
+from engine.serve import beams, errors, sse, translate
 from engine.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -128,6 +128,9 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         params, want_logprobs, top, rid = opening(body, "chatcmpl")
+        if beams.wants_beams(body):
+            args = dict(messages=translate.chat_messages(body), rid=rid, **beams.beam_kwargs(body, params))
+            return await beam_response(request, body, args, rid, "chat.completion", [rid])
         args = dict(messages=translate.chat_messages(body), sampling_params=params, rid=rid,
                     return_logprob=want_logprobs, top_logprobs_num=top)  # fmt: skip
         if body.stream:
@@ -160,8 +163,11 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             inputs, prompts = {"input_ids": prompt, "rid": rid}, 1
         else:
             inputs, prompts = {"prompt": prompt, "rid": rid}, 1
-        args = dict(**inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top)
         bases = inputs["rid"] if isinstance(inputs["rid"], list) else [inputs["rid"]]
+        if beams.wants_beams(body):
+            args = dict(**inputs, **beams.beam_kwargs(body, params))
+            return await beam_response(request, body, args, rid, "text_completion", bases)
+        args = dict(**inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top)
         if body.stream:
             stream = await engine.async_generate(**args, stream=True)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -175,6 +181,14 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
                    for i, r in enumerate(results)]  # fmt: skip
         return {"id": rid, "object": "text_completion", "created": translate.now(), "model": name,
                 "choices": choices, "usage": translate.usage(results, prompts, body.n)}  # fmt: skip
+
+    async def beam_response(request: Request, body, args: dict, rid: str, kind: str, bases: list[str]) -> dict:
+        if body.logprobs not in (None, False):
+            raise errors.OpenAIError(400, "logprobs is not supported with use_beam_search", param="logprobs")
+        with inflight.track(bases):
+            out = await until_disconnect(request, engine.async_beam_search(**args))
+        choices, used = beams.beam_choices(out if isinstance(out, list) else [out], chat=kind == "chat.completion")
+        return {"id": rid, "object": kind, "created": translate.now(), "model": name, "choices": choices, "usage": used}
 
     # ------------------------------------------------------------------ SGLang's native routes
 

@@ -31,6 +31,11 @@ class _EngineExtras(_Body):
     spaces_between_special_tokens: StrictBool | None = None
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] | None = None
+    # beam search (engine/serve/beams.py): n results of a search of beam_width beams
+    use_beam_search: StrictBool = False
+    beam_width: StrictInt | None = None
+    length_penalty: float | None = None
+    early_stopping: StrictBool | Literal["never"] | None = None
 
 
 class _Sampling(_EngineExtras):
