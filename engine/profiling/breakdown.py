@@ -20,6 +20,7 @@ STAGE_FUNCTIONS = {
     "Scheduler.sample": "sample",
     "Scheduler.process_results": "process_results",
     "DetokenizerManager.detokenize": "detokenize",
+    "DetokenizerManager.detokenize_beams": "detokenize",
 }
 WAIT_HINTS = ("poll", "recv", "wait", "select", "sleep", "zmq/sugar/poll")
 HOUSEKEEPING = ("_watch_parent",)  # a child's parent-lifeline thread: always asleep, not the process's work
