@@ -45,14 +45,16 @@ def run_workload(eng: Engine, prompts: list[list[int]]) -> tuple[list[dict], dic
     return outs, before, after
 
 
-def check_complete_once(outs: list[dict], before: dict, after: dict, n: int) -> None:
+def check_complete_once(outs: list[dict], before: dict, after: dict, n: int, searches: list[dict] = ()) -> None:
+    """Every request (and beam search: one finish, K tokens per step) finished exactly once."""
     assert len(outs) == n and len({o["meta_info"]["id"] for o in outs}) == n
     for o in outs:
         assert len(o["output_ids"]) == o["meta_info"]["completion_tokens"] == NEW_TOKENS
         assert o["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
-    assert after["finished_requests"] - before["finished_requests"] == n
+    assert after["finished_requests"] - before["finished_requests"] == n + len(searches)
     assert after["aborted_requests"] == before["aborted_requests"]
-    assert after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS  # nothing emitted twice
+    beam_tokens = sum(s["meta_info"]["beam_width"] * s["meta_info"]["steps"] for s in searches)
+    assert after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS + beam_tokens  # nothing twice
     assert engine_idle(after)
 
 
@@ -97,19 +99,36 @@ def test_chunked_prefill_matches(workload, expected):
     assert after["chunked_prefill_steps"] >= len(workload)  # every prompt is longer than one chunk
 
 
-def test_small_pool_evicts_and_retracts_and_matches(workload, expected):
+def test_small_pool_evicts_and_retracts_and_matches(workload, expected, engine):
     longest = max(len(p) for p in workload) + NEW_TOKENS
+    # beam searches in the middle of it (issue 15): admitted with their whole KV need, never short
+    beam_prompts = [workload[1][:48], workload[5][:40]]
+    beam_args = dict(beam_width=3, max_new_tokens=10, num_return_sequences=2)
+    beam_expected = [[h["output_ids"] for h in engine.beam_search(input_ids=p, **beam_args)["hypotheses"]]
+                     for p in beam_prompts]  # fmt: skip
+    beams: dict = {}
     # room for about two requests; a low initial estimate of new tokens makes admission take more,
     # so decode runs out of room and must evict cache and retract requests
     with Engine(
         dtype="float32", max_total_tokens=2 * longest + 20, max_running_requests=8,
         chunked_prefill_size=64, init_new_token_ratio=0.05,
     ) as eng:  # fmt: skip
-        outs, before, after = run_workload(eng, workload)
+        import threading
+
+        def search() -> None:
+            beams["out"] = eng.beam_search(input_ids=beam_prompts, **beam_args)
+
+        searcher = threading.Thread(target=search)
+        start = eng.get_stats()
+        searcher.start()
+        outs, _, _ = run_workload(eng, workload)
+        searcher.join()
+        after = eng.get_stats()
         assert eng.flush_cache() == after["cache_tokens"]
         flushed = eng.get_stats()
+    assert [[h["output_ids"] for h in b["hypotheses"]] for b in beams["out"]] == beam_expected
     assert [o["output_ids"] for o in outs] == expected
-    check_complete_once(outs, before, after, len(workload))
+    check_complete_once(outs, start, after, len(workload), beams["out"])
     assert after["retracted_requests"] > 0, after
     assert after["cache_evicted_tokens"] > 0, after
     assert after["chunked_prefill_steps"] > 0, after
