@@ -61,12 +61,7 @@ class BeamSelection:
         """Processed log-probabilities [K, V] of the live beams (or [1, V] at the start, the prompt's)
         -> (parent beam [K], chosen token [K]) of the next live beams."""
         k, t = self.width, self.steps
-        if logprobs.shape[0] != k:
-            logprobs = logprobs.expand(k, -1)
-        vocab = logprobs.shape[1]
-        total = (logprobs + self.scores[:, None]).reshape(-1)
-        top_scores, top_index = torch.topk(total, self.keep)
-        parents, tokens = top_index // vocab, top_index % vocab
+        top_scores, parents, tokens = self._best_candidates(logprobs)
         cand = self.tokens[parents]
         cand[:, t] = tokens
         hits = torch.isin(tokens, self.stop_ids) if self.stop_ids.numel() else torch.zeros_like(tokens, dtype=torch.bool)
@@ -101,6 +96,25 @@ class BeamSelection:
         all_finished = bool(self.is_fin.all()) and self.early_stopping is True
         self.done = not self.improvable or all_finished or bool(hits.all())
         return parents[nxt], tokens[nxt]
+
+    def _best_candidates(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `keep` best (cumulative score, parent beam, token) over all K x V continuations, best
+        first. Two top-k's (per beam, then over the K x keep survivors) give the same candidates as
+        one over K x V, several times faster for wide beams."""
+        k, keep = self.width, self.keep
+        vocab = logprobs.shape[1]
+        if logprobs.shape[0] == 1 and k > 1:  # the start: every beam is the prompt, beam 0 alone counts
+            if keep <= vocab and bool((torch.isfinite(logprobs[0]).sum() >= keep)):
+                top_scores, tokens = torch.topk(logprobs[0] + self.scores[0], keep)
+                return top_scores, torch.zeros_like(tokens), tokens
+            logprobs = logprobs.expand(k, -1)  # too few finite scores: the other beams' -1e9 ones count
+        total = logprobs + self.scores[:, None]
+        if keep >= vocab:
+            top_scores, index = torch.topk(total.reshape(-1), keep)
+            return top_scores, index // vocab, index % vocab
+        row_scores, row_tokens = torch.topk(total, keep, dim=1)  # [K, keep]
+        top_scores, index = torch.topk(row_scores.reshape(-1), keep)
+        return top_scores, index // keep, row_tokens.reshape(-1)[index]
 
     def results(self, count: int) -> list[Hypothesis]:
         """The `count` best finished hypotheses, best first."""
