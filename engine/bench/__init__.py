@@ -7,4 +7,5 @@ against its baseline side by side in one run and prints ratios (docs/performance
     plugins.py        hook cost, and what skipdetok saves
     tracing.py        tracing off against on
     serve.py          engine serve over HTTP against in-process streams
+    beam.py           native beam search against the client-side loop and transformers
 """
