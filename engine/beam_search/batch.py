@@ -27,21 +27,23 @@ from engine.scheduler.request import Req
 class BeamGroup:
     """One beam search in the scheduler."""
 
-    __slots__ = ("req", "selection", "slots", "owned")
+    __slots__ = ("req", "selection", "slots", "owned", "matchers")
 
     def __init__(self, req: Req, selection: BeamSelection, slots: torch.Tensor) -> None:
         self.req = req
         self.selection = selection
         self.slots = slots  # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
         self.owned: list[torch.Tensor] = []  # pool indices of generated tokens, all freed at the end
+        self.matchers: list = [None] * selection.width  # each beam's grammar matcher (structured output)
 
     @property
     def width(self) -> int:
         return self.selection.width
 
     def remaining_tokens(self) -> int:
-        """Pool tokens this search may still take (one per beam per decode step left)."""
-        return self.width * max(self.selection.max_new - 1 - self.selection.steps, 0)
+        """Pool tokens this search may still take: one per beam per decode step left (after s
+        selections, s - 1 of its max_new - 1 decode steps have run)."""
+        return self.width * max(self.selection.max_new - self.selection.steps, 0)
 
 
 def start_sampling(reqs: list[Req], copies: int, vocab_size: int, device) -> SamplingTensors:
@@ -56,6 +58,20 @@ def stop_table(reqs: list[Req], copies: int, device) -> torch.Tensor:
     width = max([len(r.stop_ids) for r in reqs] + [1])
     rows = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs for _ in range(copies)]
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), width)
+
+
+def advance_matchers(matchers: list, parents: list[int], tokens: list[int], selection: BeamSelection) -> list:
+    """Each next beam's grammar matcher: its parent's, forked, advanced by its token. A beam whose
+    score is -inf (the grammar left fewer candidates than beams) keeps its parent's state: it can
+    never win, and its token was never allowed."""
+    scores = selection.scores.tolist()
+    out = []
+    for parent, token, score in zip(parents, tokens, scores):
+        m = matchers[parent].fork()
+        if score != float("-inf") and not m.is_terminated():
+            m.accept_token(token)
+        out.append(m)
+    return out
 
 
 def beam_step_hook(g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -79,6 +95,8 @@ class BeamBatch:
         self.groups = groups
         self.reqs = [g.req for g in groups for _ in range(g.width)]  # per row, for hooks
         self.beam_index = [i for g in groups for i in range(g.width)]
+        self.matchers = [m for g in groups for m in g.matchers]  # structured output: each beam's own
+        self.any_grammar = any(m is not None for m in self.matchers)
         if tensors is None:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             tensors = dict(slots=empty, kv_lens=empty, last_ids=empty, out_lens=empty,
@@ -100,11 +118,13 @@ class BeamBatch:
 
     def start(self, req: Req, selection: BeamSelection, first_tokens: torch.Tensor) -> BeamGroup:
         """After the prompt's prefill (its K/V cached and locked for the request) and the first
-        selection: K rows that all begin with the prompt's indices."""
+        selection: K rows that all begin with the prompt's indices (and the request's grammar state)."""
         n = req.prompt_len
         slots = torch.tensor([req.slot, *req.beam_slots], dtype=torch.int64, device=self.device)
         self.table[slots[1:], :n] = self.table[req.slot, :n]
         group = BeamGroup(req, selection, slots)
+        if req.matcher is not None:
+            group.matchers = advance_matchers([req.matcher], [0] * group.width, first_tokens.tolist(), selection)
         k = group.width
         sampling = start_sampling([req], k, self.vocab_size, self.device)
         sampling.record(first_tokens)
@@ -152,12 +172,14 @@ class BeamBatch:
             out += s.tokens[:, : s.steps].tolist()
         return out
 
-    def process(self, logits: torch.Tensor, processors: ProcessorSet, failed: dict[int, str]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, processors: ProcessorSet, failed: dict[int, str], grammars) -> torch.Tensor:
         """Log-probabilities of every beam row, then the engine's processing on them (transformers'
-        order for beam search: processors see log-probabilities)."""
+        order for beam search: processors see log-probabilities), grammar masks last."""
         logprobs = torch.log_softmax(logits, dim=-1)
         ids = self.output_ids() if self.sampling.any_processor else []
-        return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed, self.beam_index)
+        grammar = (lambda lg: grammars.mask(lg, self.matchers)) if self.any_grammar else None  # noqa: E731
+        return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed,
+                              self.beam_index, grammar)  # fmt: skip
 
     def select(self, scores: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One selection per search: (parent beam, token) of each next beam."""
@@ -183,6 +205,11 @@ class BeamBatch:
             off += g.width
         index = torch.cat(src)
         tokens = torch.cat([t for _, t in choices])
+        if self.any_grammar:
+            for g, (parents, chosen) in zip(self.groups, choices):
+                if g.matchers[0] is not None:
+                    g.matchers = advance_matchers(g.matchers, parents.tolist(), chosen.tolist(), g.selection)
+            self.matchers = [m for g in self.groups for m in g.matchers]
         self.last_ids = tokens
         self.out_lens = self.out_lens + 1
         if self.sampling.counts is not None:

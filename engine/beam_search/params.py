@@ -20,7 +20,7 @@ EARLY_STOPPING = (False, True, "never")
 BEAM_SAMPLING_FIELDS = (
     "max_new_tokens", "min_new_tokens", "logit_bias", "repetition_penalty", "frequency_penalty",
     "presence_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "custom_logit_processor", "custom_params", "temperature",
+    "custom_logit_processor", "custom_params", "temperature", "json_schema", "regex", "ebnf",
 )  # fmt: skip
 REFUSED = {
     "temperature": "beam search is deterministic (only temperature=0 is accepted)",

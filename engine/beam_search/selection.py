@@ -104,16 +104,20 @@ class BeamSelection:
         k, keep = self.width, self.keep
         vocab = logprobs.shape[1]
         if logprobs.shape[0] == 1 and k > 1:  # the start: every beam is the prompt, beam 0 alone counts
-            if keep <= vocab and bool((torch.isfinite(logprobs[0]).sum() >= keep)):
+            if keep <= vocab:  # ...unless its keep-th best is below the other beams' pushed-down best
                 top_scores, tokens = torch.topk(logprobs[0] + self.scores[0], keep)
-                return top_scores, torch.zeros_like(tokens), tokens
-            logprobs = logprobs.expand(k, -1)  # too few finite scores: the other beams' -1e9 ones count
+                if bool(top_scores[-1] > logprobs[0].max() + self.scores[1]):
+                    return top_scores, torch.zeros_like(tokens), tokens
+            logprobs = logprobs.expand(k, -1)
         total = logprobs + self.scores[:, None]
         if keep >= vocab:
             top_scores, index = torch.topk(total.reshape(-1), keep)
             return top_scores, index // vocab, index % vocab
         row_scores, row_tokens = torch.topk(total, keep, dim=1)  # [K, keep]
         top_scores, index = torch.topk(row_scores.reshape(-1), keep)
+        if bool((row_scores[:, -1] == top_scores[-1]).any()):  # a tie at the cut: one top-k decides, as transformers'
+            top_scores, index = torch.topk(total.reshape(-1), keep)
+            return top_scores, index // vocab, index % vocab
         return top_scores, index // keep, row_tokens.reshape(-1)[index]
 
     def results(self, count: int) -> list[Hypothesis]:

@@ -68,7 +68,10 @@ def process_starts(sched: Scheduler, reqs: list[Req], logits: torch.Tensor, fail
     out_lens = torch.zeros(len(reqs), dtype=torch.int64, device=sched.device)
     logprobs = torch.log_softmax(logits, dim=-1)
     ids = [[] for _ in reqs]
-    return process_logits(logprobs, st, out_lens, stop_table(reqs, 1, sched.device), ids, sched.processors, failed, [0] * len(reqs))
+    matchers = [r.matcher for r in reqs]
+    grammar = (lambda lg: sched.grammars.mask(lg, matchers)) if any(m is not None for m in matchers) else None  # noqa: E731
+    return process_logits(logprobs, st, out_lens, stop_table(reqs, 1, sched.device), ids, sched.processors, failed,
+                          [0] * len(reqs), grammar)  # fmt: skip
 
 
 def select_starts(sched: Scheduler, reqs: list[Req], scores: torch.Tensor) -> list:
@@ -102,7 +105,7 @@ def prepare(sched: Scheduler, step: Step, logits: torch.Tensor) -> BeamScores:
         beams: list[int | None] = [0] * len(reqs)
     else:
         reqs = sched.beams.reqs
-        scores = sched.beams.process(logits, sched.processors, failed)
+        scores = sched.beams.process(logits, sched.processors, failed, sched.grammars)
         beams = list(sched.beams.beam_index)
     step.beam_failed = {id(reqs[i]): m for i, m in failed.items()}
     return BeamScores(scores, [r.rid for r in reqs], list(reqs), beams)
@@ -192,7 +195,6 @@ def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
     """Searches that ended: their R best hypotheses to the detokenizer, their memory freed."""
     from engine.scheduler.endings import finished_hook
 
-    sched.beams.remove(groups)
     for g in groups:
         req, sel = g.req, g.selection
         hyps = []
@@ -202,6 +204,7 @@ def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
         req.finished = hyps[0].finish if hyps else FinishReason("length", length=0)
         req.beam_steps = sel.steps
         _free(sched, g)
+        sched.beams.remove([g])
         p = req.sampling
         out = BeamSearchOut(req.rid, hyps, _meta(g, sum(len(h.output_ids) for h in hyps)), g.width, sel.steps,
                             p.skip_special_tokens, p.spaces_between_special_tokens, req.trace_context)  # fmt: skip
@@ -214,11 +217,11 @@ def abort(sched: Scheduler, groups: list[BeamGroup], message: str, keep_kv: bool
     """Searches that fail or are aborted: all their beams freed, reported finished with reason abort."""
     from engine.scheduler.endings import finished_hook
 
-    sched.beams.remove(groups)
     for g in groups:
         reason = g.req.finished = FinishReason("abort", message=message)
         g.req.beam_steps = g.selection.steps
         _free(sched, g, keep_kv)
+        sched.beams.remove([g])
         out = BatchTokenOut([g.req.rid], [NO_TOKEN], [reason], [_meta(g, 0)])
         sched.send_sock.send(sched.send_codec.encode(out))
         sched.counters["aborted_requests"] += 1
@@ -229,8 +232,8 @@ def retract_last(sched: Scheduler) -> Req:
     """Memory pressure: the most recent search starts over later (its prompt stays cached; beam search
     is deterministic, so the result is the same)."""
     g = sched.beams.groups[-1]
-    sched.beams.remove([g])
     _free(sched, g)
+    sched.beams.remove([g])
     req = g.req
     req.fill_ids = req.input_ids
     return req

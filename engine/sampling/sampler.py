@@ -63,9 +63,20 @@ def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
                                [beams[r] for r in rows] if beams is not None else [None] * len(rows))  # fmt: skip
         try:
             logits[idx] = processors.get(name)(logits[idx], batch)
-        except Exception as exc:  # noqa: BLE001 - a processor's failure fails only its own rows
-            for r in rows:
-                failed[r] = f"custom_logit_processor {name!r} failed: {type(exc).__name__}: {exc}"
+        except Exception:  # noqa: BLE001 - a processor's failure fails only the rows it fails on
+            _rows_alone(logits, rows, batch, processors.get(name), name, failed)
+
+
+def _rows_alone(logits: torch.Tensor, rows: list[int], batch: ProcessorBatch, proc, name: str,
+                failed: dict[int, str]) -> None:  # fmt: skip
+    """The batched call raised: each row again, alone, so one request's failure is not its
+    neighbours'."""
+    for j, r in enumerate(rows):
+        one = ProcessorBatch([batch.params[j]], [batch.output_ids[j]], batch.out_lens[j : j + 1], [batch.beams[j]])
+        try:
+            logits[r : r + 1] = proc(logits[r : r + 1].clone(), one)
+        except Exception as exc:  # noqa: BLE001
+            failed[r] = f"custom_logit_processor {name!r} failed: {type(exc).__name__}: {exc}"
 
 
 def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> None:
@@ -79,10 +90,11 @@ def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tenso
 
 def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
                    output_ids: list[list[int]], processors: ProcessorSet, failed: dict[int, str],
-                   beams: list[int | None] | None = None) -> torch.Tensor:  # fmt: skip
-    """The engine's own processing, in order: logit bias, penalties, min_new_tokens, custom processors.
-    Sampling applies it to logits; beam search to log-probabilities, as transformers does. `beams`:
-    each row's beam index (None: not a beam), for the custom processors."""
+                   beams: list[int | None] | None = None, grammar=None) -> torch.Tensor:  # fmt: skip
+    """The engine's own processing, in order: logit bias, penalties, min_new_tokens, custom processors,
+    grammar masks (`grammar(logits)`, in place). Sampling applies it to logits; beam search to
+    log-probabilities, as transformers does. `beams`: each row's beam index (None: not a beam), for
+    the custom processors."""
     if st.bias is not None:
         logits = logits + st.bias
     if st.counts is not None:
@@ -91,15 +103,17 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
         suppress_stop_tokens(logits, st, out_lens, stop_table)
     if st.any_processor:
         run_processors(logits, st, out_lens, output_ids, processors, failed, beams)
+    if grammar is not None:
+        grammar(logits)
     return logits
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
-           output_ids: list[list[int]], processors: ProcessorSet, on_logits=None) -> SampleOutput:  # fmt: skip
+           output_ids: list[list[int]], processors: ProcessorSet, on_logits=None, grammar=None) -> SampleOutput:  # fmt: skip
     """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
     out = SampleOutput(next_ids=torch.empty(0))
     logprobs_all = torch.log_softmax(logits, dim=-1) if st.any_logprob else None
-    logits = process_logits(logits, st, out_lens, stop_table, output_ids, processors, out.failed)
+    logits = process_logits(logits, st, out_lens, stop_table, output_ids, processors, out.failed, grammar=grammar)
     if on_logits is not None:  # the engine_process_logits hook: may change logits in place
         on_logits(logits)
     greedy_ids = logits.argmax(dim=-1)

@@ -29,6 +29,8 @@ class RunningBatch:
             [(r.return_logprob, r.top_logprobs_num) for r in reqs],
         )
         self.rids = [r.rid for r in reqs]
+        self.matchers = [r.matcher for r in reqs]  # structured output: each row's grammar matcher or None
+        self.any_grammar = any(m is not None for m in self.matchers)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -40,6 +42,8 @@ class RunningBatch:
     def filter(self, keep: torch.Tensor, keep_list: list[bool]) -> None:
         self.reqs = [r for r, k in zip(self.reqs, keep_list) if k]
         self.rids = [r.rid for r in self.reqs]
+        self.matchers = [m for m, k in zip(self.matchers, keep_list) if k]
+        self.any_grammar = any(m is not None for m in self.matchers)
         for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new", "stop_table"):
             setattr(self, name, getattr(self, name)[keep])
         self.sampling = self.sampling.filter(keep, keep_list)
@@ -50,6 +54,8 @@ class RunningBatch:
             return
         self.reqs = self.reqs + other.reqs
         self.rids = self.rids + other.rids
+        self.matchers = self.matchers + other.matchers
+        self.any_grammar = self.any_grammar or other.any_grammar
         for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         w = max(self.stop_table.shape[1], other.stop_table.shape[1])

@@ -51,7 +51,9 @@ def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput |
                            beams=[None] * n + beam.beams)  # fmt: skip
                 processed.copy_(both[:n])
                 beam.scores = both[n:]
-        out = sample_rows(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, sched.processors, on_logits)
+        grammar = (lambda lg: sched.grammars.mask(lg, rows.matchers)) if rows.any_grammar else None  # noqa: E731
+        out = sample_rows(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, sched.processors, on_logits,
+                          grammar)  # fmt: skip
         if hooks.has("engine_sample_after"):
             hooks.call("engine_sample_after", rids=rows.rids, next_ids=out.next_ids, logprobs=out.logprobs)
     elif beam is not None and hook:

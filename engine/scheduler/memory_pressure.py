@@ -37,6 +37,8 @@ def make_room_for_decode(sched: Scheduler) -> bool:
         if sched.chunked_req is not None:
             req, kv_len, sched.chunked_req = sched.chunked_req, sched.chunked_req.kv_len, None
         elif not len(rows):
+            if kv.headroom >= need():  # a search starts over if retracted: only when the next step cannot run
+                break
             retracted.append(beam_stage.retract_last(sched))
             continue
         else:

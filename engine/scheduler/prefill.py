@@ -14,6 +14,7 @@ import torch
 
 from engine import hooks
 from engine.beam_search import stage as beam_stage
+from engine.grammar.stage import constraint_of
 from engine.hooks import HookError
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.endings import abort_rids, finish_unstarted
@@ -49,7 +50,7 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
         entries.append((req, req.kv_len, take))
         sched._planned.append(req)
         budget -= take
-        reserved += take
+        reserved += beam_stage.admission_need(req, take) if req.beam is not None else take  # a search's beams too
         if req.kv_len + take < len(req.fill_ids):
             return entries
         sched.chunked_req = None
@@ -73,6 +74,14 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
             break
         if req.beam is not None and sched.req_to_token.available < req.beam.width:
             break  # a slot per beam
+        if req.grammar is not None and req.matcher is None:
+            if not req.grammar.done():
+                continue  # its grammar is compiling: the requests behind it go on
+            limit = sched.grammars.problem(req.grammar, constraint_of(req.sampling)[0])
+            if limit is not None:
+                taken.add(id(req))
+                finish_unstarted(sched, req, limit)
+                continue
         limit = never_fits(sched, req)
         if limit is not None:
             taken.add(id(req))
@@ -96,6 +105,8 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
         kv.assign_slot(req)
         if req.beam is not None:
             beam_stage.take_slots(sched, req)
+        if req.grammar is not None and req.matcher is None:
+            req.matcher = sched.grammars.matcher(req.grammar)
         if req.admissions == 0:
             req.admitted_ns = time.time_ns()
             req.cached_tokens = min(prefix, req.prompt_len)

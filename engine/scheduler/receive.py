@@ -16,6 +16,7 @@ from engine.beam_search import stage as beam_stage
 from engine.ipc.messages import (
     AbortRequest, BatchTokenOut, FinishReason, FlushCache, GenerateBatch, NO_TOKEN, RequestMeta, StatsRequest,
 )  # fmt: skip
+from engine.grammar.stage import constraint_of
 from engine.scheduler.admission import check_request, clip_to_context
 from engine.scheduler.endings import abort_rids
 from engine.scheduler.request import Req
@@ -78,10 +79,14 @@ def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
             # here by a stop string whose abort is still on its way from the detokenizer
             abort_rids(sched, {r.rid: {live[r.rid]}}, SUPERSEDED)
         r = clip_to_context(r, sched.context_len)  # the user process does this too; be safe
-        sched.waiting.append(Req(
+        req = Req(
             r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
             r.trace_context, r.submitted_ns or now, now, r.seq, r.beam,
-        ))  # fmt: skip
+        )  # fmt: skip
+        constraint = constraint_of(r.sampling)
+        if constraint is not None:  # compiled off the loop; the request waits for it, the others do not
+            req.grammar = sched.grammars.request(*constraint)
+        sched.waiting.append(req)
         live[r.rid] = r.seq
 
 

@@ -14,7 +14,7 @@ class Req:
         "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
         "return_logprob", "top_logprobs_num", "logprob_from", "logprob_start_len", "input_logprobs", "input_top",
         "header_sent", "trace_context", "arrived_ns", "received_ns", "admitted_ns", "first_token_ns", "seq",
-        "beam", "beam_slots", "beam_steps",
+        "beam", "beam_slots", "beam_steps", "grammar", "matcher",
     )  # fmt: skip
 
     def __init__(
@@ -63,6 +63,8 @@ class Req:
         self.beam = beam  # BeamParams: a beam search (engine/beam_search)
         self.beam_slots: list[int] = []  # a beam search's extra request slots, one per beam after the first
         self.beam_steps = 0  # a beam search's selections, set when it ends
+        self.grammar = None  # structured output: the compile's future (engine/grammar), None: no constraint
+        self.matcher = None  # its grammar matcher, from admission on
 
     @property
     def prompt_len(self) -> int:

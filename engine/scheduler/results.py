@@ -36,7 +36,10 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
     ids = next_ids.tolist()
     rids = rows.rids
     reqs = rows.reqs
-    if sampled.failed:  # a custom processor failed on these rows: they end here, without a token
+    if rows.any_grammar:  # each constrained row's matcher takes its token (a refusal fails the row)
+        for i, problem in sched.grammars.accept(rows.matchers, ids).items():
+            sampled.failed.setdefault(i, problem)
+    if sampled.failed:  # a custom processor or a grammar failed on these rows: they end here, without a token
         for i in sampled.failed:
             ids[i] = NO_TOKEN
         done[list(sampled.failed)] = True

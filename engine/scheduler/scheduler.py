@@ -30,6 +30,7 @@ import zmq
 from engine import hooks
 from engine.beam_search.batch import BeamBatch
 from engine.config import EngineConfig
+from engine.grammar.stage import Grammars
 from engine.hooks import HookError
 from engine.hooks.types import StepRecord
 from engine.ipc.channels import pull_socket, push_socket
@@ -87,6 +88,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running = RunningBatch.empty(mc.vocab_size, self.device)
         self.beams = BeamBatch(mc.vocab_size, self.device, self.req_to_token.table)  # live beam searches
+        self.grammars = Grammars(model_dir, mc.vocab_size, list(mc.eos_token_ids))  # structured output
         self.chunked_req: Req | None = None  # a prompt part-way through a chunked prefill
         self._planned: list[Req] = []  # requests the schedule now running has admitted (to fail if it raises)
         self._phase = ForwardMode.EXTEND  # which half of schedule() is running
@@ -179,6 +181,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Close the sockets (the process exits without this; in-process users such as tests need it)."""
+        self.grammars.close()
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
         self.zmq_ctx.term()

@@ -38,6 +38,9 @@ def stats(sched: Scheduler, req_id: str, flushed_tokens: int = 0) -> Stats:
         beam_searches=len(sched.beams.groups),
         beam_kv_tokens=sched.beams.kv_tokens,
         beam_kv_peak_tokens=sched.beams.kv_peak_tokens,
+        grammar_compile_seconds=list(sched.grammars.compile_seconds),
+        grammar_mask_seconds=sched.grammars.mask_seconds,
+        grammar_mask_steps=sched.grammars.mask_steps,
         plugins={"scheduler": _plugin_stats("scheduler")} if hooks.has("engine_stats") else {},
         **sched.kv.stats(),
     )
