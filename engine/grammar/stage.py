@@ -1,0 +1,112 @@
+"""The scheduler's grammars: compiled off the step loop, one bitmask fill and one in-place mask per
+step for all constrained rows, each row's matcher advanced by its token.
+
+A request with a constraint waits in the queue until its grammar is compiled (a worker thread; a
+constraint seen before is ready at once), without holding back the requests behind it. Its matcher
+is created when it is admitted, lives on the request (so a retracted request resumes where it was),
+and for a beam search is forked per beam.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine import hooks
+from engine.grammar.backend import GrammarBackend, Matcher, XGrammarBackend
+from engine.grammar.constraints import KINDS
+
+
+def constraint_of(sampling) -> tuple[str, str] | None:
+    for kind in KINDS:
+        text = getattr(sampling, kind)
+        if text is not None:
+            return kind, text
+    return None
+
+
+class Grammars:
+    def __init__(self, model_dir: str, vocab_size: int, stop_ids: list[int]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+        self._backend: GrammarBackend | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiled: dict[tuple[str, str], Future] = {}
+        self._bitmask: torch.Tensor | None = None
+        self.compile_seconds: list[float] = []  # per distinct constraint, first compile
+        self.mask_seconds = 0.0  # fill + apply, since start
+        self.mask_steps = 0
+
+    # ------------------------------------------------------------------ compile (worker thread)
+
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            from engine.tokenizer import load_hf_tokenizer
+
+            tokenizer = load_hf_tokenizer(self.model_dir)
+            found = hooks.call("engine_grammar_backend", tokenizer=tokenizer, vocab_size=self.vocab_size,
+                               stop_ids=list(self.stop_ids)) if hooks.has("engine_grammar_backend") else None  # fmt: skip
+            self._backend = found or XGrammarBackend(tokenizer, self.vocab_size, list(self.stop_ids))
+        return self._backend
+
+    def _compile(self, kind: str, text: str) -> Any:
+        start = time.perf_counter()
+        compiled = self.backend().compile(kind, text)
+        self.compile_seconds.append(time.perf_counter() - start)
+        return compiled
+
+    def request(self, kind: str, text: str) -> Future:
+        """The compiled grammar of a constraint, as a future (one compile per distinct constraint)."""
+        key = (kind, text)
+        future = self._compiled.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-grammar")
+            future = self._compiled[key] = self._pool.submit(self._compile, kind, text)
+        return future
+
+    @staticmethod
+    def problem(future: Future, kind: str) -> str | None:
+        """Why a finished compile cannot serve (the request then fails alone)."""
+        exc = future.exception()
+        return None if exc is None else f"{kind}: the grammar could not be compiled: {type(exc).__name__}: {exc}"
+
+    def matcher(self, future: Future) -> Matcher:
+        return self.backend().matcher(future.result())
+
+    # ------------------------------------------------------------------ each step
+
+    def mask(self, logits: torch.Tensor, matchers: list) -> None:
+        """Every constrained row's disallowed tokens to -inf, in place: one fill, one apply."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        backend = self.backend()
+        n = logits.shape[0]
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = backend.new_bitmask(max(n, 64))
+        bitmask = self._bitmask[:n]
+        backend.fill_masks([matchers[i] for i in rows], bitmask, rows)
+        backend.apply_masks(logits, bitmask, rows)
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_steps += 1
+
+    @staticmethod
+    def accept(matchers: list, tokens: list[int]) -> dict[int, str]:
+        """Advance each constrained row by its token; rows whose grammar refuses it, with why."""
+        failed: dict[int, str] = {}
+        for i, (m, t) in enumerate(zip(matchers, tokens)):
+            if m is not None and t >= 0 and not m.is_terminated() and not m.accept_token(t):
+                failed[i] = f"the grammar does not allow token {t} here"
+        return failed
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+

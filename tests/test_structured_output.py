@@ -1,0 +1,129 @@
+"""Structured output (json_schema, regex, ebnf) with xgrammar: every output valid by an independent
+validator (jsonschema, re.fullmatch), in greedy, seeded sampling, n > 1 and beam search; neighbours
+unaffected; streamed prefixes; bad constraints refused up front."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.sampling_params import parse_sampling_params
+
+VOCAB = 49152
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "height": {"type": "number"},
+    },
+    "required": ["name", "age", "colour", "address"],
+    "additionalProperties": False,
+}
+ITEMS = {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+                                    "required": ["id", "ok"], "additionalProperties": False},
+         "minItems": 1, "maxItems": 3}  # fmt: skip
+SCHEMAS = [PERSON, ITEMS]
+REGEXES = [r"(yes|no), because [a-z ]{1,30}\.", r"[0-9]{3}-[0-9]{4}", r"\d{4}-\d{2}-\d{2}"]
+EBNF = 'root ::= num " + " num (" + " num)? " = " num\nnum ::= [1-9] [0-9]?\n'
+EBNF_CHECK = r"[1-9][0-9]?( \+ [1-9][0-9]?){1,2} = [1-9][0-9]?"
+PROMPT = "Describe a person as JSON."
+NEW = 96
+
+
+def _valid(kind: str, spec, text: str) -> bool:
+    if kind == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), spec)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "regex":
+        return re.fullmatch(spec, text) is not None
+    return re.fullmatch(EBNF_CHECK, text) is not None
+
+
+CONSTRAINTS = [("json_schema", s) for s in SCHEMAS] + [("regex", r) for r in REGEXES] + [("ebnf", EBNF)]
+IDS = ["schema-person", "schema-items", "regex-yesno", "regex-phone", "regex-date", "ebnf-sum"]
+
+
+@pytest.mark.parametrize("kind,spec", CONSTRAINTS, ids=IDS)
+def test_every_output_is_valid_greedy_sampled_n4_and_beams(engine, kind, spec):
+    c = {kind: spec}
+    greedy = engine.generate(PROMPT, {"max_new_tokens": NEW, "temperature": 0, **c})
+    sampled = engine.generate([PROMPT] * 2, [{"max_new_tokens": NEW, "temperature": 1.0, "seed": s, **c} for s in (1, 2)])
+    n4 = engine.generate(PROMPT, {"max_new_tokens": NEW, "temperature": 1.0, "seed": 7, "n": 4, **c})
+    beams = engine.beam_search(PROMPT, beam_width=4, max_new_tokens=NEW, num_return_sequences=4, **c)
+    outs = [greedy, *sampled, *n4]
+    for o in outs:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o  # the grammar completed, then EOS
+        assert _valid(kind, spec, o["text"]), o["text"]
+    assert len(beams["hypotheses"]) == 4
+    for h in beams["hypotheses"]:
+        assert h["finish_reason"]["type"] == "stop" and _valid(kind, spec, h["text"]), h
+
+
+def test_unconstrained_neighbours_are_unchanged(engine):
+    plain = {"max_new_tokens": 24, "temperature": 0}
+    alone = engine.generate(["The quick brown fox", "def add(a, b):"], plain)
+    mixed = engine.generate(["The quick brown fox", PROMPT, "def add(a, b):", PROMPT],
+                            [plain, {"max_new_tokens": NEW, "temperature": 0, "json_schema": PERSON}, plain,
+                             {"max_new_tokens": 20, "temperature": 0, "regex": REGEXES[1]}])  # fmt: skip
+    assert [mixed[0]["output_ids"], mixed[2]["output_ids"]] == [a["output_ids"] for a in alone]
+    assert _valid("json_schema", PERSON, mixed[1]["text"]) and _valid("regex", REGEXES[1], mixed[3]["text"])
+
+
+def test_streamed_prefixes_of_a_json_output(engine):
+    text, prefixes = "", []
+    for chunk in engine.generate(PROMPT, {"max_new_tokens": NEW, "temperature": 0, "json_schema": PERSON}, stream=True):
+        text += chunk["text"]
+        prefixes.append(text)
+    assert _valid("json_schema", PERSON, text)
+    assert all(text.startswith(p) for p in prefixes) and len(prefixes) > 3
+
+
+def test_grammar_compiles_once_per_constraint(engine):
+    before = engine.get_stats()["grammar_compile_seconds"]
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    for _ in range(2):
+        out = engine.generate(PROMPT, {"max_new_tokens": 16, "temperature": 0, "json_schema": schema})
+        assert _valid("json_schema", schema, out["text"])
+    stats = engine.get_stats()
+    assert len(stats["grammar_compile_seconds"]) == len(before) + 1
+    assert stats["grammar_mask_steps"] > 0 and stats["grammar_mask_seconds"] > 0
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"json_schema": PERSON, "regex": "a+"}, "at most one"),
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"json_schema": {"type": "objekt"}}, "json_schema"),
+    ({"json_schema": 5}, "json_schema"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"regex": ""}, "regex"),
+    ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+    ({"ebnf": "root = 'no'"}, "ebnf"),
+    ({"regex": "a+", "ignore_eos": True}, "ignore_eos"),
+])  # fmt: skip
+def test_bad_constraints_are_refused_naming_the_field(params, field):
+    with pytest.raises(ValueError, match=field):
+        parse_sampling_params(params, VOCAB)
+
+
+def test_bad_constraint_is_refused_before_anything_is_queued(engine):
+    before = engine.get_stats()
+    with pytest.raises(ValueError, match="regex"):
+        engine.generate(["Hi", "Hello"], [{"max_new_tokens": 4}, {"max_new_tokens": 4, "regex": "(("}])
+    after = engine.get_stats()
+    assert after["prompt_tokens"] == before["prompt_tokens"] and after["aborted_requests"] == before["aborted_requests"]
