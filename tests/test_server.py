@@ -363,3 +363,38 @@ def test_bad_beam_search_bodies_are_400s_naming_the_field(server, extra, param):
     r = http(server, "POST", "/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert param in r.json()["error"]["message"], r.json()
+
+
+# ------------------------------------------------------------------ structured output (issue 16)
+
+
+def test_response_format_and_regex_over_http(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+              "required": ["city", "population"], "additionalProperties": False}  # fmt: skip
+    out = client.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=64, temperature=0,
+                                              response_format={"type": "json_object"})  # fmt: skip
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    phone = client.completions.create(model="smol", prompt="Call me at", max_tokens=12, temperature=0,
+                                      extra_body={"regex": r" [0-9]{3}-[0-9]{4}"})  # fmt: skip
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", phone.choices[0].text)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
+    ({"regex": "(("}, "regex"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "at most one"),
+])  # fmt: skip
+def test_bad_constraints_over_http_are_400s(server, extra, param):
+    r = http(server, "POST", "/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert param in r.json()["error"]["message"] or r.json()["error"].get("param") == param, r.json()
