@@ -3,7 +3,8 @@ ENGINE_TEST_PROBE, and changes behaviour for marked requests:
 
 - a prompt starting "REWRITE:" is replaced by the text after the colon (tokenize_before);
 - requests whose rid starts "hold-" are held back for HOLD_STEPS scheduling turns (engine_schedule);
-- requests whose rid starts "ban-" never get token BANNED (engine_process_logits);
+- requests whose rid starts "ban-" never get token BANNED (engine_process_logits), and those whose
+  rid starts "force-" always get it, whatever else (a grammar) allowed;
 - a request whose rid starts "boom-" makes engine_request_admitted raise;
 - a prompt containing "EXPLODE" makes engine_tokenize_before raise;
 - a batch with a rid starting "badtexts-" gets one text too many from engine_detokenize;
@@ -101,6 +102,9 @@ def engine_process_logits(logits, rids, reqs, beams):
     for row, rid in enumerate(rids):
         if rid.startswith("ban-"):
             logits[row, BANNED] = float("-inf")
+        elif rid.startswith("force-"):
+            logits[row] = float("-inf")
+            logits[row, BANNED] = 0.0
     _record("engine_process_logits", rids=list(rids), shape=list(logits.shape), reqs=[r.rid for r in reqs],
             beams=list(beams))  # fmt: skip
 

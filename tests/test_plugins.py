@@ -309,3 +309,17 @@ def test_failing_processor_or_beam_hook_fails_only_its_search(probe):
     stats = eng.get_stats()
     assert stats["running"] == stats["beam_kv_tokens"] == stats["cache_lock_refs"] == 0
     assert stats["free_slots"] == stats["max_running_requests"]
+
+
+def test_a_grammar_refusing_a_plugins_token_fails_only_that_request(probe, tokenizer):
+    """A plugin that changes logits after the grammar mask can force a token the grammar refuses:
+    that request ends alone, saying so; its neighbour in the step is served."""
+    eng, _ = probe
+    assert tokenizer.decode([BANNED]) not in "0123456789"
+    outs = eng.generate(["Phone:", "Phone:"], [{"max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}] * 2,
+                        rid=["force-grammar", "fine-grammar"])  # fmt: skip
+    forced = outs[0]["meta_info"]["finish_reason"]
+    assert forced["type"] == "abort" and "grammar" in forced["message"], forced
+    assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop" and len(outs[1]["text"]) == 3
+    stats = eng.get_stats()
+    assert stats["running"] == 0 and stats["cache_lock_refs"] == 0
