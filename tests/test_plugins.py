@@ -323,3 +323,15 @@ def test_a_grammar_refusing_a_plugins_token_fails_only_that_request(probe, token
     assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop" and len(outs[1]["text"]) == 3
     stats = eng.get_stats()
     assert stats["running"] == 0 and stats["cache_lock_refs"] == 0
+
+
+def test_a_processor_failing_on_one_row_fails_only_that_request(probe):
+    """One batched call for every row that selected the processor; when it raises, each row is tried
+    alone, so a neighbour using the same processor is served."""
+    eng, _ = probe
+    params = [{"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "custom_logit_processor": "explode_after",
+               "custom_params": {"after": after}} for after in (2, 100)]  # fmt: skip
+    outs = eng.generate([PROMPTS[0], PROMPTS[1]], params)
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "on purpose" in outs[0]["meta_info"]["finish_reason"]["message"]
+    assert outs[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}

@@ -1,0 +1,66 @@
+"""engine/beam_search/selection.py alone (no engine): the fast candidate search gives the candidates
+one top-k over K x V gives (transformers' way), and a search's KV reservation is what it takes."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.beam_search.batch import BeamGroup
+from engine.beam_search.selection import PUSH_DOWN, BeamSelection
+
+
+def _flat(sel: BeamSelection, logprobs: torch.Tensor):
+    k, vocab = sel.width, logprobs.shape[1]
+    total = (logprobs.expand(k, -1) + sel.scores[:, None]).reshape(-1)
+    scores, index = torch.topk(total, sel.keep)
+    return scores, index // vocab, index % vocab
+
+
+def _same(a, b) -> None:
+    assert torch.equal(a[0], b[0])
+    assert sorted(zip(a[1].tolist(), a[2].tolist())) == sorted(zip(b[1].tolist(), b[2].tolist()))
+
+
+def test_two_top_ks_give_the_candidates_of_one():
+    gen = torch.Generator().manual_seed(0)
+    for k in (2, 4, 8, 32):
+        sel = BeamSelection(k, 8, (2,))
+        sel.scores = torch.randn(k, generator=gen) * 3
+        logprobs = torch.log_softmax(torch.randn(k, 1000, generator=gen), -1)
+        _same(sel._best_candidates(logprobs), _flat(sel, logprobs))
+
+
+def test_ties_at_the_cut_and_pushed_down_rows_fall_back_to_one_top_k():
+    sel = BeamSelection(4, 8, (2,))
+    sel.scores = torch.tensor([0.0, PUSH_DOWN, PUSH_DOWN, PUSH_DOWN])
+    logprobs = torch.full((4, 50), -5.0)  # every candidate ties
+    logprobs[0, :3] = torch.tensor([-0.1, -0.2, -0.3])
+    got = sel._best_candidates(logprobs)
+    assert torch.equal(got[0], _flat(sel, logprobs)[0])
+
+
+def test_the_start_reads_the_prompts_row_unless_other_beams_would_count():
+    sel = BeamSelection(4, 8, (2,))
+    row = torch.log_softmax(torch.randn(1, 1000, generator=torch.Generator().manual_seed(1)), -1)
+    fast = sel._best_candidates(row)
+    assert fast[1].eq(0).all()
+    _same(fast, _flat(sel, row))
+    masked = torch.full((1, 1000), -1e10)  # a processor's finite mask leaves 2 tokens, fewer than keep = 8
+    masked[0, 5], masked[0, 9] = -0.5, -1.5
+    got = sel._best_candidates(masked)
+    assert torch.equal(got[0], _flat(sel, masked)[0])  # the other beams' pushed-down tokens come next
+    assert set(got[1].tolist()) != {0}
+
+
+def test_a_searchs_reservation_is_what_its_decode_steps_take():
+    k, n = 4, 9
+    sel = BeamSelection(k, n, (), device="cpu")
+    group = BeamGroup(None, sel, torch.zeros(k, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(2)
+    sel.step(torch.log_softmax(torch.randn(1, 100, generator=gen), -1))  # the start, from the prefill
+    taken = 0
+    while not sel.done:
+        assert group.remaining_tokens() == k * (n - 1) - taken  # what is still to come, exactly
+        taken += k  # a decode step: one pool token per beam
+        sel.step(torch.log_softmax(torch.randn(k, 100, generator=gen), -1))
+    assert taken == k * (n - 1) and group.remaining_tokens() == 0
