@@ -128,6 +128,22 @@ class ExplodeAfter(CustomLogitProcessor):
 
 
 @hookimpl
+def engine_grammar_backend(tokenizer, vocab_size, stop_ids):
+    """xgrammar, wrapped so the tests see that the plugin's backend is the one compiling."""
+    from engine.grammar.backend import XGrammarBackend
+
+    class Recording(XGrammarBackend):
+        name = "recording"
+
+        def compile(self, kind, text):
+            _record("grammar_compile", kind=kind)
+            return super().compile(kind, text)
+
+    _record("engine_grammar_backend", vocab_size=vocab_size, stop_ids=list(stop_ids))
+    return Recording(tokenizer, vocab_size, stop_ids)
+
+
+@hookimpl
 def engine_logit_processors():
     return {"explode_after": ExplodeAfter}
 

@@ -5,6 +5,7 @@ visibly change the outcome; a failing hook fails only the requests it touched, n
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -335,3 +336,12 @@ def test_a_processor_failing_on_one_row_fails_only_that_request(probe):
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert "on purpose" in outs[0]["meta_info"]["finish_reason"]["message"]
     assert outs[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
+def test_a_plugin_provides_the_grammar_backend(probe):
+    eng, path = probe
+    path.write_text("")
+    out = eng.generate("Year:", {"max_new_tokens": 8, "temperature": 0, "regex": " (19|20)[0-9]{2}"})
+    assert re.fullmatch(" (19|20)[0-9]{2}", out["text"])
+    compiles = [e for e in events(path) if e["hook"] == "grammar_compile"]
+    assert compiles and compiles[-1]["kind"] == "regex" and compiles[-1]["role"] == "scheduler"
