@@ -127,3 +127,30 @@ def test_bad_constraint_is_refused_before_anything_is_queued(engine):
         engine.generate(["Hi", "Hello"], [{"max_new_tokens": 4}, {"max_new_tokens": 4, "regex": "(("}])
     after = engine.get_stats()
     assert after["prompt_tokens"] == before["prompt_tokens"] and after["aborted_requests"] == before["aborted_requests"]
+
+
+def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_scheduler):
+    """In-process scheduler (tiny model): while a constraint compiles, the requests behind it are
+    admitted and finish; the constrained one starts once its grammar is ready."""
+    from concurrent.futures import Future
+
+    from engine.ipc.messages import TokenizedRequest
+    from engine.sampling_params import SamplingParams
+
+    run = tiny_scheduler
+    sched = run.sched
+    pending: Future = Future()
+    real = sched.grammars.request
+    sched.grammars.request = lambda kind, text: pending  # a compile that has not finished
+    try:
+        plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        run.submit(TokenizedRequest("constrained", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, regex="[0-9]{3}")),
+                   TokenizedRequest("plain", [1, 4, 5], plain))  # fmt: skip
+        finished = dict(run.finish_all())
+        assert finished == {"plain": finished["plain"]} and finished["plain"].type == "length"
+        assert [r.rid for r in sched.waiting] == ["constrained"]  # still waiting, not failed
+        pending.set_result(real("regex", "[0-9]{3}").result())  # the real compile, now
+        finished = dict(run.finish_all())
+        assert finished["constrained"].type == "stop"
+    finally:
+        sched.grammars.request = real
