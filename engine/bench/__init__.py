@@ -8,4 +8,5 @@ against its baseline side by side in one run and prints ratios (docs/performance
     tracing.py        tracing off against on
     serve.py          engine serve over HTTP against in-process streams
     beam.py           native beam search against the client-side loop and transformers
+    grammar.py        requests under one JSON schema against the same requests unconstrained
 """

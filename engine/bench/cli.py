@@ -11,6 +11,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload tracing               # tracing off against on
     python -m engine.bench --workload serve                 # engine serve against in-process streams
     python -m engine.bench --workload beam                  # native beam search against a client loop, transformers
+    python -m engine.bench --workload grammar               # one JSON schema against the same requests unconstrained
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.bench.beam import parse_shapes, print_beam, run_beam
+from engine.bench.grammar import print_grammar, run_grammar
 from engine.bench.prompts import build_prompts
 from engine.bench.plugins import print_plugins, run_plugins
 from engine.bench.serve import print_serve, run_serve
@@ -54,12 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size for transformers generate")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
-    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam"),
+    p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam",
+                                          "grammar"),
                    default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
                         "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
                         "serve: engine serve over HTTP against in-process streams; "
-                        "beam: native beam search against the client-side loop and transformers")  # fmt: skip
+                        "beam: native beam search against the client-side loop and transformers; "
+                        "grammar: requests under one JSON schema against the same requests unconstrained")  # fmt: skip
     p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
     p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
@@ -75,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam-prompt-len", type=int, default=32, help="beam workload: tokens in every prompt")
     p.add_argument("--beam-rounds", type=int, default=2, help="beam workload: timed runs per path (the best is kept)")
     p.add_argument("--beam-eos", action="store_true", help="beam workload: EOS ends hypotheses (default: ignored)")
+    p.add_argument("--grammar-dtype", default="float32", help="grammar workload: engine dtype")
+    p.add_argument("--grammar-prompts", type=int, default=64, help="grammar workload: requests, all in one generate call")
+    p.add_argument("--grammar-rounds", type=int, default=2,
+                   help="grammar workload: timed runs per mode, constrained and unconstrained (the best is kept)")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
@@ -82,13 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dtypes must list some of {sorted(TORCH_DTYPES)}, got {bad or 'nothing'}")
     for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size", "prefix_len",
                  "prefix_requests", "prefix_new_tokens", "plugin_rounds", "plugin_new_tokens", "serve_concurrency",
-                 "beam_prompt_len", "beam_rounds"):
+                 "beam_prompt_len", "beam_rounds", "grammar_prompts", "grammar_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
         p.error("--min-len must not exceed --max-len")
     if args.beam_dtype not in TORCH_DTYPES:
         p.error(f"--beam-dtype must be one of {sorted(TORCH_DTYPES)}, got {args.beam_dtype!r}")
+    if args.grammar_dtype not in TORCH_DTYPES:
+        p.error(f"--grammar-dtype must be one of {sorted(TORCH_DTYPES)}, got {args.grammar_dtype!r}")
     try:
         parse_shapes(args.beam_shapes)
     except ValueError as exc:
@@ -274,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload in ("all", "beam"):
         beam = run_beam(args)
         print_beam(beam)
+    grammar = None
+    if args.workload in ("all", "grammar"):
+        grammar = run_grammar(args)
+        print_grammar(grammar)
     lens = [len(p) for p in prompts or []] or [0]
     report = {
         "command": [sys.executable, "-m", "engine.bench", *(sys.argv[1:] if argv is None else argv)],
@@ -289,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "tracing": tracing,
         "serve": serve,
         "beam": beam,
+        "grammar": grammar,
     }  # fmt: skip
     with contextlib.suppress(ImportError):
         import transformers
