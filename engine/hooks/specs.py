@@ -209,7 +209,7 @@ class EngineSpecs:
         new_bitmask(rows), fill_masks(matchers, bitmask, rows) and apply_masks(logits, bitmask,
         rows), whose matchers have accept_token, is_terminated and fork
         (engine/grammar/backend.py), or None to leave it to the next plugin / xgrammar.
-        firstresult: the first non-None answer wins."""
+        firstresult: stops at the first non-None result."""
 
     @hookspec
     def engine_stats(self, role: str) -> dict[str, Any] | None:
