@@ -52,9 +52,11 @@ def test_a_client_traceparent_gives_one_trace_through_http_and_all_three_process
                                          max_tokens=4, temperature=0,
                                          extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})  # fmt: skip
 
-    def complete(spans) -> bool:
+    def complete(spans) -> bool:  # the HTTP server span and the request's root end last: wait for them too
         mine = [s for s in spans if s.trace_id == trace_id]
-        return {"user", "scheduler", "detokenizer"} <= {s.role for s in mine} and any(s.name == "detokenize" for s in mine)
+        return ({"user", "scheduler", "detokenizer"} <= {s.role for s in mine} and any(s.name == "detokenize" for s in mine)
+                and any(s.parent_span_id == client_span for s in mine)
+                and any("gen_ai.operation.name" in s.attributes for s in mine))  # fmt: skip
 
     assert receiver.wait_for(complete, 30), "the request's spans did not all arrive"
     spans = [s for s in receiver.spans() if s.trace_id == trace_id]
