@@ -268,26 +268,14 @@ def main(argv: list[str] | None = None) -> int:
 
         shared_prefix = run_shared_prefix(args, load_hf_tokenizer(resolve_model_dir(None)))
         print_shared_prefix(shared_prefix)
-    plugins = None
-    if args.workload in ("all", "plugins"):
-        plugins = run_plugins(args)
-        print_plugins(plugins)
-    tracing = None
-    if args.workload in ("all", "tracing"):
-        tracing = run_tracing(args)
-        print_tracing(tracing)
-    serve = None
-    if args.workload in ("all", "serve"):
-        serve = run_serve(args)
-        print_serve(serve)
-    beam = None
-    if args.workload in ("all", "beam"):
-        beam = run_beam(args)
-        print_beam(beam)
-    grammar = None
-    if args.workload in ("all", "grammar"):
-        grammar = run_grammar(args)
-        print_grammar(grammar)
+    extra: dict[str, dict | None] = {}  # the side-by-side workloads, each its own module
+    for name, run, show in (("plugins", run_plugins, print_plugins), ("tracing", run_tracing, print_tracing),
+                            ("serve", run_serve, print_serve), ("beam", run_beam, print_beam),
+                            ("grammar", run_grammar, print_grammar)):  # fmt: skip
+        extra[name] = None
+        if args.workload in ("all", name):
+            extra[name] = run(args)
+            show(extra[name])
     lens = [len(p) for p in prompts or []] or [0]
     report = {
         "command": [sys.executable, "-m", "engine.bench", *(sys.argv[1:] if argv is None else argv)],
@@ -299,11 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                      "hf_batch_size": args.hf_batch_size},
         "results": results,
         "shared_prefix": shared_prefix,
-        "plugins": plugins,
-        "tracing": tracing,
-        "serve": serve,
-        "beam": beam,
-        "grammar": grammar,
+        **extra,
     }  # fmt: skip
     with contextlib.suppress(ImportError):
         import transformers
