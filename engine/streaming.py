@@ -12,7 +12,8 @@ import queue
 import weakref
 from typing import AsyncIterator, Callable, Iterator
 
-from engine.tokenizer_manager import ReqState, TokenizerManager, _lp_tuples, _top_tuples
+from engine.request_state import ReqState, lp_tuples, top_tuples
+from engine.tokenizer_manager import TokenizerManager
 
 Event = tuple  # (state, chunk dict) or (state, None) when the engine died
 
@@ -25,10 +26,10 @@ def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
         meta = {"id": state.rid, "finish_reason": None, "completion_tokens": len(state.output_ids)}
         if state.return_logprob and ids:  # the logprobs (and top alternatives) of this chunk's own tokens
             k = len(ids)
-            meta["output_token_logprobs"] = _lp_tuples(state.output_logprobs[-k:], ids)
+            meta["output_token_logprobs"] = lp_tuples(state.output_logprobs[-k:], ids)
             tops = state.output_top[-k:]
             if any(t is not None for t in tops):
-                meta["output_top_logprobs"] = [_top_tuples(t) for t in tops]
+                meta["output_top_logprobs"] = [top_tuples(t) for t in tops]
     return {"index": state.index, "text": delta, "output_ids": ids, "meta_info": meta}
 
 

@@ -14,14 +14,13 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
 import zmq
 
 from engine import hooks
-from engine.beam_search.params import check_beam, kv_tokens_needed
+from engine.beam_search.params import beam_problem
 from engine.errors import EngineDeadError
 from engine.hooks.types import PromptRequest
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
@@ -34,7 +33,6 @@ from engine.ipc.messages import (
     FinishReason,
     FlushCache,
     GenerateBatch,
-    RequestHeader,
     RequestMeta,
     Stats,
     StatsRequest,
@@ -44,6 +42,7 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, parse_sampling_params
+from engine.request_state import ReqState
 from engine.tracing.context import normalize_trace_context
 
 MAX_TOP_LOGPROBS = 100
@@ -58,14 +57,6 @@ def _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, 
         raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position >= 0, got {logprob_start_len!r}")
     if not return_logprob and (top_logprobs_num or logprob_start_len != -1):
         raise ValueError("top_logprobs_num and logprob_start_len need return_logprob=True")
-
-
-def _lp_tuples(logprobs: list, token_ids: list[int]) -> list[tuple]:
-    return [(lp, t, None) for lp, t in zip(logprobs, token_ids)]
-
-
-def _top_tuples(top) -> list[tuple] | None:
-    return None if top is None else [(lp, t, None) for t, lp in zip(top.token_ids, top.logprobs)]
 
 
 def _done_hook(state: "ReqState", error: str | None) -> None:
@@ -87,88 +78,6 @@ def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
             hooks.call("engine_request_done", rid=req.rid, meta_info=meta, error=f"not sent: {type(exc).__name__}: {exc}")
         except BaseException as hook_exc:  # noqa: BLE001 - the caller gets the original error
             print(f"engine: {hook_exc}", file=sys.stderr)
-
-
-def beam_hypotheses(out: BeamTextOut | None) -> list[dict]:
-    """A beam search's result: the returned hypotheses, best first (none when it was aborted)."""
-    if out is None:
-        return []
-    return [
-        {"text": text, "output_ids": list(h.output_ids), "logprob": h.logprob, "score": h.score,
-         "finish_reason": h.finish.to_dict()}
-        for h, text in zip(out.hypotheses, out.texts)
-    ]  # fmt: skip
-
-
-@dataclass
-class ReqState:
-    """What the user process knows about one request while it runs."""
-
-    rid: str
-    prompt_ids: list[int]
-    seq: int = 0  # this submission's number: aborts name it, so a reused rid is never hit by an old abort
-    index: int = 0  # position in the caller's result list
-    group: str | None = None  # the rid the caller gave, for the copies of an n > 1 request
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    created: float = field(default_factory=time.perf_counter)
-    text_parts: list[str] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    meta: RequestMeta | None = None
-    header: RequestHeader | None = None
-    output_logprobs: list = field(default_factory=list)
-    output_top: list = field(default_factory=list)
-    error: BaseException | None = None
-    finished_at: float = 0.0
-    first_token_at: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
-    on_finish: Callable[["ReqState"], None] | None = None
-    # called in the receiver thread with (state, text delta, new token ids) after each output, and with
-    # (state, None, None) if the engine dies; streaming and async callers listen here
-    listener: Callable[["ReqState", str | None, list[int] | None], None] | None = None
-    beam: BeamParams | None = None  # a beam search: its result is `hypotheses`, not text
-    beam_out: BeamTextOut | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    def meta_info(self) -> dict:
-        meta = self.meta
-        header = self.header
-        cached = meta.cached_tokens if meta else (header.cached_tokens if header else 0)
-        info = {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": meta.completion_tokens if meta else len(self.output_ids),
-            "cached_tokens": cached,
-            "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
-            "e2e_latency": (self.finished_at or time.perf_counter()) - self.created,
-            "first_token_latency": (self.first_token_at or self.finished_at or time.perf_counter()) - self.created,
-        }
-        if self.beam is not None:
-            out = self.beam_out
-            info["beam_width"] = self.beam.width
-            info["steps"] = out.steps if out else 0
-            info["detokenize_seconds"] = out.detokenize_seconds if out else 0.0
-        if self.return_logprob:
-            info["output_token_logprobs"] = _lp_tuples(self.output_logprobs, self.output_ids)
-            if any(t is not None for t in self.output_top):
-                info["output_top_logprobs"] = [_top_tuples(t) for t in self.output_top]
-            if self.logprob_start_len >= 0:
-                ids = self.prompt_ids[self.logprob_start_len :]
-                info["input_token_logprobs"] = _lp_tuples(header.input_logprobs, ids) if header else []
-                if header and any(t is not None for t in header.input_top):
-                    info["input_top_logprobs"] = [_top_tuples(t) for t in header.input_top]
-        return info
-
-    def result(self) -> dict:
-        if self.error is not None:
-            raise self.error
-        if self.beam is not None:
-            return {"hypotheses": beam_hypotheses(self.beam_out), "meta_info": self.meta_info()}
-        return {"text": "".join(self.text_parts), "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
 
 class TokenizerManager:
@@ -470,7 +379,9 @@ class TokenizerManager:
         params = [self.validate(ids, p, i if is_batch else 0) for i, (ids, p) in enumerate(zip(id_lists, params))]
         if beam is not None:
             for i, (ids, p) in enumerate(zip(id_lists, params)):
-                self._validate_beam(ids, p, beam, f"request {i}: " if is_batch else "")
+                problem = beam_problem(len(ids), p, beam, self.max_running_requests, self.max_total_tokens)
+                if problem is not None:
+                    raise ValueError((f"request {i}: " if is_batch else "") + problem)
         for i, ids in enumerate(id_lists):
             if logprob_start_len >= len(ids):
                 where = f"request {i}: " if is_batch else ""
@@ -514,17 +425,6 @@ class TokenizerManager:
                 req.submitted_ns = now
             self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
         return states, is_batch or any(p.n > 1 for p in params)
-
-    def _validate_beam(self, ids: list[int], p: SamplingParams, beam: BeamParams, where: str) -> None:
-        problem = check_beam(beam, p, self.max_running_requests)
-        if problem is not None:
-            raise ValueError(where + problem)
-        need = kv_tokens_needed(len(ids), beam, p.max_new_tokens)
-        if need > self.max_total_tokens:
-            raise ValueError(
-                f"{where}the beam search needs up to {need} KV tokens (prompt {len(ids)} + beam_width {beam.width} x "
-                f"{p.max_new_tokens - 1} decode steps) but the pool holds max_total_tokens={self.max_total_tokens}"
-            )
 
     def _register(self, states: list[ReqState], base_rids: list[str], params: list[SamplingParams]) -> None:
         with self.states_lock:

@@ -21,6 +21,7 @@ from engine.beam_search.selection import BeamSelection
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import process_logits
+from engine.scheduler.batch import cat_stop_tables, stop_table
 from engine.scheduler.request import Req
 
 
@@ -52,12 +53,6 @@ def start_sampling(reqs: list[Req], copies: int, vocab_size: int, device) -> Sam
     prompts = [r.input_ids for r in reqs for _ in range(copies)]
     n = len(params)
     return SamplingTensors.build(params, vocab_size, device, prompts, [[] for _ in range(n)], [(False, 0)] * n)
-
-
-def stop_table(reqs: list[Req], copies: int, device) -> torch.Tensor:
-    width = max([len(r.stop_ids) for r in reqs] + [1])
-    rows = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs for _ in range(copies)]
-    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), width)
 
 
 def advance_matchers(matchers: list, parents: list[int], tokens: list[int], selection: BeamSelection) -> list:
@@ -140,9 +135,7 @@ class BeamBatch:
             self._set_rows([group], new)
             return group
         tensors = {name: torch.cat([getattr(self, name), value]) for name, value in new.items() if name not in ("stop_table", "sampling")}
-        w = max(self.stop_table.shape[1], new["stop_table"].shape[1])
-        pad = lambda t: torch.nn.functional.pad(t, (0, w - t.shape[1]), value=-1)  # noqa: E731
-        tensors["stop_table"] = torch.cat([pad(self.stop_table), pad(new["stop_table"])])
+        tensors["stop_table"] = cat_stop_tables(self.stop_table, new["stop_table"])
         tensors["sampling"] = self.sampling.merge(sampling)
         self._set_rows(self.groups + [group], tensors)
         return group

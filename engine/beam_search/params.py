@@ -94,6 +94,20 @@ def check_beam(beam: BeamParams, sampling: SamplingParams | None, max_width: int
     return None
 
 
+def beam_problem(prompt_len: int, sampling: SamplingParams, beam: BeamParams, max_width: int,
+                 max_total_tokens: int) -> str | None:  # fmt: skip
+    """Why this beam search can never run on this engine (its checks, then its whole KV need against the
+    pool), or None. The user process raises it; the scheduler refuses the request with it."""
+    problem = check_beam(beam, sampling, max_width)
+    if problem is not None:
+        return problem
+    need = kv_tokens_needed(prompt_len, beam, sampling.max_new_tokens)
+    if need > max_total_tokens:
+        return (f"the beam search needs up to {need} KV tokens (prompt {prompt_len} + beam_width {beam.width} x "
+                f"{sampling.max_new_tokens - 1} decode steps) but the pool holds max_total_tokens={max_total_tokens}")  # fmt: skip
+    return None
+
+
 def kv_tokens_needed(prompt_len: int, beam: BeamParams, max_new_tokens: int) -> int:
     """The most pool tokens a beam search holds: its prompt plus one token per beam per decode step
     (the last token of a hypothesis is chosen, never computed)."""

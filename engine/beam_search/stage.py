@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import hooks
-from engine.beam_search.batch import BeamGroup, beam_step_hook, start_sampling, stop_table
-from engine.beam_search.params import check_beam, kv_tokens_needed
+from engine.beam_search.batch import BeamGroup, beam_step_hook, start_sampling
+from engine.scheduler.batch import stop_table
+from engine.beam_search.params import beam_problem, check_beam
 from engine.beam_search.selection import BeamSelection
 from engine.hooks import HookError
 from engine.ipc.messages import BatchTokenOut, BeamHypothesis, BeamSearchOut, FinishReason, NO_TOKEN, RequestMeta
@@ -41,12 +42,7 @@ def arrival_problem(sched: Scheduler, r) -> str | None:
 
 
 def never_fits(sched: Scheduler, req: Req) -> str | None:
-    most = kv_tokens_needed(req.prompt_len, req.beam, req.sampling.max_new_tokens)
-    if most > sched.max_total_tokens:
-        return (f"the beam search needs up to {most} KV tokens (prompt {req.prompt_len} + beam_width "
-                f"{req.beam.width} x {req.sampling.max_new_tokens - 1} decode steps) but the pool holds "
-                f"max_total_tokens={sched.max_total_tokens}")  # fmt: skip
-    return None
+    return beam_problem(req.prompt_len, req.sampling, req.beam, sched.req_to_token.size, sched.max_total_tokens)
 
 
 def admission_need(req: Req, take: int) -> int:

@@ -12,6 +12,19 @@ from engine.sampling.batch_params import SamplingTensors
 from engine.scheduler.request import Req
 
 
+def stop_table(reqs: list[Req], copies: int, device) -> torch.Tensor:
+    """[rows, width] int64: each request's stop token ids (`copies` rows each), padded with -1."""
+    width = max([len(r.stop_ids) for r in reqs] + [1])
+    rows = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs for _ in range(copies)]
+    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), width)
+
+
+def cat_stop_tables(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two stop tables, one after the other, padded with -1 to the wider."""
+    w = max(a.shape[1], b.shape[1])
+    return torch.cat([torch.nn.functional.pad(t, (0, w - t.shape[1]), value=-1) for t in (a, b)])
+
+
 class RunningBatch:
     def __init__(self, reqs: list[Req], vocab_size: int, device) -> None:
         self.reqs = reqs
@@ -21,9 +34,7 @@ class RunningBatch:
         self.last_ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in reqs], dtype=torch.int64, device=device)
         self.out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device)
         self.max_new = torch.tensor([r.sampling.max_new_tokens for r in reqs], dtype=torch.int64, device=device)
-        width = max([len(r.stop_ids) for r in reqs] + [1])
-        stop = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs]
-        self.stop_table = torch.tensor(stop, dtype=torch.int64, device=device).reshape(len(reqs), width)
+        self.stop_table = stop_table(reqs, 1, device)
         self.sampling = SamplingTensors.build(
             [r.sampling for r in reqs], vocab_size, device, [r.input_ids for r in reqs], [r.output_ids for r in reqs],
             [(r.return_logprob, r.top_logprobs_num) for r in reqs],
@@ -58,9 +69,7 @@ class RunningBatch:
         self.any_grammar = self.any_grammar or other.any_grammar
         for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        w = max(self.stop_table.shape[1], other.stop_table.shape[1])
-        pad = lambda t: torch.nn.functional.pad(t, (0, w - t.shape[1]), value=-1)  # noqa: E731
-        self.stop_table = torch.cat([pad(self.stop_table), pad(other.stop_table)])
+        self.stop_table = cat_stop_tables(self.stop_table, other.stop_table)
         self.sampling = self.sampling.merge(other.sampling)
 
     @classmethod

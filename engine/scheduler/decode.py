@@ -43,4 +43,4 @@ def decode_step(sched: Scheduler) -> Step:
         max_seq_len=int(seq_lens.max()),
         logits_indices=torch.arange(n + nb, device=sched.device),
     )
-    return Step(batch, rows, beam_rows=nb, beam_reqs=list(beams.reqs))
+    return Step(batch, rows, beam_reqs=beams.reqs if nb else [])

@@ -31,7 +31,7 @@ def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput |
     ordinary row samples), and the beam searches' selections (kept in the step). The logits hook sees
     every row once: the ordinary rows' processed logits, then the beam rows' processed log-probabilities."""
     rows = step.rows
-    n, nb = len(rows), len(step.beam_starts) or step.beam_rows
+    n, nb = len(rows), len(step.beam_starts) or len(step.beam_reqs)
     if step.prompt_logprobs:
         prompt_logprobs(sched, step, logits[n + nb :])
     beam = beam_stage.prepare(sched, step, logits[n : n + nb]) if nb else None

@@ -19,10 +19,9 @@ class Step:
     # EXTEND: prompt logprob rows after the next-token rows: (request, first extra row, rows, first position)
     prompt_logprobs: list[tuple[Req, int, int, int]] = field(default_factory=list)
     # beam searches (engine/beam_search): their rows follow the ordinary rows in the logits. EXTEND:
-    # searches whose prompt completes (one row each); DECODE: every live beam (beam_rows rows)
+    # searches whose prompt completes (one row each); DECODE: every live beam, its request row by row
     beam_starts: list[Req] = field(default_factory=list)
-    beam_rows: int = 0
-    beam_reqs: list[Req] = field(default_factory=list)  # DECODE: each beam row's request, row by row
+    beam_reqs: list[Req] = field(default_factory=list)
     beam_out: list | None = None  # the sample stage's selections, for process results
     beam_failed: dict[int, str] = field(default_factory=dict)  # id(req) -> a custom processor's error
 
