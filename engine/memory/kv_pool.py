@@ -2,11 +2,25 @@
 
 Index 0 is a padding slot that is never handed out, so padded gathers read harmless memory.
 Free indices live in one tensor, so allocating and freeing many tokens is a single slice or cat.
+On the CPU the buffers are the kernel's zero pages until first written (lazy_zeros): the pool is sized
+from free memory, gigabytes, and filling it up front made the scheduler resident at its full size idle.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+_NUMPY_SAME_WIDTH = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.int64: np.int64}
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Zeros that take memory only as they are written. numpy's zeros is calloc, which for large blocks
+    maps fresh pages (zero by the kernel's promise) instead of writing them; torch.zeros writes every
+    byte. bfloat16 borrows int16's storage (the same width; zero bits are 0.0 in both)."""
+    if torch.device(device).type != "cpu" or dtype not in _NUMPY_SAME_WIDTH:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_SAME_WIDTH[dtype])).view(dtype)
 
 
 class TokenKVPool:
@@ -14,8 +28,8 @@ class TokenKVPool:
         self.size = size
         self.device = device
         shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         self._free = torch.arange(1, size + 1, dtype=torch.int64, device=device)
         self._num_free = size
 

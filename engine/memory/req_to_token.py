@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.memory.kv_pool import lazy_zeros
+
 
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.table = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.table = lazy_zeros((size, max_context_len), torch.int64, device)  # 16 MB, mostly never written
         self._free: list[int] = list(range(size))
 
     @property
