@@ -12,6 +12,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload serve                 # engine serve against in-process streams
     python -m engine.bench --workload beam                  # native beam search against a client loop, transformers
     python -m engine.bench --workload grammar               # one JSON schema against the same requests unconstrained
+    python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch: engine, transformers, llama.cpp
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from engine.bench.beam import parse_shapes, print_beam, run_beam
+from engine.bench.cpu_speed import print_cpu, run_cpu
 from engine.bench.grammar import print_grammar, run_grammar
 from engine.bench.prompts import build_prompts
 from engine.bench.plugins import print_plugins, run_plugins
@@ -57,13 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
     p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam",
-                                          "grammar"),
+                                          "grammar", "cpu"),
                    default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
                         "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
                         "serve: engine serve over HTTP against in-process streams; "
                         "beam: native beam search against the client-side loop and transformers; "
-                        "grammar: requests under one JSON schema against the same requests unconstrained")  # fmt: skip
+                        "grammar: requests under one JSON schema against the same requests unconstrained; "
+                        "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp")  # fmt: skip
     p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
     p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
@@ -83,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grammar-prompts", type=int, default=64, help="grammar workload: requests, all in one generate call")
     p.add_argument("--grammar-rounds", type=int, default=2,
                    help="grammar workload: timed runs per mode, constrained and unconstrained (the best is kept)")
+    p.add_argument("--cpu-quantizations", default="none,int8", help="cpu workload: engine quantization modes, one engine each")
+    p.add_argument("--cpu-prompt-len", type=int, default=128, help="cpu workload: single-stream prompt tokens")
+    p.add_argument("--cpu-new-tokens", type=int, default=256, help="cpu workload: single-stream new tokens (EOS ignored)")
+    p.add_argument("--cpu-hf-batch-sizes", default="64,16",
+                   help="cpu workload: transformers batch sizes to try on the batch workload (the best is kept)")
+    p.add_argument("--cpu-skip-hf", action="store_true", help="cpu workload: skip transformers")
+    p.add_argument("--cpu-skip-llama", action="store_true", help="cpu workload: skip llama.cpp")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
@@ -90,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dtypes must list some of {sorted(TORCH_DTYPES)}, got {bad or 'nothing'}")
     for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size", "prefix_len",
                  "prefix_requests", "prefix_new_tokens", "plugin_rounds", "plugin_new_tokens", "serve_concurrency",
-                 "beam_prompt_len", "beam_rounds", "grammar_prompts", "grammar_rounds"):
+                 "beam_prompt_len", "beam_rounds", "grammar_prompts", "grammar_rounds", "cpu_prompt_len", "cpu_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
@@ -99,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--beam-dtype must be one of {sorted(TORCH_DTYPES)}, got {args.beam_dtype!r}")
     if args.grammar_dtype not in TORCH_DTYPES:
         p.error(f"--grammar-dtype must be one of {sorted(TORCH_DTYPES)}, got {args.grammar_dtype!r}")
+    sizes = args.cpu_hf_batch_sizes.split(",")
+    if not all(b.strip().isdigit() and int(b) >= 1 for b in sizes):
+        p.error(f"--cpu-hf-batch-sizes must list positive integers, got {args.cpu_hf_batch_sizes!r}")
+    if not any(q.strip() for q in args.cpu_quantizations.split(",")):
+        p.error("--cpu-quantizations must name at least one mode")
     try:
         parse_shapes(args.beam_shapes)
     except ValueError as exc:
@@ -271,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, dict | None] = {}  # the side-by-side workloads, each its own module
     for name, run, show in (("plugins", run_plugins, print_plugins), ("tracing", run_tracing, print_tracing),
                             ("serve", run_serve, print_serve), ("beam", run_beam, print_beam),
-                            ("grammar", run_grammar, print_grammar)):  # fmt: skip
+                            ("grammar", run_grammar, print_grammar), ("cpu", run_cpu, print_cpu)):  # fmt: skip
         extra[name] = None
         if args.workload in ("all", name):
             extra[name] = run(args)
