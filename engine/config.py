@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+QUANTIZATIONS = ("none", "int8")  # engine/quantization: the modes and what each needs
 
 
 @dataclass
@@ -19,7 +20,8 @@ class EngineConfig:
     """Everything the three processes need to agree on. Defaults suit the embedded model on a small CPU."""
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
-    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32
+    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32 (always float32 under int8)
+    quantization: str = "none"  # none: exact weights (token parity with transformers); int8: per-channel int8 weights (CPU)
     device: str = "auto"
     attention_backend: str = "auto"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: derived from mem_fraction
@@ -42,6 +44,12 @@ class EngineConfig:
             raise ValueError(f"model_path must be a path string, got {type(self.model_path).__name__}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype == "bfloat16":
+            raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' or 'auto'")
+        if self.quantization != "none" and self.device == "cuda":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; use device='cpu' or 'auto'")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -18,7 +18,7 @@ from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
 from engine.streaming import async_collect, async_stream, sync_stream
-from engine.tokenizer import load_hf_tokenizer
+from engine.tokenizer import PromptTokenizer
 from engine.tokenizer_manager import TokenizerManager
 from engine.tracing.switch import tracing_enabled
 
@@ -125,7 +125,7 @@ class Engine:
         try:
             announce = print if self.config.show_progress else None
             self.model_dir = resolve_model_dir(self.config.model_path, announce)
-            tokenizer = load_hf_tokenizer(self.model_dir)
+            tokenizer = PromptTokenizer(self.model_dir)
             res.endpoints = Endpoints.create()
             res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             ends, parent = res.endpoints.to_dict(), os.getpid()
@@ -141,7 +141,7 @@ class Engine:
             self._finalizer()
             raise
         self.server_info = dict(res.children[0].info, model=model_name(self.config.model_path))
-        self.tokenizer = tokenizer
+        self._prompt_tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
         res.started = True
@@ -259,6 +259,12 @@ class Engine:
         tm = res.tokenizer_manager
         return (not res.closed and res.started and tm is not None and tm.dead is None
                 and all(c.process.is_alive() for c in res.children))  # fmt: skip
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer of the model. Loaded on first use: the engine itself encodes text
+        without it (engine/tokenizer.py), so Engine() does not pay for importing transformers and torch."""
+        return self._prompt_tokenizer.hf
 
     @property
     def pids(self) -> dict[str, int]:

@@ -1,9 +1,17 @@
-"""Tokenizer loading for the user process (full Hugging Face tokenizer: chat templates) and a light
-batch decoder for the detokenizer (the Rust `tokenizers` library alone, no torch import)."""
+"""Tokenizers for the user process and the detokenizer, light where they can be.
+
+transformers' AutoTokenizer imports torch (about 2.7 s and 250 MB on a 2-core machine, plus 1.2 s to
+load), which was most of Engine()'s start-up. The user process encodes text with the Rust `tokenizers`
+library alone (PromptTokenizer) and loads transformers' tokenizer only when something needs it: a chat
+template (rendered exactly as transformers renders it), or `engine.tokenizer`. The detokenizer decodes
+with `tokenizers` alone (BatchDecoder).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 
 
@@ -12,6 +20,53 @@ def load_hf_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+class PromptTokenizer:
+    """encode(text) from tokenizer.json; transformers' tokenizer (`hf`) loaded on first need.
+
+    Falls back to transformers for encoding too where tokenizer.json alone may not say everything:
+    no tokenizer.json (a slow tokenizer), or tokenizer_config.json setting add_bos_token/add_eos_token
+    (transformers rewrites the post-processor for those)."""
+
+    def __init__(self, model_dir: str) -> None:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.model_dir = model_dir
+        self._hf = None
+        self._lock = threading.Lock()
+        folder = Path(model_dir)
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self._fast = None
+        if (folder / "tokenizer.json").exists() and not {"add_bos_token", "add_eos_token"} & set(config):
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+    @property
+    def hf(self):
+        """transformers' tokenizer for this model, loaded once, on first use (thread-safe)."""
+        with self._lock:
+            if self._hf is None:
+                self._hf = load_hf_tokenizer(self.model_dir)
+            return self._hf
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __len__(self) -> int:
+        if self._fast is None:
+            return len(self.hf)
+        return self._fast.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self):
+        return getattr(self.hf, "chat_template", None)
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.hf.apply_chat_template(*args, **kwargs)
 
 
 class BatchDecoder:

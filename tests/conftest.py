@@ -8,16 +8,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three colors of the rainbow:",
-    "The quick brown fox",
-    "Explain why the sky is blue in one sentence.",
-    "Translate to French: Good morning, how are you?",
-    "Once upon a time, in a small village by the mountains, there lived an old clockmaker who",
-]
+from engine.bench.prompts import PARITY_PROMPTS  # noqa: E402
+
+PROMPTS = list(PARITY_PROMPTS)
 
 
 @pytest.fixture(scope="session")

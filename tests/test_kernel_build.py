@@ -51,7 +51,7 @@ def test_cc_with_arguments_builds_or_falls_back_cleanly(tmp_path, cc):
     assert res.stdout.strip() == str(works)
     files = sorted(p.name for p in (tmp_path / "kernels").iterdir()) if (tmp_path / "kernels").exists() else []
     if works:
-        assert len(files) == 1 and files[0].startswith("decode_attention-") and files[0].endswith(".so"), files
+        assert len(files) == 1 and files[0].startswith("cpu_kernels-") and files[0].endswith(".so"), files
     else:
         assert files == [], files  # no 0-byte tmp*.so left behind
 
@@ -80,14 +80,14 @@ PLANT = (
 def _plant(folder: Path, tmp_path: Path) -> Path:
     """A library with an extra symbol under the name the cache would use, as another user could plant it."""
     key_code = (
-        "import hashlib\nfrom kernels.cpu import build\n"
-        "src = build.SOURCE.read_bytes()\n"
-        "print(hashlib.sha256(src + ' '.join(build.FLAGS).encode() + build._cpu_signature().encode()).hexdigest()[:16])\n"
+        "from kernels.cpu import build\n"
+        "print(build.cache_key())\n"
     )
     key = _python(key_code, tmp_path).stdout.strip()
     source = tmp_path / "planted.c"
-    source.write_text((ROOT / "kernels/cpu/decode_attention.c").read_text() + "\nint planted(void) { return 1; }\n")
-    target = folder / f"decode_attention-{key}.so"
+    source.write_text("\n".join((ROOT / "kernels/cpu" / n).read_text() for n in ("decode_attention.c", "int8_linear.c"))
+                      + "\nint planted(void) { return 1; }\n")  # fmt: skip
+    target = folder / f"cpu_kernels-{key}.so"
     subprocess.run(["cc", "-O1", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(target), "-lm"], check=True)
     return target
 
@@ -103,7 +103,7 @@ def test_world_writable_cache_directory_is_not_trusted(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "built"  # the planted library was not loaded
     assert "not using the kernel cache" in res.stderr and "writable by group or others" in res.stderr
-    assert sorted(p.name.startswith("decode_attention-") for p in (cache / "kernels").iterdir()) == [True]
+    assert sorted(p.name.startswith("cpu_kernels-") for p in (cache / "kernels").iterdir()) == [True]
 
 
 @needs_cc

@@ -20,6 +20,20 @@ CORPUS_MODULES: tuple[str, ...] = (
 )  # fmt: skip
 
 
+# The parity prompts: greedy outputs on them are compared with transformers (tests) and across
+# quantizations (engine/bench/quality.py). Even ones are used as plain text, odd ones as chat turns.
+PARITY_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colors of the rainbow:",
+    "The quick brown fox",
+    "Explain why the sky is blue in one sentence.",
+    "Translate to French: Good morning, how are you?",
+    "Once upon a time, in a small village by the mountains, there lived an old clockmaker who",
+)
+
+
 def build_corpus(modules: tuple[str, ...] = CORPUS_MODULES) -> str:
     """Docstrings of each module and of its public classes and functions, in a fixed order."""
     parts: list[str] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -39,7 +40,38 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(out)
 
 
+# Keys read straight from config.json; where one is missing, transformers' class default would apply,
+# so such a config goes through AutoConfig instead.
+_PLAIN_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id")  # fmt: skip
+
+
+class PlainConfig(SimpleNamespace):
+    """config.json as attributes, for the configs that need nothing from transformers' classes."""
+
+
+def plain_config(model_dir: str) -> PlainConfig | None:
+    """config.json read as it is, or None where transformers' own parsing would add something:
+    a model type other than the three supported, a missing key (its class default), rope scaling."""
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    if data.get("model_type") not in ("llama", "qwen2", "mistral") or any(k not in data for k in _PLAIN_KEYS):
+        return None
+    if data["model_type"] == "mistral" and "sliding_window" not in data:  # MistralConfig's default is 4096
+        return None
+    rope = data.get("rope_parameters") or {}
+    if data.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        return None
+    if "rope_theta" not in rope and "rope_theta" not in data:
+        return None
+    return PlainConfig(**data)
+
+
 def load_hf_config(model_dir: str):
+    """The model's config. config.json read directly where that is exact (importing transformers and
+    AutoConfig cost the scheduler 3 s of its start-up); AutoConfig otherwise."""
+    plain = plain_config(model_dir)
+    if plain is not None:
+        return plain
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)

@@ -11,6 +11,7 @@ import torch
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, remap_hf_weights
 from engine.model.rope import rotary_tables
+from engine.quantization import quantize_model
 
 
 def safetensors_files(model_dir: str) -> list[Path]:
@@ -40,7 +41,8 @@ def read_weights(model_dir: str, progress: Callable[[int, int], None] | None = N
 
 
 def load_model(
-    model_dir: str, hf_config, dtype: torch.dtype, device: str, max_positions: int, progress=None
+    model_dir: str, hf_config, dtype: torch.dtype, device: str, max_positions: int, progress=None,
+    quantization: str = "none",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg = model_config_from_hf(hf_config, model_dir)
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
@@ -56,4 +58,4 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = cos, sin
     model.eval()
-    return model, cfg
+    return quantize_model(model, quantization, model_dir), cfg

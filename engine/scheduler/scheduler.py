@@ -39,6 +39,7 @@ from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.memory.manager import KVManager
 from engine.model.config import load_hf_config
 from engine.model.loader import load_model
+from engine.quantization import check_quantization, resolve_dtype_for
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import SampleOutput
 from engine.scheduler import endings, execute, receive, results
@@ -56,12 +57,13 @@ class Scheduler:
         torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(resolve_dtype_for(config.quantization, config.dtype), self.device)
+        check_quantization(config.quantization, self.device, self.dtype)
         hf_config = load_hf_config(model_dir)
         max_pos = hf_config.max_position_embeddings
         self.context_len = min(config.context_length or max_pos, max_pos)
         self.model, self.model_config = load_model(
-            model_dir, hf_config, self.dtype, self.device, self.context_len, progress
+            model_dir, hf_config, self.dtype, self.device, self.context_len, progress, config.quantization
         )
         mc = self.model_config
         bytes_per_token = TokenKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -100,6 +102,7 @@ class Scheduler:
         self.info = {
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": config.quantization,
             "max_total_tokens": self.max_total_tokens,
             "max_running_requests": config.max_running_requests,
             "context_length": self.context_len,

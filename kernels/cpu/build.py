@@ -1,4 +1,4 @@
-"""Compile kernels/cpu/*.c into a shared library cached per source and machine, and load it with ctypes.
+"""Compile kernels/cpu/*.c (attention, int8 linear) into one shared library cached per source and machine, and load it with ctypes.
 
 No -ffast-math: with GCC it links crtfastmath.o, whose constructor turns on flush-to-zero for the
 whole process that loads the library (1e-40 * 1.0 == 0.0 in every thread of the scheduler after).
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, int8_linear.c
+LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
     "-shared", "-fPIC",
@@ -83,7 +84,7 @@ def _compile(command: list[str], folder: Path) -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        result = subprocess.run([*command, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([*command, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         ok = result.returncode == 0 and os.path.getsize(tmp) > 0
     except OSError:
         ok = False
@@ -93,14 +94,21 @@ def _compile(command: list[str], folder: Path) -> Path | None:
     return Path(tmp)
 
 
+def source_bytes() -> bytes:
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+
+
+def cache_key() -> str:
+    """Sources, flags and CPU: a change to any of them builds a new library."""
+    return hashlib.sha256(source_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+
+
 def library_path() -> tuple[Path, bool] | None:
     """(the compiled library, whether it is a private copy to delete once loaded), or None without a compiler."""
     command = compiler_command()
     if command is None:
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"{LIBRARY_NAME}-{cache_key()}.so"
     try:
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
@@ -138,6 +146,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.int8_linear.restype = ctypes.c_int
+    lib.int8_linear.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int

@@ -1,0 +1,183 @@
+"""quantization="int8": the int8 layer against float32, the quantized engine on the request-API, prefix-cache
+and plugin checks that do not compare with transformers token for token, its quality against the exact
+weights, the on-disk cache of quantized weights, and the option's bad values."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import test_plugins
+import test_request_api
+from conftest import PROMPTS
+from engine import Engine
+from engine.bench.quality import agreement, held_out_windows, parity_inputs
+from engine.hooks.loader import unload_plugins
+from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, quantize_rows
+from kernels.cpu import load_native
+
+needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the int8 kernel cannot be built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (45, 40, True), (8, 1536, True)])
+def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
+    """Stated tolerances: against its own dequantized weight the layer is exact to float32 rounding
+    (1e-4 relative to the output's scale); against the float32 layer the error stays within the
+    rounding bound sum_k |x_k| * scale_n / 2 of each output."""
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
+    x = torch.randn(rows, in_features, generator=gen)
+    with torch.inference_mode():
+        got = layer(x)
+        exact = linear(x)
+        own = torch.nn.functional.linear(x, layer.dequantized_weight(), linear.bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert (got - own).abs().max() <= 1e-4 * own.abs().max() + 1e-5
+    bound = x.abs() @ (layer.scale / 2).expand(in_features, -1)
+    assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
+    assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)  # any leading shape
+
+
+def test_quantize_rows_round_trip():
+    w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -3.0]])
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert torch.allclose(q.float() * scale[:, None], w, atol=float(scale.max()) / 2)
+    assert not q[1].any()  # an all-zero row stays zero (no division by zero)
+
+
+@pytest.fixture(scope="module")
+def int8_engine(tmp_path_factory):
+    """One int8 engine with the test plugins loaded, for the plugin checks and the request-API ones."""
+    path = tmp_path_factory.mktemp("probe-int8") / "events.jsonl"
+    os.environ["ENGINE_TEST_PROBE"] = str(path)
+    eng = Engine(quantization="int8", max_total_tokens=8192, plugins=test_plugins.PLUGIN + ",no_repeat_ngram")
+    try:
+        yield eng, path
+    finally:
+        eng.shutdown()
+        unload_plugins([test_plugins.PLUGIN, "no_repeat_ngram"])
+        os.environ.pop("ENGINE_TEST_PROBE", None)
+
+
+@needs_kernel
+def test_int8_engine_reports_its_mode(int8_engine):
+    eng, _ = int8_engine
+    assert eng.server_info["quantization"] == "int8" and eng.server_info["dtype"] == "float32"
+
+
+@needs_kernel
+@pytest.mark.parametrize("check", [
+    "test_seeded_request_is_reproducible_in_any_batch", "test_stop_strings_spanning_tokens",
+    "test_min_new_tokens_suppresses_eos", "test_n_samples_share_one_prefill", "test_streaming_equals_non_streaming",
+    "test_async_generate_and_async_stream", "test_abort_frees_memory", "test_custom_processor_bans_tokens",
+    "test_force_token_after", "test_logit_bias_forces_a_token", "test_prompt_logprobs_from_a_start_position_bypass_the_cache",
+    "test_n_samples_of_a_chunked_prompt_share_its_prefill",
+])  # fmt: skip
+def test_request_api_on_int8(int8_engine, tokenizer, check):
+    fn = getattr(test_request_api, check)
+    eng, _ = int8_engine
+    fn(eng, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(eng)
+
+
+@needs_kernel
+@pytest.mark.parametrize("check", [
+    "test_rewrite_prompt_hook_changes_the_output", "test_logits_hook_changes_sampling",
+    "test_failing_hook_fails_only_its_requests", "test_plugin_provides_a_logit_processor",
+])  # fmt: skip
+def test_plugins_on_int8(int8_engine, tokenizer, check):
+    fn = getattr(test_plugins, check)
+    fn(int8_engine, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(int8_engine)
+
+
+@needs_kernel
+def test_int8_prefix_cache_reuses_and_matches(int8_engine, tokenizer):
+    eng, _ = int8_engine
+    shared = tokenizer.encode(" ".join(PROMPTS) * 2)
+    prompts = [shared + tokenizer.encode(q) for q in (" Why?", " How so?", " Name one.")]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    cold = [eng.generate(input_ids=p, sampling_params=params) for p in prompts]
+    warm = eng.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
+    assert all(o["meta_info"]["cached_tokens"] >= len(shared) - 1 for o in warm)
+    assert cold[1]["meta_info"]["cached_tokens"] >= len(shared) - 1  # the second cold request reused the first's
+
+
+@needs_kernel
+def test_int8_quality_against_the_exact_weights(engine, int8_engine, tokenizer):
+    """The exact engine is the session's float32 one. Perplexity within 2% (the target; measured 0.3% on
+    4,088 tokens), and greedy outputs that start alike (measured: a third identical over 64 tokens)."""
+    eng, _ = int8_engine
+    windows = held_out_windows(tokenizer, 2, 256)
+    lp = {"sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0}
+
+    def perplexity(e) -> float:
+        outs = e.generate(input_ids=windows, **lp)
+        values = [v for o in outs for v, _, _ in o["meta_info"]["input_token_logprobs"] if v is not None]
+        return float(torch.tensor(values).neg().mean().exp())
+
+    exact, quantized = perplexity(engine), perplexity(eng)
+    assert abs(quantized / exact - 1) <= 0.02, (exact, quantized)
+    prompts = parity_inputs(tokenizer)
+    greedy = {"max_new_tokens": 32, "temperature": 0}
+    a = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+    b = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)]
+    share = agreement(a, b)
+    assert share["mean_identical_prefix"] >= 4 and share["identical_outputs"] >= 1, share
+
+
+@needs_kernel
+def test_int8_weights_come_back_from_the_cache(tmp_path, monkeypatch, model_dir):
+    """The second start reads the int8 weights back (same outputs); a damaged cache file is rebuilt.
+    A private cache directory, and the converted model by path (so nothing but the kernels and the int8
+    weights is built there)."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    from engine.quantization.cache import cache_file
+
+    params = {"max_new_tokens": 8, "temperature": 0}
+    options = {"model_path": model_dir, "quantization": "int8", "max_total_tokens": 1024}
+    with Engine(**options) as first:
+        expected = first.generate(PROMPTS[7], params)["output_ids"]
+    path = cache_file(model_dir, "int8")
+    assert path.exists() and path.stat().st_size > 0
+    stamp = path.stat().st_mtime_ns
+    with Engine(**options) as second:
+        assert second.generate(PROMPTS[7], params)["output_ids"] == expected
+    assert path.stat().st_mtime_ns == stamp  # read, not rewritten
+    path.write_bytes(b"not safetensors")
+    with Engine(**options) as third:
+        assert third.generate(PROMPTS[7], params)["output_ids"] == expected
+    assert path.stat().st_size > 100
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"quantization": "int4"}, "quantization must be one of"),
+    ({"quantization": None}, "quantization must be one of"),
+    ({"quantization": "int8", "dtype": "bfloat16"}, "computes in float32"),
+    ({"quantization": "int8", "device": "cuda"}, "CPU only"),
+])  # fmt: skip
+def test_bad_quantization_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(**kwargs)
+
+
+def test_quantization_checks_name_the_machine_problem(monkeypatch):
+    from engine.quantization import check_quantization
+
+    check_quantization("none", "cuda", torch.bfloat16)  # the exact mode runs anywhere
+    with pytest.raises(ValueError, match="CPU only"):
+        check_quantization("int8", "cuda", torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        check_quantization("int8", "cpu", torch.bfloat16)
+    monkeypatch.setattr("kernels.cpu.load_native", lambda: None)
+    with pytest.raises(ValueError, match="C kernel"):
+        check_quantization("int8", "cpu", torch.float32)
