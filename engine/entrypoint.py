@@ -125,9 +125,7 @@ class Engine:
         try:
             announce = print if self.config.show_progress else None
             self.model_dir = resolve_model_dir(self.config.model_path, announce)
-            tokenizer = PromptTokenizer(self.model_dir)
             res.endpoints = Endpoints.create()
-            res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             ends, parent = res.endpoints.to_dict(), os.getpid()
             res.children.append(
                 spawn_child("scheduler", run_scheduler_process, (self.config.to_json(), self.model_dir, ends, parent), child_env)
@@ -135,6 +133,10 @@ class Engine:
             res.children.append(
                 spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent), child_env)
             )
+            # While the children import torch and load the model: the tokenizer, and the sockets (a child
+            # connecting before they are bound is fine: ZeroMQ connects when the other side appears).
+            tokenizer = PromptTokenizer(self.model_dir)
+            res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             with _LoadProgress(self.config.show_progress) as bar:
                 wait_ready(res.children, self.config.startup_timeout, bar.update)
         except BaseException:

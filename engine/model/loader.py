@@ -1,17 +1,30 @@
-"""Build the decoder from a Hugging Face directory (config.json + safetensors), reporting progress."""
+"""Build the decoder from a Hugging Face directory (config.json + safetensors), reporting progress.
+
+Weights are read with plain file reads straight into the tensors the model keeps: fused projections
+(qkv, gate_up) get their parts read into their rows, nothing is concatenated afterwards, and nothing
+stays memory-mapped. Reading through a mapping left every page of the file resident in the scheduler
+beside the fused copies (1.1 GB for this 540 MB model).
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from engine.model.config import ModelConfig, model_config_from_hf
-from engine.model.llama import LlamaForCausalLM, remap_hf_weights
+from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.rope import rotary_tables
 from engine.quantization import quantize_model
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def safetensors_files(model_dir: str) -> list[Path]:
@@ -26,18 +39,83 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def read_weights(model_dir: str, progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+class TensorEntry:
+    __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
 
-    files = safetensors_files(model_dir)
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    keys = [(h, k) for h in handles for k in h.keys()]
-    tensors: dict[str, torch.Tensor] = {}
-    for i, (handle, key) in enumerate(keys, 1):
-        tensors[key] = handle.get_tensor(key)
-        if progress is not None:
-            progress(i, len(keys))
-    return tensors
+    def __init__(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> None:
+        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
+
+
+def index_weights(model_dir: str) -> dict[str, TensorEntry]:
+    """Where each tensor lies: the safetensors header (8-byte little-endian length, then JSON)."""
+    entries: dict[str, TensorEntry] = {}
+    for path in safetensors_files(model_dir):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            try:
+                if not 0 < length <= size - 8:
+                    raise ValueError(f"header length {length} does not fit a {size}-byte file")
+                header = json.loads(f.read(length))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except ValueError as exc:  # JSONDecodeError included
+                raise ValueError(f"{path} is not a valid safetensors file: {exc}") from None
+        base = 8 + length
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}")
+            start, end = meta["data_offsets"]
+            if not 0 <= start <= end <= size - base:
+                raise ValueError(f"{path} is not a valid safetensors file: {name} lies outside it")
+            entries[name] = TensorEntry(path, base + start, end - start, SAFETENSORS_DTYPES[meta["dtype"]], meta["shape"])
+    return entries
+
+
+def _read_into(f, entry: TensorEntry, out: torch.Tensor) -> None:
+    """The entry's bytes into `out` (contiguous, the entry's dtype and element count)."""
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    if view.nbytes != entry.nbytes:
+        raise ValueError(f"{entry.path.name}: {entry.nbytes} bytes on disk for {view.nbytes} expected")
+    f.seek(entry.offset)
+    if f.readinto(view) != entry.nbytes:
+        raise ValueError(f"{entry.path.name} is truncated")
+
+
+def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dtype: torch.dtype,
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Each planned weight as one tensor of `dtype`, its parts read into consecutive rows."""
+    out: dict[str, torch.Tensor] = {}
+    files: dict[Path, object] = {}
+    try:
+        for i, (name, parts) in enumerate(plan.items(), 1):
+            shapes = [entries[p].shape for p in parts]
+            if any(s[1:] != shapes[0][1:] for s in shapes):
+                raise ValueError(f"{name}: parts {parts} do not stack ({shapes})")
+            rows = [s[0] if s else 1 for s in shapes]
+            target = torch.empty([sum(rows), *shapes[0][1:]] if shapes[0] else [], dtype=dtype)
+            start = 0
+            for part, n in zip(parts, rows):
+                entry = entries[part]
+                f = files.get(entry.path) or files.setdefault(entry.path, open(entry.path, "rb"))
+                dest = target[start : start + n] if target.dim() else target
+                if entry.dtype == dtype:
+                    _read_into(f, entry, dest)
+                else:  # another dtype on disk: read it as it is, convert into place
+                    raw = torch.empty(entry.shape, dtype=entry.dtype)
+                    _read_into(f, entry, raw)
+                    dest.copy_(raw.reshape(dest.shape))
+                start += n
+            out[name] = target
+            if progress is not None:
+                progress(i, len(plan))
+    finally:
+        for f in files.values():
+            f.close()
+    return out
 
 
 def load_model(
@@ -48,8 +126,10 @@ def load_model(
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
-    weights = remap_hf_weights(cfg, read_weights(model_dir, progress))
-    state = {k: v.to(dtype=dtype, device=device) for k, v in weights.items()}
+    entries = index_weights(model_dir)
+    state = read_planned(weight_plan(cfg, set(entries)), entries, dtype, progress)
+    if device != "cpu":
+        state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:

@@ -61,18 +61,13 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None) ->
             fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
     if path is not None and (stored is None or stored.keys() != fresh.keys()):
         cache.save_cached(path, fresh)
-    _own_float_weights(model)
+    _release_float_weights()
     return model
 
 
-def _own_float_weights(model: nn.Module) -> None:
-    """The float32 weights loaded from safetensors are views of the memory-mapped file; once the linear
-    layers are int8, the embedding and the norms are all that is left, and any one of them would keep the
-    whole mapping (and every page quantization read) resident. Copies of their own let the mapping go.
-    Then the freed float32 blocks go back to the system (glibc keeps freed heap memory otherwise)."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(param.detach().clone(), requires_grad=False))
+def _release_float_weights() -> None:
+    """The float32 linear weights are garbage now; glibc keeps freed heap blocks in the process unless
+    asked to give them back, which would leave the scheduler as big as before quantization."""
     import gc
 
     gc.collect()
