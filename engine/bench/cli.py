@@ -13,6 +13,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload beam                  # native beam search against a client loop, transformers
     python -m engine.bench --workload grammar               # one JSON schema against the same requests unconstrained
     python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch: engine, transformers, llama.cpp
+    python -m engine.bench --workload quality               # each quantization against the exact weights
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -34,6 +35,7 @@ from engine.bench.beam import parse_shapes, print_beam, run_beam
 from engine.bench.cpu_speed import print_cpu, run_cpu
 from engine.bench.grammar import print_grammar, run_grammar
 from engine.bench.prompts import build_prompts
+from engine.bench.quality import print_quality, run_quality
 from engine.bench.plugins import print_plugins, run_plugins
 from engine.bench.serve import print_serve, run_serve
 from engine.bench.shared_prefix import print_shared_prefix, run_shared_prefix
@@ -59,14 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
     p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam",
-                                          "grammar", "cpu"),
+                                          "grammar", "cpu", "quality"),
                    default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
                         "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
                         "serve: engine serve over HTTP against in-process streams; "
                         "beam: native beam search against the client-side loop and transformers; "
                         "grammar: requests under one JSON schema against the same requests unconstrained; "
-                        "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp")  # fmt: skip
+                        "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp; "
+                        "quality: each quantization's perplexity and greedy agreement against the exact weights")  # fmt: skip
     p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
     p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
@@ -92,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-hf-batch-sizes", default="64,16",
                    help="cpu workload: transformers batch sizes to try on the batch workload (the best is kept)")
     p.add_argument("--cpu-skip-hf", action="store_true", help="cpu workload: skip transformers")
+    p.add_argument("--quality-new-tokens", type=int, default=64, help="quality workload: greedy tokens per parity prompt")
+    p.add_argument("--quality-windows", type=int, default=8, help="quality workload: held-out windows for perplexity")
+    p.add_argument("--quality-window-len", type=int, default=512, help="quality workload: tokens per held-out window")
     p.add_argument("--cpu-skip-llama", action="store_true", help="cpu workload: skip llama.cpp")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -286,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, dict | None] = {}  # the side-by-side workloads, each its own module
     for name, run, show in (("plugins", run_plugins, print_plugins), ("tracing", run_tracing, print_tracing),
                             ("serve", run_serve, print_serve), ("beam", run_beam, print_beam),
-                            ("grammar", run_grammar, print_grammar), ("cpu", run_cpu, print_cpu)):  # fmt: skip
+                            ("grammar", run_grammar, print_grammar), ("cpu", run_cpu, print_cpu),
+                            ("quality", run_quality, print_quality)):  # fmt: skip
         extra[name] = None
         if args.workload in ("all", name):
             extra[name] = run(args)
