@@ -20,9 +20,9 @@ class EngineConfig:
     """Everything the three processes need to agree on. Defaults suit the embedded model on a small CPU."""
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
-    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32 (always float32 under int8)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32 (float32 under int8)
     quantization: str = "none"  # none: exact weights (token parity with transformers); int8: per-channel int8 weights (CPU)
-    device: str = "auto"
+    device: str = "auto"  # auto: CUDA when torch sees one, else the CPU (the CPU under int8)
     attention_backend: str = "auto"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: derived from mem_fraction
     mem_fraction: float = 0.10  # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None

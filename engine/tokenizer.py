@@ -22,12 +22,17 @@ def load_hf_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+# Tokenizer classes whose transformers form encodes exactly as tokenizer.json does. Others (Llama,
+# Qwen2, ...) rebuild the tokenizer from vocab and merges in their own __init__, with options.
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast")
+
+
 class PromptTokenizer:
     """encode(text) from tokenizer.json; transformers' tokenizer (`hf`) loaded on first need.
 
     Falls back to transformers for encoding too where tokenizer.json alone may not say everything:
-    no tokenizer.json (a slow tokenizer), or tokenizer_config.json setting add_bos_token/add_eos_token
-    (transformers rewrites the post-processor for those)."""
+    no tokenizer.json (a slow tokenizer), a tokenizer class outside PLAIN_TOKENIZER_CLASSES, or
+    tokenizer_config.json setting add_bos_token, add_eos_token, add_prefix_space or legacy."""
 
     def __init__(self, model_dir: str) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,7 +43,9 @@ class PromptTokenizer:
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self._fast = None
-        if (folder / "tokenizer.json").exists() and not {"add_bos_token", "add_eos_token"} & set(config):
+        if (folder / "tokenizer.json").exists() and config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES and not (
+            {"add_bos_token", "add_eos_token", "add_prefix_space", "legacy"} & set(config)
+        ):
             from tokenizers import Tokenizer
 
             self._fast = Tokenizer.from_file(str(folder / "tokenizer.json"))

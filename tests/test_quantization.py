@@ -23,7 +23,8 @@ needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: 
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 300])
-@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (45, 40, True), (8, 1536, True)])
+@pytest.mark.parametrize("out_features,in_features,bias",
+                         [(960, 576, False), (45, 40, True), (8, 1536, True), (44, 41, True)])  # 41: the scalar path
 def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     """Stated tolerances: against its own dequantized weight the layer is exact to float32 rounding
     (1e-4 relative to the output's scale); against the float32 layer the error stays within the
@@ -45,6 +46,28 @@ def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     bound = x.abs() @ (layer.scale / 2).expand(in_features, -1)
     assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
     assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)  # any leading shape
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch, bias):
+    import engine.quantization.int8 as int8
+
+    monkeypatch.setattr(int8, "SCRATCH_MAX_ELEMENTS", 40 * 7)  # tiles of 7 output rows, the last one short
+    linear = torch.nn.Linear(40, 45, bias=bias)
+    layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
+    x = torch.randn(DIRECT_MAX_ROWS + 30, 40)
+    with torch.inference_mode():
+        got = layer(x)
+        own = torch.nn.functional.linear(x, layer.dequantized_weight(), linear.bias)
+    assert (got - own).abs().max() <= 1e-4 * own.abs().max() + 1e-5
+
+
+def test_cached_weights_of_the_wrong_dtype_are_requantized():
+    weight = torch.randn(8, 16)
+    q, scale = quantize_rows(weight)
+    layer = Int8Linear(weight, None, load_native(), 1, (q, scale.to(torch.bfloat16)))
+    assert layer.scale.dtype == torch.float32 and torch.equal(layer.qweight, q)
 
 
 def test_quantize_rows_round_trip():

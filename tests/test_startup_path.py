@@ -63,12 +63,12 @@ def test_prompt_tokenizer_defers_to_transformers_where_the_config_rewrites_speci
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(Path(model_dir) / name, tmp_path / name)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["add_bos_token"] = True
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    light = PromptTokenizer(str(tmp_path))
-    assert light._fast is None
-    assert light.encode("hello") == light.hf.encode("hello")
+    original = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for change in ({"add_bos_token": True}, {"add_prefix_space": True}, {"tokenizer_class": "LlamaTokenizer"}):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**original, **change}))
+        assert PromptTokenizer(str(tmp_path))._fast is None, change
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(original))
+    assert PromptTokenizer(str(tmp_path))._fast is not None
 
 
 USER_PROCESS = """

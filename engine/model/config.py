@@ -43,7 +43,7 @@ def _eos_ids(*values) -> tuple[int, ...]:
 # Keys read straight from config.json; where one is missing, transformers' class default would apply,
 # so such a config goes through AutoConfig instead.
 _PLAIN_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id")  # fmt: skip
+               "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "num_key_value_heads")  # fmt: skip
 
 
 class PlainConfig(SimpleNamespace):

@@ -18,7 +18,7 @@ import torch
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.rope import rotary_tables
-from engine.quantization import quantize_model
+from engine.quantization import linear_shapes, load_stored, quantize_model
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -66,12 +66,15 @@ def index_weights(model_dir: str) -> dict[str, TensorEntry]:
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            if meta["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}")
-            start, end = meta["data_offsets"]
-            if not 0 <= start <= end <= size - base:
-                raise ValueError(f"{path} is not a valid safetensors file: {name} lies outside it")
-            entries[name] = TensorEntry(path, base + start, end - start, SAFETENSORS_DTYPES[meta["dtype"]], meta["shape"])
+            try:
+                dtype, (start, end), shape = meta["dtype"], meta["data_offsets"], [int(d) for d in meta["shape"]]
+                if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size - base):
+                    raise ValueError(f"{name} lies outside the file")
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path} is not a valid safetensors file: entry {name!r}: {exc!r}") from None
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+            entries[name] = TensorEntry(path, base + start, end - start, SAFETENSORS_DTYPES[dtype], shape)
     return entries
 
 
@@ -127,15 +130,22 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
     entries = index_weights(model_dir)
-    state = read_planned(weight_plan(cfg, set(entries)), entries, dtype, progress)
+    plan = weight_plan(cfg, set(entries))
+    shapes = linear_shapes(model)
+    stored = load_stored(model_dir, quantization, shapes)
+    if stored is not None:  # int8 weights from the cache: the float ones of those layers stay unread
+        plan = {k: v for k, v in plan.items() if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)}
+    state = read_planned(plan, entries, dtype, progress)
     if device != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    left_to_int8 = {f"{n}.weight" for n in shapes} if stored is not None else set()
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight") and m not in left_to_int8]
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = cos, sin
     model.eval()
-    return quantize_model(model, quantization, model_dir), cfg
+    del state  # the model holds the weights now; quantization must be able to free the float ones
+    return quantize_model(model, quantization, model_dir, stored), cfg

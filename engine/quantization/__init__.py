@@ -34,10 +34,41 @@ def resolve_dtype_for(mode: str, dtype_name: str) -> str:
     return "float32" if mode != "none" and dtype_name == "auto" else dtype_name
 
 
-def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None) -> nn.Module:
+def resolve_device_for(mode: str, device_name: str) -> str:
+    """The `auto` device under a quantization: its kernels are the CPU's, even where CUDA is present."""
+    return "cpu" if mode != "none" and device_name == "auto" else device_name
+
+
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(out, in) of every linear layer, by module name (works on the meta device)."""
+    return {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
+    """The cached int8 weights (cache.py), only if every linear layer's are there with the right types
+    and shapes: then the loader need not read those layers' float weights at all."""
+    if mode == "none":
+        return None
+    from engine.quantization import cache
+
+    stored = cache.load_cached(cache.cache_file(model_dir, mode))
+    if stored is None:
+        return None
+    for name, (n, k) in shapes.items():
+        q, scale = stored.get(f"{name}.qweight"), stored.get(f"{name}.scale")
+        if q is None or scale is None or q.dtype != torch.int8 or scale.dtype != torch.float32:
+            return None
+        if tuple(q.shape) != (n, k) or tuple(scale.shape) != (n,):
+            return None
+    return stored
+
+
+def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
+                   stored: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
     """Replace every linear layer of the decoder (lm_head included) in place; embeddings and norms stay.
     A tied lm_head gets its own int8 copy: the float32 embedding is only gathered from, row by row.
-    With model_dir, the int8 weights come from (or go to) the on-disk cache (cache.py)."""
+    stored: the int8 weights from load_stored (the layers' float weights may then be left unread, on
+    the meta device); without it they are quantized here and, with model_dir, kept for next time."""
     if mode == "none":
         return model
     from engine.quantization import cache
@@ -45,22 +76,18 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None) ->
     from kernels.cpu import load_native
 
     lib, threads = load_native(), torch.get_num_threads()
-    path = cache.cache_file(model_dir, mode) if model_dir is not None else None
-    stored = cache.load_cached(path) if path is not None else None
     fresh: dict[str, torch.Tensor] = {}
     for prefix, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             name = f"{prefix}.{child_name}" if prefix else child_name
-            known = None
-            if stored is not None and f"{name}.qweight" in stored:
-                known = (stored[f"{name}.qweight"], stored[f"{name}.scale"])
+            known = None if stored is None else (stored[f"{name}.qweight"], stored[f"{name}.scale"])
             layer = Int8Linear(child.weight, child.bias, lib, threads, known)
             setattr(module, child_name, layer)
             fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
-    if path is not None and (stored is None or stored.keys() != fresh.keys()):
-        cache.save_cached(path, fresh)
+    if stored is None and model_dir is not None:
+        cache.save_cached(cache.cache_file(model_dir, mode), fresh)
     _release_float_weights()
     return model
 

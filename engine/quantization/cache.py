@@ -38,8 +38,19 @@ def cache_file(model_dir: str, mode: str) -> Path:
     return cache_dir() / f"{folder.name}-{mode}-{key}.safetensors"
 
 
+def trusted(path: Path) -> bool:
+    """The cache holds weights the scheduler computes with (and sizes it trusts): used only where nobody
+    else can write it, as the kernel cache (kernels/cpu/build.py)."""
+    from kernels.cpu.build import unsafe_reason
+
+    folders = [path.parent, path.parent.parent]
+    return all(not p.exists() or unsafe_reason(p) is None for p in folders) and (
+        not path.exists() or unsafe_reason(path) is None
+    )
+
+
 def load_cached(path: Path) -> dict[str, torch.Tensor] | None:
-    if not path.exists():
+    if not path.exists() or not trusted(path):
         return None
     from safetensors.torch import load_file
 
@@ -54,6 +65,8 @@ def save_cached(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     try:
+        if not trusted(path):
+            return
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
         os.close(fd)
@@ -63,5 +76,5 @@ def save_cached(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    except OSError:
+    except Exception:  # noqa: BLE001 - OSError, or safetensors' own error for a full disk: never fatal
         pass

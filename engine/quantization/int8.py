@@ -7,7 +7,10 @@ activations have outlier channels: perplexity went from 7.0 to 21.4. Weight-only
 nothing (8.88 against 8.90 on the same text). Its kernel is ours (kernels/cpu/int8_linear.c): at
 batch 1 5.3 ms per step, batch 8 20.2 against 50.0, batch 64 162 against 146. So up to
 DIRECT_MAX_ROWS input rows go through it; more rows (prefill) multiply float32 weights dequantized for
-the call, where the matmul's own work dwarfs the conversion.
+the call, where the matmul's own work dwarfs the conversion. The dequantized weight is written into
+one scratch buffer the layers share (a fresh 7 MB allocation per layer and step would be fresh pages
+for the kernel to fault in and zero), in tiles of output rows of at most SCRATCH_MAX_ELEMENTS
+weights, so the buffer stays at 16 MB whatever the layer (lm_head has 28M weights).
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ import torch
 from torch import nn
 
 DIRECT_MAX_ROWS = 64
+SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32: every layer of SmolLM2-135M but lm_head
+_scratch = torch.empty(0, dtype=torch.float32)  # the scheduler runs one forward at a time
+
+
+def _scratch_weight(n: int, k: int) -> torch.Tensor:
+    global _scratch
+    if _scratch.numel() < n * k:
+        _scratch = torch.empty(n * k, dtype=torch.float32)
+    return _scratch[: n * k].view(n, k)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +46,11 @@ class Int8Linear(nn.Module):
         """known: (int8 weight, scales) quantized before from this same weight (the on-disk cache)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        ok = known is not None and known[0].shape == weight.shape and known[1].shape == (self.out_features,)
+        ok = (known is not None and known[0].dtype == torch.int8 and known[1].dtype == torch.float32
+              and known[0].shape == weight.shape and known[1].shape == (self.out_features,)
+              and known[0].is_contiguous() and known[1].is_contiguous())  # the kernel reads them raw  # fmt: skip
+        if not ok and weight.is_meta:
+            raise ValueError("int8 weights given for this layer do not fit it, and its float weight was not loaded")
         qweight, scale = known if ok else quantize_rows(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
@@ -45,13 +61,14 @@ class Int8Linear(nn.Module):
         """The weight the layer multiplies by, in float32."""
         return self.qweight.to(torch.float32) * self.scale[:, None]
 
+    @torch.inference_mode()  # frozen weights; and the shared scratch buffer is an inference tensor
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
             raise TypeError(f"int8 layers take float32 activations, got {rows.dtype}")
         m = rows.shape[0]
         if m > DIRECT_MAX_ROWS:
-            out = torch.nn.functional.linear(rows, self.dequantized_weight(), self.bias)
+            out = self._dequantized_matmul(rows)
         else:
             rows = rows.contiguous()
             out = torch.empty(m, self.out_features, dtype=torch.float32)
@@ -60,6 +77,23 @@ class Int8Linear(nn.Module):
                 self._lib.int8_linear(rows.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias or None,
                                       out.data_ptr(), m, self.out_features, self.in_features, self._threads)  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many input rows: float32 GEMMs over tiles of output rows, each tile dequantized into the
+        shared scratch buffer (lm_head's 28M weights take two tiles)."""
+        n, k = self.out_features, self.in_features
+        tile = max(1, min(n, SCRATCH_MAX_ELEMENTS // k))
+        if tile == n:
+            weight = _scratch_weight(n, k)
+            weight.copy_(self.qweight).mul_(self.scale[:, None])
+            return torch.nn.functional.linear(rows, weight, self.bias)
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, tile):
+            r1 = min(n, r0 + tile)
+            weight = _scratch_weight(r1 - r0, k)
+            weight.copy_(self.qweight[r0:r1]).mul_(self.scale[r0:r1, None])
+            out[:, r0:r1] = torch.nn.functional.linear(rows, weight, None if self.bias is None else self.bias[r0:r1])
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-row scales"

@@ -39,7 +39,7 @@ from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.memory.manager import KVManager
 from engine.model.config import load_hf_config
 from engine.model.loader import load_model
-from engine.quantization import check_quantization, resolve_dtype_for
+from engine.quantization import check_quantization, resolve_device_for, resolve_dtype_for
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import SampleOutput
 from engine.scheduler import endings, execute, receive, results
@@ -56,7 +56,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, model_dir: str, endpoints: dict, progress=None) -> None:
         torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(resolve_device_for(config.quantization, config.device))
         self.dtype = resolve_dtype(resolve_dtype_for(config.quantization, config.dtype), self.device)
         check_quantization(config.quantization, self.device, self.dtype)
         hf_config = load_hf_config(model_dir)
