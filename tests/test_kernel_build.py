@@ -85,10 +85,11 @@ def _plant(folder: Path, tmp_path: Path) -> Path:
     )
     key = _python(key_code, tmp_path).stdout.strip()
     source = tmp_path / "planted.c"
-    source.write_text("\n".join((ROOT / "kernels/cpu" / n).read_text() for n in ("decode_attention.c", "int8_linear.c"))
-                      + "\nint planted(void) { return 1; }\n")  # fmt: skip
+    source.write_text("int planted(void) { return 1; }\n")  # beside every real kernel, so the library binds
     target = folder / f"cpu_kernels-{key}.so"
-    subprocess.run(["cc", "-O1", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(target), "-lm"], check=True)
+    kernels = sorted(str(p) for p in (ROOT / "kernels/cpu").glob("*.c"))
+    subprocess.run(["cc", "-O1", "-fopenmp", "-shared", "-fPIC", *kernels, str(source), "-o",
+                    str(target), "-lm"], check=True)  # fmt: skip
     return target
 
 

@@ -135,6 +135,8 @@ def child_llama(cfg_path: str, t_import: float) -> None:
     cfg = json.loads(Path(cfg_path).read_text())
     one, n, threads = cfg["single"], cfg["new_tokens"], os.cpu_count() or 1
     n_ctx = max(len(one) + n, max(map(len, cfg["prompts"])) + cfg["max_new_tokens"]) + 64  # single stream; the check
+    if not cfg.get("llama_extra_bufts", True):
+        _no_extra_buffer_types()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=cfg["gguf"], n_ctx=n_ctx, n_threads=threads, verbose=False)
     load = time.perf_counter() - t0
@@ -160,6 +162,21 @@ def child_llama(cfg_path: str, t_import: float) -> None:
     single = _stream(*complete(one, n))
     batch = llama_parallel(llm, cfg["prompts"], cfg["max_new_tokens"], threads)
     _emit(t_import, load, memory=mem, single=single, batch=batch, dtype="GGUF (embedded quantization)")
+
+
+def _no_extra_buffer_types() -> None:
+    """Load weights into plain CPU buffers: llama.cpp's extra buffer types (its AMX repack on CPUs that
+    report AMX) crashed llama_decode with SIGSEGV on one of our machines (an Intel Xeon under KVM)."""
+    import llama_cpp.llama_cpp as raw
+
+    default = raw.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    raw.llama_model_default_params = params
 
 
 def llama_parallel(llm, prompts: list[list[int]], n: int, threads: int) -> dict:
@@ -253,6 +270,10 @@ def run_cpu(args: argparse.Namespace) -> dict:
             skip = LLAMA_MISSING
         print(f"[cpu] {name} ...", flush=True)
         backends[name] = {"skipped": skip} if skip else _child(name, fn, cfg)
+        if name == "llama.cpp" and "error" in backends[name]:  # its kindest setting failed: the plain one
+            print("[cpu] llama.cpp failed; again without its extra buffer types (AMX repack) ...", flush=True)
+            backends[name] = {**_child(name, fn, {**cfg, "llama_extra_bufts": False}),
+                              "setting": "use_extra_bufts=False (the default crashed: " + backends[name]["error"] + ")"}
     settings = {"prompt_len": args.cpu_prompt_len, "new_tokens": args.cpu_new_tokens, "hf_batch_sizes": sizes,
                 "prompt_tokens": sum(map(len, cfg["prompts"])), "greedy": True, "ignore_eos": True,
                 **{k: getattr(args, k) for k in ("num_prompts", "min_len", "max_len", "max_new_tokens", "seed")}}
@@ -297,5 +318,7 @@ def print_cpu(r: dict) -> None:
             print(f"  {e + ' / ' + o:<30}" + "".join(f"{f'{a / b:.2f}x' if isinstance(a, float) and b else '':>14}"
                                                      for a, b in ratios))  # fmt: skip
     print("  RSS counts shared pages in every process, PSS splits them; engine rows sum its 3 processes", flush=True)
+    if setting := backends.get("llama.cpp", {}).get("setting"):
+        print(f"  llama.cpp ran with {setting}")
     if check := _get(backends.get("llama.cpp", {}), "batch.first_prompt_equal_to_generate"):
         print(f"  llama.cpp batch: its first prompt agrees with a sequential greedy generate() for {check} tokens")

@@ -132,15 +132,16 @@ def load_model(
     entries = index_weights(model_dir)
     plan = weight_plan(cfg, set(entries))
     shapes = linear_shapes(model)
-    stored = load_stored(model_dir, quantization, shapes)
-    if stored is not None:  # int8 weights from the cache: the float ones of those layers stay unread
+    stored = load_stored(model_dir, quantization, shapes, cfg,
+                         lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32))
+    if stored is not None:  # quantized weights at hand: the float ones of those layers stay unread
         plan = {k: v for k, v in plan.items() if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)}
     state = read_planned(plan, entries, dtype, progress)
     if device != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    left_to_int8 = {f"{n}.weight" for n in shapes} if stored is not None else set()
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight") and m not in left_to_int8]
+    left_to_quantized = {f"{n}.weight" for n in shapes} if stored is not None else set()
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight") and m not in left_to_quantized]
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     if cfg.tie_word_embeddings:

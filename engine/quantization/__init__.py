@@ -1,10 +1,12 @@
 """Quantized inference: which modes exist, whether this machine can run one, and swapping the model's
-linear layers for quantized ones after loading. Each mode lives in a module of its own (int8.py)."""
+linear layers for quantized ones after loading. Each mode lives in a module of its own (int8.py, gguf.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from typing import Callable
 
 from engine.config import QUANTIZATIONS
 
@@ -20,17 +22,17 @@ def check_quantization(mode: str, device: str, dtype: torch.dtype) -> None:
     if device != "cpu":
         raise ValueError(f"quantization={mode!r} runs on the CPU only (its kernel is C for the CPU); the device is {device!r}")
     if dtype != torch.float32:
-        raise ValueError(f"quantization={mode!r} computes in float32 (only the weights are int8); "
+        raise ValueError(f"quantization={mode!r} computes in float32 (only the weights are quantized); "
                          f"use dtype='float32' or 'auto', not {dtype}")  # fmt: skip
     from kernels.cpu import load_native
 
     if load_native() is None:
-        raise ValueError(f"quantization={mode!r} needs its C kernel (kernels/cpu/int8_linear.c), which could not be "
+        raise ValueError(f"quantization={mode!r} needs its C kernel (kernels/cpu/{mode}_linear.c), which could not be "
                          "built: no working C compiler (cc, gcc or $CC), or ENGINE_NATIVE_KERNELS=0")  # fmt: skip
 
 
 def resolve_dtype_for(mode: str, dtype_name: str) -> str:
-    """The `auto` dtype under a quantization: int8's kernels take float32 activations."""
+    """The `auto` dtype under a quantization: the quantized kernels take float32 activations."""
     return "float32" if mode != "none" and dtype_name == "auto" else dtype_name
 
 
@@ -44,11 +46,18 @@ def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
-    """The cached int8 weights (cache.py), only if every linear layer's are there with the right types
-    and shapes: then the loader need not read those layers' float weights at all."""
+def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], cfg=None,
+                read_float: Callable[[list[str]], dict[str, torch.Tensor]] | None = None) -> dict | None:  # fmt: skip
+    """The quantized weights that need no float ones: int8's from its cache (cache.py), only if every
+    linear layer's are there with the right types and shapes; gguf's from the GGUF file (always, or a
+    ValueError saying why not; read_float reads the few float weights it checks them against). With
+    them the loader need not read those layers' float weights at all."""
     if mode == "none":
         return None
+    if mode == "gguf":
+        from engine.quantization.gguf import read_blocks
+
+        return read_blocks(model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"]))
     from engine.quantization import cache
 
     stored = cache.load_cached(cache.cache_file(model_dir, mode))
@@ -67,10 +76,12 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
                    stored: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
     """Replace every linear layer of the decoder (lm_head included) in place; embeddings and norms stay.
     A tied lm_head gets its own int8 copy: the float32 embedding is only gathered from, row by row.
-    stored: the int8 weights from load_stored (the layers' float weights may then be left unread, on
-    the meta device); without it they are quantized here and, with model_dir, kept for next time."""
+    stored: the weights from load_stored (the layers' float weights may then be left unread, on the
+    meta device); without it int8's are quantized here and, with model_dir, kept for next time."""
     if mode == "none":
         return model
+    if mode == "gguf":
+        return _swap_gguf(model, stored)
     from engine.quantization import cache
     from engine.quantization.int8 import Int8Linear
     from kernels.cpu import load_native
@@ -88,6 +99,21 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
             fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
     if stored is None and model_dir is not None:
         cache.save_cached(cache.cache_file(model_dir, mode), fresh)
+    _release_float_weights()
+    return model
+
+
+def _swap_gguf(model: nn.Module, blocks: dict) -> nn.Module:
+    from engine.quantization.gguf import GGUFLinear
+    from kernels.cpu import load_native
+
+    lib, threads = load_native(), torch.get_num_threads()
+    for prefix, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                name = f"{prefix}.{child_name}" if prefix else child_name
+                kind, data = blocks[name]
+                setattr(module, child_name, GGUFLinear(kind, data, tuple(child.weight.shape), child.bias, lib, threads))
     _release_float_weights()
     return model
 

@@ -1,4 +1,4 @@
-"""Compile kernels/cpu/*.c (attention, int8 linear) into one shared library cached per source and machine, and load it with ctypes.
+"""Compile kernels/cpu/*.c (attention, int8 and GGUF-block linear) into one shared library cached per source and machine, and load it with ctypes.
 
 No -ffast-math: with GCC it links crtfastmath.o, whose constructor turns on flush-to-zero for the
 whole process that loads the library (1e-40 * 1.0 == 0.0 in every thread of the scheduler after).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, gguf_linear.c, int8_linear.c
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
@@ -151,6 +151,15 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int8_linear.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gguf_linear.restype = ctypes.c_int
+    lib.gguf_linear.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gguf_dequantize.restype = ctypes.c_int
+    lib.gguf_dequantize.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int

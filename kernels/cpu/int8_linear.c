@@ -36,6 +36,7 @@ static inline float hsum(__m256 v) {
 static inline void dot4(const float *x, const int8_t *w, int64_t K, float out[4]) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
+        _mm_prefetch((const char *)(w + 4 * K + 4 * k), _MM_HINT_T0); /* the next four rows, as these are read */
         __m256 xv = _mm256_loadu_ps(x + k);
         a0 = _mm256_fmadd_ps(xv, load8_i8(w + k), a0);
         a1 = _mm256_fmadd_ps(xv, load8_i8(w + K + k), a1);
@@ -50,6 +51,7 @@ static inline void dot4x2(const float *x, const int8_t *w, int64_t K, float out0
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
+        _mm_prefetch((const char *)(w + 4 * K + 4 * k), _MM_HINT_T0);
         __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + K + k);
         __m256 w0 = load8_i8(w + k), w1 = load8_i8(w + K + k), w2 = load8_i8(w + 2 * K + k), w3 = load8_i8(w + 3 * K + k);
         a0 = _mm256_fmadd_ps(xa, w0, a0), b0 = _mm256_fmadd_ps(xb, w0, b0);

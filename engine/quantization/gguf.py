@@ -1,0 +1,222 @@
+"""quantization='gguf': the linear layers computed from the GGUF file's own blocks, never dequantized whole.
+
+Why: the embedded model ships as a GGUF whose layers are Q4_1 and whose tied lm_head is Q8_0. The exact
+mode dequantizes them once to float32 (540 MB read per decoded token); this mode reads the blocks as
+they are (about 96 MB a token), through kernels/cpu/gguf_linear.c. Its weights are the exact mode's;
+what changes is decode's activations, rounded per block of 32 to int8 for integer dot products (as
+llama.cpp does). Prefill (more than DIRECT_MAX_ROWS rows) multiplies float activations by dequantized
+tiles, so prompt logprobs are the exact mode's up to float rounding (docs/quantization.md).
+
+The blocks of each layer are the file's rows, one row of blocks per output row, so fused layers (qkv,
+gate_up) are the parts' rows stacked. Llama GGUFs store q and k with their rows permuted for
+llama.cpp's rotary layout; the first layer's q and k are compared with the converted float weights to
+tell which order a file uses (or to refuse a file that matches neither).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.model.config import ModelConfig
+
+BLOCK = 32
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per 32 weights: Q4_0, Q4_1, Q8_0
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+DIRECT_MAX_ROWS = 64  # more input rows: float32 GEMMs over dequantized tiles (measured, docs/quantization.md)
+SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantized tile, one buffer for every layer
+_scratch = torch.empty(0, dtype=torch.float32)  # the scheduler runs one forward at a time
+
+
+def gguf_source(model_dir: str) -> Path | None:
+    """The GGUF a converted model directory was made from (engine/model/embedded.py marks it), or None."""
+    mark = Path(model_dir) / ".complete"
+    try:
+        path = Path(mark.read_text().strip())
+    except OSError:
+        return None
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _parts(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    b = f"blk.{i}."
+    return {
+        f"layers.{i}.self_attn.qkv_proj": [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+        f"layers.{i}.self_attn.o_proj": [b + "attn_output.weight"],
+        f"layers.{i}.mlp.gate_up_proj": [b + "ffn_gate.weight", b + "ffn_up.weight"],
+        f"layers.{i}.mlp.down_proj": [b + "ffn_down.weight"],
+    }
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's q/k permutation: within each head, GGUF row 2i+j is HF row j*D/2+i."""
+    d = rows // heads
+    h, j, i = torch.meshgrid(torch.arange(heads), torch.arange(2), torch.arange(d // 2), indexing="ij")
+    return (h * d + 2 * i + j).reshape(-1)
+
+
+def dequantize(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, row bytes] blocks -> float32 [N, k], in Python, as gguf's reference does it (tests, checks)."""
+    raw = blocks.reshape(blocks.shape[0], k // BLOCK, BLOCK_BYTES[kind])
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()
+    if kind == 8:
+        q = raw[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(-1, k)
+    qs = raw[..., 4:] if kind == 3 else raw[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    m = raw[..., 2:4].contiguous().view(torch.float16).float() if kind == 3 else -8.0 * d
+    return (d * q + m).reshape(-1, k)
+
+
+def read_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, int]],
+                reference: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:  # fmt: skip
+    """name -> (ggml type, uint8 blocks [out, row bytes]) for every linear layer. reference: the float
+    weights of layers.0.self_attn.qkv_proj (to tell the q/k row order). ValueError naming what does not fit."""
+    from engine.model.gguf_file import read_index, read_tensor
+
+    source = gguf_source(model_dir)
+    if source is None:
+        raise ValueError(f"quantization='gguf' needs a model loaded from a .gguf file; {model_dir} was not made from one")
+    tensors = read_index(source)
+
+    def take(name: str) -> tuple[int, torch.Tensor]:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{source.name} has no tensor {name}")
+        if t.kind not in BLOCK_BYTES:
+            raise ValueError(f"quantization='gguf' reads {'/'.join(TYPE_NAMES.values())} blocks; {source.name}'s "
+                             f"{name} is of ggml type {t.kind}")  # fmt: skip
+        if not t.dims or t.dims[0] % BLOCK:
+            raise ValueError(f"{source.name}: {name} has rows of {t.dims[:1]} weights, not a multiple of {BLOCK}")
+        return t.kind, read_tensor(source, t, t.dims[0] // BLOCK * BLOCK_BYTES[t.kind])
+
+    plan = {name: parts for i in range(cfg.num_layers) for name, parts in _parts(cfg, i).items()}
+    plan["lm_head"] = ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
+    q_rows, k_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    orders = {"permuted": (unpermute_rows(q_rows, cfg.num_heads), unpermute_rows(k_rows, cfg.num_kv_heads)), "as stored": None}
+    order = None
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, parts in plan.items():
+        got = [take(p) for p in parts]
+        kinds = {k for k, _ in got}
+        if len(kinds) != 1:
+            raise ValueError(f"quantization='gguf': the parts of {name} ({parts}) are of different block types")
+        kind = kinds.pop()
+        if name.endswith("qkv_proj"):
+            if order is None:
+                order = _qkv_order(got, kind, orders, reference, shapes[name][1], source.name)
+            if order is not None:
+                got[0] = (kind, got[0][1][order[0]])
+                got[1] = (kind, got[1][1][order[1]])
+        blocks = torch.cat([b for _, b in got]).contiguous()
+        n, k = shapes[name]
+        if k % BLOCK or tuple(blocks.shape) != (n, k // BLOCK * BLOCK_BYTES[kind]):
+            raise ValueError(f"{source.name}: the blocks of {name} do not fit its shape {n} x {k}")
+        out[name] = (kind, blocks)
+    return out
+
+
+def _qkv_order(got, kind, orders, reference, k: int, source: str):
+    """Which row order of q and k makes the first layer's blocks equal its converted float weights."""
+    want = reference["layers.0.self_attn.qkv_proj.weight"].float()
+    for perm in orders.values():
+        q, kk = got[0][1], got[1][1]
+        if perm is not None:
+            q, kk = q[perm[0]], kk[perm[1]]
+        mine = dequantize(kind, torch.cat([q, kk, got[2][1]]), k)
+        if mine.shape == want.shape and torch.allclose(mine, want, rtol=1e-5, atol=1e-6):
+            return perm
+    raise ValueError(f"{source}: the first layer's q/k/v blocks match the converted weights in no known row order")
+
+
+def round_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, k] as the kernel sees it (each block of 32 rounded to int8 steps of max|x|/127, as
+    quantize_x in gguf_linear.c), and per block sum(x) - sum(rounded x) [M, k / 32]."""
+    b = x.reshape(x.shape[0], -1, BLOCK)
+    d = b.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    rounded = torch.round(b * inv) * d
+    return rounded.reshape(x.shape), (b.sum(-1) - rounded.sum(-1))
+
+
+def block_offsets(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """Each block's offset m (w = d q + m): Q4_1's stored min, Q4_0's -8 d; float32 [N, k / 32]."""
+    raw = blocks.reshape(blocks.shape[0], k // BLOCK, BLOCK_BYTES[kind])
+    if kind == 3:
+        return raw[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return -8.0 * raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _scratch_weight(n: int, k: int) -> torch.Tensor:
+    global _scratch
+    if _scratch.numel() < n * k:
+        _scratch = torch.empty(n * k, dtype=torch.float32)
+    return _scratch[: n * k].view(n, k)
+
+
+class GGUFLinear(nn.Module):
+    """A frozen linear layer holding a GGUF tensor's blocks (and a float32 bias, where the model has one)."""
+
+    def __init__(self, kind: int, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
+                 lib, threads: int) -> None:  # fmt: skip
+        super().__init__()
+        self.kind, (self.out_features, self.in_features) = kind, shape
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+        self._lib, self._threads = lib, threads
+
+    def dequantized_weight(self) -> torch.Tensor:
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self._dequantize_into(0, self.out_features, out)
+        return out
+
+    def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        rc = self._lib.gguf_dequantize(self.kind, self.blocks[r0:r1].data_ptr(), out.data_ptr(), r1 - r0,
+                                       self.in_features, self._threads)  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"gguf_dequantize failed with code {rc}")
+
+    @torch.inference_mode()  # frozen weights; the shared scratch buffer is an inference tensor
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            raise TypeError(f"GGUF-block layers take float32 activations, got {rows.dtype}")
+        m = rows.shape[0]
+        if m > DIRECT_MAX_ROWS:
+            out = self._dequantized_matmul(rows)
+        else:
+            rows = rows.contiguous()
+            out = torch.empty(m, self.out_features, dtype=torch.float32)
+            if m:
+                bias = None if self.bias is None else self.bias.data_ptr()
+                rc = self._lib.gguf_linear(self.kind, rows.data_ptr(), self.blocks.data_ptr(), bias, out.data_ptr(), m,
+                                           self.out_features, self.in_features, self._threads)  # fmt: skip
+                if rc != 0:
+                    raise RuntimeError(f"gguf_linear failed with code {rc}")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many input rows: float32 GEMMs over tiles of output rows dequantized into the shared scratch,
+        computing what the kernel computes (x rounded per block, the offsets m times the float sums of x),
+        so a prompt gives the same logits whether it is prefilled whole or met in few-row steps."""
+        n, k = self.out_features, self.in_features
+        rounded, residue = round_blocks(rows)  # residue: sum(x) - sum(rounded x) per block, [M, k / 32]
+        tile = max(1, min(n, SCRATCH_MAX_ELEMENTS // k))
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, tile):
+            r1 = min(n, r0 + tile)
+            weight = _scratch_weight(r1 - r0, k)
+            self._dequantize_into(r0, r1, weight)
+            bias = None if self.bias is None else self.bias[r0:r1]
+            part = torch.nn.functional.linear(rounded, weight, bias)
+            if self.kind != 8:  # Q8_0 has no offsets
+                part.addmm_(residue, block_offsets(self.kind, self.blocks[r0:r1], k).T)
+            if tile == n:
+                return part
+            out[:, r0:r1] = part
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {TYPE_NAMES[self.kind]} blocks"

@@ -1,0 +1,243 @@
+"""quantization="gguf": the block kernel against the blocks' own float32 weights, the embedded GGUF read
+into our layers (every layer equal to the converted float weights), the engine in that mode against the
+exact mode, and the mode's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_request_api
+from conftest import PROMPTS
+from engine import Engine
+from engine.bench.quality import agreement, held_out_windows, parity_inputs
+from engine.quantization.gguf import BLOCK_BYTES, DIRECT_MAX_ROWS, GGUFLinear, dequantize, unpermute_rows
+from kernels.cpu import load_native
+
+needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the GGUF kernel cannot be built")
+
+
+def random_blocks(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Valid blocks: random quants, float16 scales of a realistic size (and mins for Q4_1)."""
+    raw = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-4).half().view(torch.uint8)
+    raw[..., 0:2] = d
+    if kind == 3:
+        raw[..., 2:4] = (-torch.rand(n, k // 32, 1, generator=gen) * 0.05).half().view(torch.uint8)
+    return raw.reshape(n, -1).contiguous()
+
+
+def block_mins(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """Each weight's block offset m (w = d q + m): Q4_1's stored min, Q4_0's -8 d, Q8_0's 0; [N, k]."""
+    raw = blocks.reshape(blocks.shape[0], k // 32, BLOCK_BYTES[kind])
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()
+    m = {2: -8.0 * d, 3: raw[..., 2:4].contiguous().view(torch.float16).float(), 8: 0.0 * d}[kind]
+    return m.expand(-1, -1, 32).reshape(-1, k)
+
+
+def blockwise_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel sees it: each block of 32 rounded to int8 with scale max|x|/127 (q, scale per block)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(b * inv), d
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [2, 3, 8])  # Q4_0, Q4_1, Q8_0
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("out_features,in_features,bias", [(96, 576, False), (7, 64, True), (50, 1536, False)])
+def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in_features, bias):
+    """Stated tolerances, W the blocks dequantized as gguf's reference does it. The layer multiplies x
+    rounded per block of 32 to int8 (llama.cpp's scheme), by the kernel up to DIRECT_MAX_ROWS rows and by
+    float32 GEMMs on dequantized tiles above: against that x both are exact to float32 rounding (1e-5 of the output's scale; the offsets m multiply the float sums of x),
+    and against the float x its error stays
+    within the rounding bound sum_k |W_nk| * scale_b(k) / 2. More rows: float32 GEMMs on W itself."""
+    gen = torch.Generator().manual_seed(rows * 31 + kind + in_features)
+    blocks = random_blocks(kind, out_features, in_features, gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layer = GGUFLinear(kind, blocks, (out_features, in_features), b, load_native(), torch.get_num_threads())
+    weight = dequantize(kind, blocks, in_features)
+    assert torch.allclose(layer.dequantized_weight(), weight, rtol=1e-6, atol=1e-7)  # the C dequantizer
+    x = torch.randn(rows, in_features, generator=gen)
+    with torch.inference_mode():
+        got = layer(x)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    q, d = blockwise_x(x)
+    seen = (q * d).reshape(rows, in_features).double()
+    m = block_mins(kind, blocks, in_features).double()
+    want = torch.nn.functional.linear(seen, weight.double() - m, None if b is None else b.double()) + x.double() @ m.T
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
+    bound = (weight.double() - m).abs() @ (d / 2).expand(-1, -1, 32).reshape(rows, in_features).double().T
+    assert ((got - exact).abs() <= bound.T * 1.001 + 1e-5).all()
+    assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)
+
+
+@needs_kernel
+def test_a_block_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch):
+    import engine.quantization.gguf as gguf
+
+    monkeypatch.setattr(gguf, "SCRATCH_MAX_ELEMENTS", 64 * 7)  # tiles of 7 output rows, the last one short
+    gen = torch.Generator().manual_seed(5)
+    blocks = random_blocks(3, 45, 64, gen)
+    layer = GGUFLinear(3, blocks, (45, 64), None, load_native(), 1)
+    x = torch.randn(DIRECT_MAX_ROWS + 30, 64, generator=gen)
+    with torch.inference_mode():
+        got = layer(x)  # tiles of 7 rows
+    monkeypatch.setattr(gguf, "SCRATCH_MAX_ELEMENTS", 1 << 22)
+    with torch.inference_mode():
+        whole = layer._dequantized_matmul(x)  # one tile
+    assert (got - whole).abs().max() <= 1e-5 * whole.abs().max() + 1e-6
+
+
+def test_unpermute_rows_inverts_llama_cpp_permutation():
+    """llama.cpp's converter writes q as w.reshape(H, 2, D/2, K).swapaxes(1, 2): our order undoes it."""
+    heads, d, k = 3, 8, 5
+    w = torch.arange(heads * d * k, dtype=torch.float32).reshape(heads * d, k)
+    stored = w.reshape(heads, 2, d // 2, k).swapaxes(1, 2).reshape(heads * d, k)
+    assert torch.equal(stored[unpermute_rows(heads * d, heads)], w)
+
+
+@needs_kernel
+def test_embedded_gguf_blocks_are_the_converted_weights(model_dir):
+    """Every linear layer read from the GGUF, dequantized, equals the float32 weights the exact mode loads
+    from the converted directory (q and k in the right row order, gate/up and q/k/v stacked right)."""
+    from engine.model.config import model_config_from_hf
+    from engine.model.llama import LlamaForCausalLM, weight_plan
+    from engine.model.loader import index_weights, read_planned
+    from engine.quantization import linear_shapes
+    from engine.quantization.gguf import read_blocks
+    from transformers import AutoConfig
+
+    cfg = model_config_from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+    with torch.device("meta"):
+        shapes = linear_shapes(LlamaForCausalLM(cfg, torch.empty(1), torch.empty(1)))
+    entries = index_weights(model_dir)
+    plan = weight_plan(cfg, set(entries))
+    floats = read_planned(plan, entries, torch.float32)
+    blocks = read_blocks(model_dir, cfg, shapes, floats)
+    assert set(blocks) == set(shapes)
+    for name, (kind, data) in blocks.items():
+        source = floats["embed_tokens.weight" if name == "lm_head" and cfg.tie_word_embeddings else f"{name}.weight"]
+        got = dequantize(kind, data, shapes[name][1])
+        assert torch.allclose(got, source, rtol=1e-6, atol=1e-7), name
+    assert {kind for kind, _ in blocks.values()} == {3, 8}  # Q4_1 layers, the Q8_0 embedding as lm_head
+
+
+@pytest.fixture(scope="module")
+def gguf_engine():
+    eng = Engine(quantization="gguf", max_total_tokens=8192)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@needs_kernel
+def test_gguf_engine_reports_its_mode(gguf_engine):
+    assert gguf_engine.server_info["quantization"] == "gguf" and gguf_engine.server_info["dtype"] == "float32"
+
+
+@needs_kernel
+def test_gguf_quality_against_the_exact_weights(engine, gguf_engine, tokenizer):
+    """The exact engine is the session's float32 one, whose weights are these blocks dequantized; what
+    differs is the activations, rounded per block of 32 to int8. Perplexity on held-out text within 2%
+    (the target; measured +0.8% on these 510 tokens), and greedy outputs that start alike (measured:
+    about half the tokens identical position by position over 64 tokens, two outputs of eight whole)."""
+    windows = held_out_windows(tokenizer, 2, 256)
+    lp = {"sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0}
+
+    def perplexity(e) -> float:
+        outs = e.generate(input_ids=windows, **lp)
+        values = [v for o in outs for v, _, _ in o["meta_info"]["input_token_logprobs"] if v is not None]
+        return float(torch.tensor(values).neg().mean().exp())
+
+    exact, blocks = perplexity(engine), perplexity(gguf_engine)
+    assert abs(blocks / exact - 1) <= 0.02, (exact, blocks)
+    prompts = parity_inputs(tokenizer)
+    greedy = {"max_new_tokens": 32, "temperature": 0}
+    a = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+    b = [o["output_ids"] for o in gguf_engine.generate(input_ids=prompts, sampling_params=greedy)]
+    share = agreement(a, b)
+    assert share["mean_identical_prefix"] >= 4 and share["identical_outputs"] >= 1, share
+
+
+@needs_kernel
+@pytest.mark.parametrize("check", [
+    "test_seeded_request_is_reproducible_in_any_batch", "test_stop_strings_spanning_tokens",
+    "test_n_samples_share_one_prefill", "test_streaming_equals_non_streaming", "test_abort_frees_memory",
+    "test_n_samples_of_a_chunked_prompt_share_its_prefill",
+])  # fmt: skip
+def test_request_api_on_gguf(gguf_engine, tokenizer, check):
+    fn = getattr(test_request_api, check)
+    fn(gguf_engine, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(gguf_engine)
+
+
+@needs_kernel
+def test_gguf_prefix_cache_reuses_and_matches(gguf_engine, tokenizer):
+    shared = tokenizer.encode(" ".join(PROMPTS) * 2)
+    prompts = [shared + tokenizer.encode(q) for q in (" Why?", " How so?")]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    cold = [gguf_engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    warm = gguf_engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
+    assert all(o["meta_info"]["cached_tokens"] >= len(shared) - 1 for o in warm)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32"),
+    ({"quantization": "gguf", "device": "cuda"}, "CPU only"),
+    ({"quantization": "gguf", "model_path": "some/hf-directory"}, "is not a .gguf file"),
+])  # fmt: skip
+def test_bad_gguf_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(**kwargs)
+
+
+def test_a_directory_not_made_from_a_gguf_is_refused(tmp_path, model_dir):
+    """A converted directory copied elsewhere has no GGUF behind it: refused by path in the user process,
+    and by the reader (what the scheduler's start reports) naming why."""
+    import shutil
+
+    from engine.quantization.gguf import gguf_source, read_blocks
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns(".complete"))
+    assert gguf_source(model_dir) is not None and gguf_source(str(copy)) is None
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        Engine(model_path=str(copy), quantization="gguf")
+    with pytest.raises(ValueError, match="needs a model loaded from a .gguf file"):
+        read_blocks(str(copy), None, {}, {})
+
+
+def test_our_gguf_index_reads_what_ggufs_reader_reads():
+    """engine/model/gguf_file.py against the gguf package's GGUFReader on the embedded file: every tensor's
+    type, dims and (for the block types) raw bytes."""
+    import gguf
+
+    from engine.model.embedded import embedded_gguf_path
+    from engine.model.gguf_file import read_index, read_tensor
+
+    path = embedded_gguf_path()
+    ours = read_index(path)
+    theirs = gguf.GGUFReader(str(path)).tensors
+    assert set(ours) == {t.name for t in theirs}
+    for t in theirs:
+        mine = ours[t.name]
+        assert (mine.kind, list(mine.dims)) == (int(t.tensor_type), [int(d) for d in t.shape]), t.name
+        if mine.kind in BLOCK_BYTES:
+            raw = read_tensor(path, mine, mine.dims[0] // 32 * BLOCK_BYTES[mine.kind])
+            assert torch.equal(raw, torch.from_numpy(t.data.copy())), t.name
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    from engine.model.gguf_file import read_index
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+    with pytest.raises(ValueError, match="broken.gguf is not a readable GGUF file"):
+        read_index(bad)
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="no GGUF magic"):
+        read_index(bad)
