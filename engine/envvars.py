@@ -32,7 +32,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("ENGINE_TRACE_STEPS", "1", "N >= 0", "keep one scheduler-step trace in N (0: none; failed steps always)"),
         EnvVar("ENGINE_CACHE_DIR", "", "a directory",
                "where the dequantized embedded model, the compiled C kernels and int8 weights are cached (default: the user cache dir)"),
-        EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only; quantization=int8 refused)"),
+        EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)"),
         EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
         EnvVar("ENGINE_METRICS_PORT", "", "a TCP port",
                "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port"),

@@ -68,11 +68,12 @@ static inline void load_row64(const void *base, int64_t off, int is_bf16, __m512
 }
 
 static void attend_one_d64(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
-                           int64_t len, int H, int Hkv, int is_bf16, float *scores, float *mx, float *sum) {
+                           int64_t len, int H, int Hkv, int hk0, int hk1, int is_bf16, float *scores, float *mx,
+                           float *sum) {
     const int G = H / Hkv;
     const int D = 64, W = Hkv * 64;
     const int64_t elem = is_bf16 ? 2 : 4;
-    for (int hk = 0; hk < Hkv; hk++) {
+    for (int hk = hk0; hk < hk1; hk++) {
         for (int g0 = 0; g0 < G; g0 += 4) {
             const int n = G - g0 < 4 ? G - g0 : 4;
             const int h0 = hk * G + g0;
@@ -126,27 +127,28 @@ static void attend_one_d64(const float *qf, const void *k, const void *v, float 
 #define MAX_H 64
 #define MAX_D 256
 
-/* One request, all heads: each token's K (then V) row holds every KV head contiguously, so one pass reads
+/* One request, KV heads hk0..hk1 (all of them unless the batch is smaller than the thread count) and
+ * their query heads: each token's K (then V) row holds every KV head contiguously, so one pass reads
  * the request's rows front to back instead of striding through them once per head. */
 static void attend_one(const void *q, const void *k, const void *v, void *out, const int64_t *rows, int64_t len,
-                       int b, int H, int Hkv, int D, float scale, int is_bf16, float *scores) {
-    const int G = H / Hkv;
+                       int b, int H, int Hkv, int hk0, int hk1, int D, float scale, int is_bf16, float *scores) {
+    const int G = H / Hkv, h_lo = hk0 * G, h_hi = hk1 * G;
     const int W = Hkv * D; /* elements per token row */
     const int64_t elem = is_bf16 ? 2 : 4;
     static __thread float qf[MAX_H * MAX_D];
     static __thread float acc[MAX_H * MAX_D];
     static __thread float row[MAX_H * MAX_D];
     float mx[MAX_H], sum[MAX_H];
-    for (int h = 0; h < H; h++) {
+    for (int h = h_lo; h < h_hi; h++) {
         int64_t base = ((int64_t)b * H + h) * D;
         for (int d = 0; d < D; d++)
             qf[h * D + d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[base + d]) : ((const float *)q)[base + d]) * scale;
         mx[h] = -INFINITY;
     }
-    memset(acc, 0, sizeof(float) * H * D);
+    memset(acc + h_lo * D, 0, sizeof(float) * (h_hi - h_lo) * D);
 #if HAVE_SIMD
     if (D == 64) {
-        attend_one_d64(qf, k, v, acc, rows, len, H, Hkv, is_bf16, scores, mx, sum);
+        attend_one_d64(qf, k, v, acc, rows, len, H, Hkv, hk0, hk1, is_bf16, scores, mx, sum);
         goto write_out;
     }
 #endif
@@ -154,7 +156,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
         if (t + PREFETCH < len) prefetch_row(k, rows[t + PREFETCH] * W * elem, W * elem);
         int64_t off = rows[t] * W;
         load_row_f32(k, off, W, is_bf16, row);
-        for (int h = 0; h < H; h++) {
+        for (int h = h_lo; h < h_hi; h++) {
             const float *kr = row + (h / G) * D;
             const float *qh = qf + h * D;
             float s = 0.0f;
@@ -164,7 +166,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
             if (s > mx[h]) mx[h] = s;
         }
     }
-    for (int h = 0; h < H; h++) {
+    for (int h = h_lo; h < h_hi; h++) {
         float *sh = scores + h * len;
         float m = mx[h], total = 0.0f;
         for (int64_t t = 0; t < len; t++) {
@@ -178,7 +180,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
         if (t + PREFETCH < len) prefetch_row(v, rows[t + PREFETCH] * W * elem, W * elem);
         int64_t off = rows[t] * W;
         load_row_f32(v, off, W, is_bf16, row);
-        for (int h = 0; h < H; h++) {
+        for (int h = h_lo; h < h_hi; h++) {
             const float *vr = row + (h / G) * D;
             float *ah = acc + h * D;
             float p = scores[h * len + t];
@@ -188,7 +190,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
 #if HAVE_SIMD
 write_out:
 #endif
-    for (int h = 0; h < H; h++) {
+    for (int h = h_lo; h < h_hi; h++) {
         int64_t base = ((int64_t)b * H + h) * D;
         float inv = 1.0f / sum[h];
         for (int d = 0; d < D; d++) {
@@ -227,11 +229,15 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
             failed = 2;
         }
         /* every thread must reach the worksharing loop, even one whose allocation failed */
+        /* fewer requests than threads (one user): each KV head is a unit of work, else each request */
+        const int split = B < num_threads ? Hkv : 1, per = Hkv / split;
 #pragma omp for schedule(dynamic, 1)
-        for (int b = 0; b < B; b++)
+        for (int u = 0; u < B * split; u++) {
+            const int b = u / split, hk0 = (u % split) * per;
             if (scores != NULL)
-                attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, D, scale, is_bf16,
-                           scores);
+                attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, hk0, hk0 + per, D,
+                           scale, is_bf16, scores);
+        }
         free(scores);
     }
     return failed;
