@@ -3,9 +3,10 @@
 Why: the embedded model ships as a GGUF whose layers are Q4_1 and whose tied lm_head is Q8_0. The exact
 mode dequantizes them once to float32 (540 MB read per decoded token); this mode reads the blocks as
 they are (about 96 MB a token), through kernels/cpu/gguf_linear.c. Its weights are the exact mode's;
-what changes is decode's activations, rounded per block of 32 to int8 for integer dot products (as
-llama.cpp does). Prefill (more than DIRECT_MAX_ROWS rows) multiplies float activations by dequantized
-tiles, so prompt logprobs are the exact mode's up to float rounding (docs/quantization.md).
+the activations are rounded per block of 32 to int16 for integer dot products (llama.cpp rounds them
+to int8, which cost this model 1.3% of perplexity; int16 costs nothing measurable, docs/quantization.md).
+Prefill (more than DIRECT_MAX_ROWS rows) multiplies the same rounded activations by dequantized float32
+tiles, so a prompt's logits do not depend on how its rows were batched.
 
 The blocks of each layer are the file's rows, one row of blocks per output row, so fused layers (qkv,
 gate_up) are the parts' rows stacked. Llama GGUFs store q and k with their rows permuted for
@@ -25,6 +26,7 @@ from engine.model.config import ModelConfig
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per 32 weights: Q4_0, Q4_1, Q8_0
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
 DIRECT_MAX_ROWS = 64  # more input rows: float32 GEMMs over dequantized tiles (measured, docs/quantization.md)
 SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantized tile, one buffer for every layer
 _scratch = torch.empty(0, dtype=torch.float32)  # the scheduler runs one forward at a time
@@ -132,10 +134,10 @@ def _qkv_order(got, kind, orders, reference, k: int, source: str):
 
 
 def round_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, k] as the kernel sees it (each block of 32 rounded to int8 steps of max|x|/127, as
+    """x [M, k] as the kernel sees it (each block of 32 rounded to int16 steps of max|x|/32767, as
     quantize_x in gguf_linear.c), and per block sum(x) - sum(rounded x) [M, k / 32]."""
     b = x.reshape(x.shape[0], -1, BLOCK)
-    d = b.abs().amax(-1, keepdim=True) / 127.0
+    d = b.abs().amax(-1, keepdim=True) / ROUND_STEPS
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     rounded = torch.round(b * inv) * d
     return rounded.reshape(x.shape), (b.sum(-1) - rounded.sum(-1))
