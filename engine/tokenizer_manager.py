@@ -59,6 +59,26 @@ def _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, 
         raise ValueError("top_logprobs_num and logprob_start_len need return_logprob=True")
 
 
+def _unicode(text: str, where: str) -> str:
+    """text itself, or a ValueError naming where it holds what UTF-8 cannot encode (a lone surrogate such
+    as "\\ud800", which json.loads and surrogateescape decoding both produce): the tokenizer raised a
+    TypeError that named nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start} (it cannot be encoded as UTF-8)") from None  # fmt: skip
+    return text
+
+
+def _unicode_messages(messages: list, where: str) -> list:
+    for j, m in enumerate(messages):
+        for key, value in m.items() if isinstance(m, dict) else ():
+            if isinstance(value, str):
+                _unicode(value, f"{where}[{j}][{key!r}]")
+    return messages
+
+
 def _done_hook(state: "ReqState", error: str | None) -> None:
     """engine_request_done, from the receiver thread: a plugin error is printed, never raised there."""
     try:
@@ -299,9 +319,9 @@ class TokenizerManager:
             raise ValueError(f"give exactly one of prompt, input_ids or messages (got {given or 'none'})")
         if prompt is not None:
             if isinstance(prompt, str):
-                return [PromptRequest(0, prompt=prompt)], False
+                return [PromptRequest(0, prompt=_unicode(prompt, "prompt"))], False
             if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                return [PromptRequest(i, prompt=p) for i, p in enumerate(prompt)], True
+                return [PromptRequest(i, prompt=_unicode(p, f"prompt[{i}]")) for i, p in enumerate(prompt)], True
             raise ValueError("prompt must be a string or a non-empty list of strings")
         if input_ids is not None:
             if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
@@ -310,9 +330,9 @@ class TokenizerManager:
                 return [PromptRequest(0, input_ids=list(input_ids))], False
             raise ValueError("input_ids must be a list of token ids or a list of such lists")
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-            return [PromptRequest(0, messages=messages)], False
+            return [PromptRequest(0, messages=_unicode_messages(messages, "messages"))], False
         if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
-            return [PromptRequest(i, messages=m) for i, m in enumerate(messages)], True
+            return [PromptRequest(i, messages=_unicode_messages(m, f"messages[{i}]")) for i, m in enumerate(messages)], True
         raise ValueError("messages must be a list of {'role', 'content'} dicts or a list of such lists")
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:

@@ -161,3 +161,17 @@ def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):
                                               {"max_new_tokens": 12, "temperature": 0.8}])
     assert outs[0]["output_ids"] == greedy
     assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)
+
+
+@pytest.mark.parametrize("inputs,field", [
+    ({"prompt": "ok \ud800 then"}, "prompt"),
+    ({"prompt": ["fine", "lone \udfff surrogate"]}, r"prompt\[1\]"),
+    ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, r"messages\[0\]\['content'\]"),
+])  # fmt: skip
+def test_text_that_is_not_unicode_is_refused_naming_it(engine, inputs, field):
+    """A lone surrogate cannot be encoded as UTF-8: a ValueError naming where it is, before anything is
+    queued (it was the tokenizer's TypeError; found trying it as a new user would)."""
+    before = engine.get_stats()
+    with pytest.raises(ValueError, match=field + r".*surrogate"):
+        engine.generate(sampling_params={"max_new_tokens": 2}, **inputs)
+    assert engine.get_stats()["prompt_tokens"] == before["prompt_tokens"]
