@@ -80,8 +80,15 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     meta device); without it int8's are quantized here and, with model_dir, kept for next time."""
     if mode == "none":
         return model
-    if mode == "gguf":
-        return _swap_gguf(model, stored)
+    from engine.model.fused_decode import install
+    from kernels.cpu import load_native
+
+    swapped = _swap_gguf(model, stored) if mode == "gguf" else _swap_int8(model, mode, model_dir, stored)
+    _release_float_weights()
+    return install(swapped, load_native())  # float32 decode steps with fused elementwise ops
+
+
+def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict | None) -> nn.Module:
     from engine.quantization import cache
     from engine.quantization.int8 import Int8Linear
     from kernels.cpu import load_native
@@ -99,7 +106,6 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
             fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
     if stored is None and model_dir is not None:
         cache.save_cached(cache.cache_file(model_dir, mode), fresh)
-    _release_float_weights()
     return model
 
 
@@ -114,7 +120,6 @@ def _swap_gguf(model: nn.Module, blocks: dict) -> nn.Module:
                 name = f"{prefix}.{child_name}" if prefix else child_name
                 kind, data = blocks[name]
                 setattr(module, child_name, GGUFLinear(kind, data, tuple(child.weight.shape), child.bias, lib, threads))
-    _release_float_weights()
     return model
 
 

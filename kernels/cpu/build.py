@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, gguf_linear.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, elementwise.c, gguf_linear.c, int8_linear.c
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
@@ -161,6 +161,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_dequantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
+    lib.add_rms_norm.restype = None
+    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    lib.rotary_qkv.restype = None
+    lib.rotary_qkv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int
         lib.native_support.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]

@@ -1,0 +1,80 @@
+"""The quantized modes' fused decode path (engine/model/fused_decode.py, kernels/cpu/elementwise.c): each
+C op against the torch op it replaces, and a whole decode step against the model's plain forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ipc.messages import TokenizedRequest
+from engine.model.llama import LlamaForCausalLM
+from engine.sampling_params import SamplingParams
+from kernels.attention import ForwardMode
+from kernels.cpu import load_native
+from kernels.ops import apply_rotary, rms_norm, silu_and_mul
+from test_scheduler_steps import InProcess
+
+needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the fused ops cannot be built")
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    return bool((a - b).abs().max() <= rel * b.abs().max() + 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_elementwise_ops_match_torch(rows):
+    lib, gen = load_native(), torch.Generator().manual_seed(rows)
+    h, a, w = (torch.randn(rows, 576, generator=gen) for _ in range(3))
+    out, want_h = torch.empty_like(h), h + a
+    lib.add_rms_norm(h.data_ptr(), a.data_ptr(), w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5)
+    assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
+    lib.add_rms_norm(h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5)  # no residual
+    assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
+
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
+    angles = torch.rand(rows, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, v = qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], -1)
+    want_q, want_k = apply_rotary(q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), cos, sin)
+    lib.rotary_qkv(qkv.data_ptr(), rows, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr())
+    got_q, got_k, got_v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    assert close(got_q.reshape(rows, heads, d), want_q) and close(got_k.reshape(rows, kv_heads, d), want_k)
+    assert torch.equal(got_v, v)  # v is not rotated
+
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
+    act = torch.empty(rows, 1536)
+    lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, 1536)
+    assert close(act, silu_and_mul(gate_up))
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode,rel", [("int8", 1e-4), ("gguf", 1e-3)])
+def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
+    """Every decode step of three requests (one batch) computed both ways: logits within rel of their
+    scale. The sums run in another order, a float32 rounding's worth; gguf then rounds each block of
+    activations to int16 steps, which can move a value by a step (1.5e-5 of the block's largest) and
+    30 layers carry it on, hence its looser bound. The greedy tokens are the same."""
+    run = InProcess(model_dir, max_total_tokens=2048, quantization=mode)
+    try:
+        model, seen = run.sched.model, []
+        fused = model.forward
+
+        def both(batch, backend):
+            if batch.mode is ForwardMode.DECODE:
+                plain = LlamaForCausalLM.forward(model, batch, backend)
+                seen.append((plain, fused(batch, backend)))
+                return seen[-1][1]
+            return fused(batch, backend)
+
+        model.forward = both
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
+        done = run.finish_all()
+    finally:
+        run.close()
+    assert len(done) == 3 and len(seen) >= 10
+    for plain, got in seen:
+        assert got.shape == plain.shape and close(got, plain, rel), float((got - plain).abs().max() / plain.abs().max())
+        assert torch.equal(got.argmax(-1), plain.argmax(-1))
