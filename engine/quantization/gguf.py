@@ -180,7 +180,6 @@ class GGUFLinear(nn.Module):
         if rc != 0:
             raise RuntimeError(f"gguf_dequantize failed with code {rc}")
 
-    @torch.inference_mode()  # frozen weights; the shared scratch buffer is an inference tensor
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
@@ -199,6 +198,8 @@ class GGUFLinear(nn.Module):
                     raise RuntimeError(f"gguf_linear failed with code {rc}")
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
+    # entering one costs microseconds, and a decode step calls 121 layers)
     def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """Many input rows: float32 GEMMs over tiles of output rows dequantized into the shared scratch,
         computing what the kernel computes (x rounded per block, the offsets m times the float sums of x),

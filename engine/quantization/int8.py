@@ -61,7 +61,6 @@ class Int8Linear(nn.Module):
         """The weight the layer multiplies by, in float32."""
         return self.qweight.to(torch.float32) * self.scale[:, None]
 
-    @torch.inference_mode()  # frozen weights; and the shared scratch buffer is an inference tensor
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
@@ -78,6 +77,8 @@ class Int8Linear(nn.Module):
                                       out.data_ptr(), m, self.out_features, self.in_features, self._threads)  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
+    # entering one costs microseconds, and a decode step calls 121 layers)
     def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """Many input rows: float32 GEMMs over tiles of output rows, each tile dequantized into the
         shared scratch buffer (lm_head's 28M weights take two tiles)."""
