@@ -10,7 +10,7 @@ import torch
 import test_request_api
 from conftest import PROMPTS
 from engine import Engine
-from engine.bench.quality import agreement, held_out_windows, parity_inputs
+from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
 from engine.quantization.gguf import BLOCK_BYTES, DIRECT_MAX_ROWS, GGUFLinear, dequantize, unpermute_rows
 from kernels.cpu import load_native
 
@@ -146,20 +146,9 @@ def test_gguf_quality_against_the_exact_weights(engine, gguf_engine, tokenizer):
     0.5% (measured: 0.00% on 4,088 tokens), and greedy outputs mostly identical (measured on the parity
     prompts: 7 of 8 identical over 64 tokens)."""
     windows = held_out_windows(tokenizer, 2, 256)
-    lp = {"sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0}
-
-    def perplexity(e) -> float:
-        outs = e.generate(input_ids=windows, **lp)
-        values = [v for o in outs for v, _, _ in o["meta_info"]["input_token_logprobs"] if v is not None]
-        return float(torch.tensor(values).neg().mean().exp())
-
-    exact, blocks = perplexity(engine), perplexity(gguf_engine)
+    (exact, _), (blocks, _) = prompt_perplexity(engine, windows), prompt_perplexity(gguf_engine, windows)
     assert abs(blocks / exact - 1) <= 0.005, (exact, blocks)
-    prompts = parity_inputs(tokenizer)
-    greedy = {"max_new_tokens": 32, "temperature": 0}
-    a = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-    b = [o["output_ids"] for o in gguf_engine.generate(input_ids=prompts, sampling_params=greedy)]
-    share = agreement(a, b)
+    share = greedy_agreement(engine, gguf_engine, parity_inputs(tokenizer), 32)
     assert share["identical_outputs"] >= 5 and share["token_agreement"] >= 0.75, share
 
 

@@ -13,7 +13,7 @@ import test_plugins
 import test_request_api
 from conftest import PROMPTS
 from engine import Engine
-from engine.bench.quality import agreement, held_out_windows, parity_inputs
+from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
 from engine.hooks.loader import unload_plugins
 from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, quantize_rows
 from kernels.cpu import load_native
@@ -141,20 +141,9 @@ def test_int8_quality_against_the_exact_weights(engine, int8_engine, tokenizer):
     4,088 tokens), and greedy outputs that start alike (measured: a third identical over 64 tokens)."""
     eng, _ = int8_engine
     windows = held_out_windows(tokenizer, 2, 256)
-    lp = {"sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0}
-
-    def perplexity(e) -> float:
-        outs = e.generate(input_ids=windows, **lp)
-        values = [v for o in outs for v, _, _ in o["meta_info"]["input_token_logprobs"] if v is not None]
-        return float(torch.tensor(values).neg().mean().exp())
-
-    exact, quantized = perplexity(engine), perplexity(eng)
+    (exact, _), (quantized, _) = prompt_perplexity(engine, windows), prompt_perplexity(eng, windows)
     assert abs(quantized / exact - 1) <= 0.02, (exact, quantized)
-    prompts = parity_inputs(tokenizer)
-    greedy = {"max_new_tokens": 32, "temperature": 0}
-    a = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-    b = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)]
-    share = agreement(a, b)
+    share = greedy_agreement(engine, eng, parity_inputs(tokenizer), 32)
     assert share["mean_identical_prefix"] >= 4 and share["identical_outputs"] >= 1, share
 
 

@@ -49,13 +49,26 @@ def measure(quantization: str, args: argparse.Namespace) -> dict:
         prompts = parity_inputs(eng.tokenizer)
         greedy = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.quality_new_tokens, "temperature": 0})
         windows = held_out_windows(eng.tokenizer, args.quality_windows, args.quality_window_len)
-        outs = eng.generate(input_ids=windows, sampling_params={"max_new_tokens": 1}, return_logprob=True,
-                            logprob_start_len=0)  # fmt: skip
-        logprobs = [lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"] if lp is not None]
+        perplexity, scored = prompt_perplexity(eng, windows)
         seconds = time.perf_counter() - t0
-    nll = -sum(logprobs) / len(logprobs)
-    return {"greedy": [o["output_ids"] for o in greedy], "perplexity": math.exp(nll), "scored_tokens": len(logprobs),
+    return {"greedy": [o["output_ids"] for o in greedy], "perplexity": perplexity, "scored_tokens": scored,
             "seconds": seconds}  # fmt: skip
+
+
+def prompt_perplexity(engine, windows: list[list[int]]) -> tuple[float, int]:
+    """Perplexity of the windows from the prompt logprobs the engine returns, and how many tokens it scored."""
+    outs = engine.generate(input_ids=windows, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                           logprob_start_len=0)  # fmt: skip
+    logprobs = [lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"] if lp is not None]
+    return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs)
+
+
+def greedy_agreement(exact, other, prompts: list[list[int]], new_tokens: int) -> dict:
+    """agreement() of two engines' greedy outputs on the same prompts."""
+    greedy = {"max_new_tokens": new_tokens, "temperature": 0}
+    a = [o["output_ids"] for o in exact.generate(input_ids=prompts, sampling_params=greedy)]
+    b = [o["output_ids"] for o in other.generate(input_ids=prompts, sampling_params=greedy)]
+    return agreement(a, b)
 
 
 def agreement(exact: list[list[int]], other: list[list[int]]) -> dict:

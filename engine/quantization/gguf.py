@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.quantization.linear import QuantizedLinear
 
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per 32 weights: Q4_0, Q4_1, Q8_0
@@ -158,8 +158,10 @@ def _scratch_weight(n: int, k: int) -> torch.Tensor:
     return _scratch[: n * k].view(n, k)
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(QuantizedLinear):
     """A frozen linear layer holding a GGUF tensor's blocks (and a float32 bias, where the model has one)."""
+
+    kind_name, direct_max_rows = "GGUF-block", DIRECT_MAX_ROWS
 
     def __init__(self, kind: int, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
                  lib, threads: int) -> None:  # fmt: skip
@@ -180,23 +182,12 @@ class GGUFLinear(nn.Module):
         if rc != 0:
             raise RuntimeError(f"gguf_dequantize failed with code {rc}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32:
-            raise TypeError(f"GGUF-block layers take float32 activations, got {rows.dtype}")
-        m = rows.shape[0]
-        if m > DIRECT_MAX_ROWS:
-            out = self._dequantized_matmul(rows)
-        else:
-            rows = rows.contiguous()
-            out = torch.empty(m, self.out_features, dtype=torch.float32)
-            if m:
-                bias = None if self.bias is None else self.bias.data_ptr()
-                rc = self._lib.gguf_linear(self.kind, rows.data_ptr(), self.blocks.data_ptr(), bias, out.data_ptr(), m,
-                                           self.out_features, self.in_features, self._threads)  # fmt: skip
-                if rc != 0:
-                    raise RuntimeError(f"gguf_linear failed with code {rc}")
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        bias = None if self.bias is None else self.bias.data_ptr()
+        rc = self._lib.gguf_linear(self.kind, rows.data_ptr(), self.blocks.data_ptr(), bias, out.data_ptr(), rows.shape[0],
+                                   self.out_features, self.in_features, self._threads)  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"gguf_linear failed with code {rc}")
 
     @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
     # entering one costs microseconds, and a decode step calls 121 layers)

@@ -16,7 +16,8 @@ weights, so the buffer stays at 16 MB whatever the layer (lm_head has 28M weight
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from engine.quantization.linear import QuantizedLinear
 
 DIRECT_MAX_ROWS = 64
 SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32: every layer of SmolLM2-135M but lm_head
@@ -38,8 +39,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     """A frozen linear layer holding only int8 weights and their per-row scales."""
+
+    kind_name, direct_max_rows = "int8", DIRECT_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib, threads: int,
                  known: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -61,21 +64,10 @@ class Int8Linear(nn.Module):
         """The weight the layer multiplies by, in float32."""
         return self.qweight.to(torch.float32) * self.scale[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32:
-            raise TypeError(f"int8 layers take float32 activations, got {rows.dtype}")
-        m = rows.shape[0]
-        if m > DIRECT_MAX_ROWS:
-            out = self._dequantized_matmul(rows)
-        else:
-            rows = rows.contiguous()
-            out = torch.empty(m, self.out_features, dtype=torch.float32)
-            if m:
-                bias = 0 if self.bias is None else self.bias.data_ptr()
-                self._lib.int8_linear(rows.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias or None,
-                                      out.data_ptr(), m, self.out_features, self.in_features, self._threads)  # fmt: skip
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        bias = None if self.bias is None else self.bias.data_ptr()
+        self._lib.int8_linear(rows.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias, out.data_ptr(),
+                              rows.shape[0], self.out_features, self.in_features, self._threads)  # fmt: skip
 
     @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
     # entering one costs microseconds, and a decode step calls 121 layers)
