@@ -72,10 +72,20 @@ def _unicode(text: str, where: str) -> str:
 
 
 def _unicode_messages(messages: list, where: str) -> list:
+    """Every string in the messages, content given as a list of parts included, checked by _unicode."""
+
+    def walk(value, at: str) -> None:
+        if isinstance(value, str):
+            _unicode(value, at)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{at}[{key!r}]")
+        elif isinstance(value, list):
+            for k, item in enumerate(value):
+                walk(item, f"{at}[{k}]")
+
     for j, m in enumerate(messages):
-        for key, value in m.items() if isinstance(m, dict) else ():
-            if isinstance(value, str):
-                _unicode(value, f"{where}[{j}][{key!r}]")
+        walk(m, f"{where}[{j}]")
     return messages
 
 

@@ -230,3 +230,88 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     bad.write_bytes(b"not a gguf at all")
     with pytest.raises(ValueError, match="no GGUF magic"):
         read_index(bad)
+
+
+def _tiny_gguf(tmp_path, permuted: bool):
+    """A two-layer GGUF of Q8_0 tensors (gguf's own writer and quantizer), with the float reference the
+    converted directory would hold for layer 0's qkv, and the model directory marked as made from it."""
+    import gguf
+    import numpy as np
+
+    from engine.model.config import ModelConfig
+
+    heads, kv_heads, d, hidden, inter, vocab = 2, 1, 32, 64, 96, 64
+    cfg = ModelConfig("llama", vocab, hidden, inter, 2, heads, kv_heads, d, 1e-5, True, False, False, False, 128, (0,))
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    shapes = {"attn_q": (heads * d, hidden), "attn_k": (kv_heads * d, hidden), "attn_v": (kv_heads * d, hidden),
+              "attn_output": (hidden, heads * d), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}  # fmt: skip
+    floats = {}
+    for i in range(2):
+        for name, shape in shapes.items():
+            w = rng.standard_normal(shape).astype(np.float32)
+            floats[f"{i}.{name}"] = w
+            stored = w
+            if permuted and name in ("attn_q", "attn_k"):
+                h = heads if name == "attn_q" else kv_heads
+                stored = w.reshape(h, 2, shape[0] // h // 2, shape[1]).swapaxes(1, 2).reshape(shape)
+            q = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(f"blk.{i}.{name}.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    emb = gguf.quants.quantize(rng.standard_normal((vocab, hidden)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", emb, raw_shape=emb.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model_dir = tmp_path / "converted"
+    model_dir.mkdir()
+    (model_dir / ".complete").write_text(str(tmp_path / "tiny.gguf"))
+    qkv = np.concatenate([floats["0.attn_q"], floats["0.attn_k"], floats["0.attn_v"]])
+    reference = {"layers.0.self_attn.qkv_proj.weight": dequantize(8, torch.from_numpy(
+        gguf.quants.quantize(qkv, gguf.GGMLQuantizationType.Q8_0)), hidden)}  # fmt: skip
+    linear = {"self_attn.qkv_proj": ((heads + 2 * kv_heads) * d, hidden), "self_attn.o_proj": (hidden, heads * d),
+              "mlp.gate_up_proj": (2 * inter, hidden), "mlp.down_proj": (hidden, inter)}  # fmt: skip
+    shapes_ours = {f"layers.{i}.{k}": v for i in range(2) for k, v in linear.items()} | {"lm_head": (vocab, hidden)}
+    return str(model_dir), cfg, shapes_ours, reference, floats
+
+
+@pytest.mark.parametrize("permuted", [True, False])
+def test_q_and_k_rows_in_either_order_are_read_into_ours(tmp_path, permuted):
+    """llama.cpp permutes q/k rows for Llama; other architectures' files keep them as stored. Both come out
+    in our order in every layer (not only the first, which decides the order)."""
+    from engine.quantization.gguf import read_blocks
+
+    model_dir, cfg, shapes, reference, floats = _tiny_gguf(tmp_path, permuted)
+    blocks = read_blocks(model_dir, cfg, shapes, reference)
+    for i in range(2):
+        kind, data = blocks[f"layers.{i}.self_attn.qkv_proj"]
+        got = dequantize(kind, data, 64)
+        want = torch.from_numpy(__import__("numpy").concatenate([floats[f"{i}.attn_q"], floats[f"{i}.attn_k"],
+                                                                 floats[f"{i}.attn_v"]]))  # fmt: skip
+        assert torch.allclose(got, want, atol=0.05), i  # Q8_0 rounding
+
+
+def test_a_truncated_gguf_is_refused_naming_the_tensor(tmp_path):
+    from engine.quantization.gguf import read_blocks
+
+    model_dir, cfg, shapes, reference, _ = _tiny_gguf(tmp_path, True)
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(path.read_bytes()[:-4000])
+    with pytest.raises(ValueError, match="tiny.gguf: tensor .* lies outside the file"):
+        read_blocks(model_dir, cfg, shapes, reference)
+
+
+def test_a_zero_alignment_is_refused(tmp_path):
+    import gguf
+
+    from engine.model.gguf_file import read_index
+
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
+    writer.add_uint32("general.alignment", 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="odd.gguf is not a readable GGUF file.*alignment 0"):
+        read_index(tmp_path / "odd.gguf")

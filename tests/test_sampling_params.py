@@ -167,6 +167,8 @@ def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):
     ({"prompt": "ok \ud800 then"}, "prompt"),
     ({"prompt": ["fine", "lone \udfff surrogate"]}, r"prompt\[1\]"),
     ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, r"messages\[0\]\['content'\]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc80"}]}]},
+     r"messages\[0\]\['content'\]\[0\]\['text'\]"),
 ])  # fmt: skip
 def test_text_that_is_not_unicode_is_refused_naming_it(engine, inputs, field):
     """A lone surrogate cannot be encoded as UTF-8: a ValueError naming where it is, before anything is

@@ -76,7 +76,7 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        (tmp / ".complete").write_text(str(gguf))
+        (tmp / ".complete").write_text(str(gguf.resolve()))  # read back by quantization=gguf
         try:
             os.replace(tmp, target)
         except OSError:

@@ -73,8 +73,12 @@ def read_index(path: Path) -> dict[str, GGUFTensor]:
         alignment = 32
         for _ in range(n_kv):
             key, kind = c.string(), c.take("I")
-            if key == "general.alignment" and kind == UINT32:
+            if key == "general.alignment":
+                if kind != UINT32:
+                    raise ValueError(f"general.alignment has value type {kind}, not uint32")
                 alignment = c.take("I")
+                if alignment <= 0 or alignment & (alignment - 1):
+                    raise ValueError(f"general.alignment {alignment} is not a power of two")
             else:
                 c.skip_value(kind)
         infos = []
@@ -83,8 +87,9 @@ def read_index(path: Path) -> dict[str, GGUFTensor]:
             dims = tuple(c.take("Q") for _ in range(n_dims))
             kind, offset = c.take("IQ")
             infos.append((name, kind, dims, offset))
-    except (struct.error, IndexError, OverflowError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from None
+    except (struct.error, IndexError, OverflowError, UnicodeDecodeError, RecursionError) as exc:
+        more = " (or its metadata is larger than the 16 MB read)" if len(data) < path.stat().st_size else ""
+        raise ValueError(f"{path.name} is not a readable GGUF file{more}: {exc}") from None
     except ValueError as exc:
         raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from None
     start = -(-c.pos // alignment) * alignment
@@ -98,10 +103,14 @@ def _head(path: Path, size: int = 16 << 20) -> bytes:
 
 
 def read_tensor(path: Path, tensor: GGUFTensor, row_bytes: int) -> torch.Tensor:
-    """The tensor's raw bytes as uint8 [rows, row_bytes], rows being the product of dims[1:]."""
+    """The tensor's raw bytes as uint8 [rows, row_bytes], rows being the product of dims[1:]; a ValueError
+    naming the file when they do not lie inside it (checked before anything is allocated)."""
     rows = 1
     for d in tensor.dims[1:]:
         rows *= d
+    if tensor.offset + rows * row_bytes > path.stat().st_size:
+        raise ValueError(f"{path.name}: tensor {tensor.name} ({rows} x {row_bytes} bytes at {tensor.offset}) lies "
+                         "outside the file")  # fmt: skip
     out = torch.empty(rows, row_bytes, dtype=torch.uint8)
     with open(path, "rb") as f:
         f.seek(tensor.offset)

@@ -26,6 +26,8 @@ from engine.quantization.linear import QuantizedLinear
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per 32 weights: Q4_0, Q4_1, Q8_0
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+GGML_TYPES = {0: "F32", 1: "F16", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
+              14: "Q6_K", 15: "Q8_K", 30: "BF16"}  # the types we do not read, for the refusal's wording
 ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
 DIRECT_MAX_ROWS = 64  # more input rows: float32 GEMMs over dequantized tiles (measured, docs/quantization.md)
 SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantized tile, one buffer for every layer
@@ -89,7 +91,7 @@ def read_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, i
             raise ValueError(f"{source.name} has no tensor {name}")
         if t.kind not in BLOCK_BYTES:
             raise ValueError(f"quantization='gguf' reads {'/'.join(TYPE_NAMES.values())} blocks; {source.name}'s "
-                             f"{name} is of ggml type {t.kind}")  # fmt: skip
+                             f"{name} is {GGML_TYPES.get(t.kind, f'of ggml type {t.kind}')}")  # fmt: skip
         if not t.dims or t.dims[0] % BLOCK:
             raise ValueError(f"{source.name}: {name} has rows of {t.dims[:1]} weights, not a multiple of {BLOCK}")
         return t.kind, read_tensor(source, t, t.dims[0] // BLOCK * BLOCK_BYTES[t.kind])
@@ -98,7 +100,7 @@ def read_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, i
     plan["lm_head"] = ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
     q_rows, k_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     orders = {"permuted": (unpermute_rows(q_rows, cfg.num_heads), unpermute_rows(k_rows, cfg.num_kv_heads)), "as stored": None}
-    order = None
+    order, decided = None, False  # None is also an answer: the rows are as stored
     out: dict[str, tuple[int, torch.Tensor]] = {}
     for name, parts in plan.items():
         got = [take(p) for p in parts]
@@ -107,8 +109,11 @@ def read_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, i
             raise ValueError(f"quantization='gguf': the parts of {name} ({parts}) are of different block types")
         kind = kinds.pop()
         if name.endswith("qkv_proj"):
-            if order is None:
-                order = _qkv_order(got, kind, orders, reference, shapes[name][1], source.name)
+            if [b.shape[0] for _, b in got] != [q_rows, k_rows, k_rows]:
+                raise ValueError(f"{source.name}: the q/k/v tensors of {name} have {[b.shape[0] for _, b in got]} rows, "
+                                 f"the config says {[q_rows, k_rows, k_rows]}")  # fmt: skip
+            if not decided:
+                order, decided = _qkv_order(got, kind, orders, reference, shapes[name][1], source.name), True
             if order is not None:
                 got[0] = (kind, got[0][1][order[0]])
                 got[1] = (kind, got[1][1][order[1]])
@@ -137,7 +142,8 @@ def round_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, k] as the kernel sees it (each block of 32 rounded to int16 steps of max|x|/32767, as
     quantize_x in gguf_linear.c), and per block sum(x) - sum(rounded x) [M, k / 32]."""
     b = x.reshape(x.shape[0], -1, BLOCK)
-    d = b.abs().amax(-1, keepdim=True) / ROUND_STEPS
+    amax = b.abs().amax(-1, keepdim=True)
+    d = torch.where(amax > 1e-30, amax / ROUND_STEPS, torch.zeros_like(amax))  # as the kernel: 1/d stays finite
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     rounded = torch.round(b * inv) * d
     return rounded.reshape(x.shape), (b.sum(-1) - rounded.sum(-1))

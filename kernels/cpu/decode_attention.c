@@ -153,9 +153,9 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
     }
 #endif
     for (int64_t t = 0; t < len; t++) {
-        if (t + PREFETCH < len) prefetch_row(k, rows[t + PREFETCH] * W * elem, W * elem);
-        int64_t off = rows[t] * W;
-        load_row_f32(k, off, W, is_bf16, row);
+        if (t + PREFETCH < len) prefetch_row(k, (rows[t + PREFETCH] * W + hk0 * D) * elem, (hk1 - hk0) * D * elem);
+        int64_t off = rows[t] * W + hk0 * D; /* only this unit's KV heads */
+        load_row_f32(k, off, (hk1 - hk0) * D, is_bf16, row + hk0 * D);
         for (int h = h_lo; h < h_hi; h++) {
             const float *kr = row + (h / G) * D;
             const float *qh = qf + h * D;
@@ -177,9 +177,9 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
         sum[h] = total;
     }
     for (int64_t t = 0; t < len; t++) {
-        if (t + PREFETCH < len) prefetch_row(v, rows[t + PREFETCH] * W * elem, W * elem);
-        int64_t off = rows[t] * W;
-        load_row_f32(v, off, W, is_bf16, row);
+        if (t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk0 * D) * elem, (hk1 - hk0) * D * elem);
+        int64_t off = rows[t] * W + hk0 * D;
+        load_row_f32(v, off, (hk1 - hk0) * D, is_bf16, row + hk0 * D);
         for (int h = h_lo; h < h_hi; h++) {
             const float *vr = row + (h / G) * D;
             float *ah = acc + h * D;

@@ -106,13 +106,13 @@ static void quantize_x(const float *x, int64_t blocks, int16_t *qx, float *dx, f
             amax = a > amax ? a : amax;
             s += xb[j];
         }
-        const float d = amax / QX_MAX, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax > 1e-30f ? amax / QX_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f; /* 1/d finite */
         for (int j = 0; j < QK; j++) qx[i * QK + j] = (int16_t)__builtin_lrintf(xb[j] * id);
         dx[i] = d, sx[i] = s;
     }
 }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 /* a block's 32 quants as bytes in weight order: unsigned nibbles (Q4), or signed int8 (Q8_0) */
 static inline __m256i quants_bytes(int type, const uint8_t *qs) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)qs);
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void dot_rows(int type, int bs, con
                                                              const float *sx, const uint8_t *wrow, int64_t nb,
                                                              const int rows, float *out) {
     float macc[MB];
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     __m256 acc[MB];
     for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps(), macc[j] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {

@@ -10,7 +10,7 @@
  * dequantized weights for many.
  */
 #include <stdint.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -20,7 +20,7 @@ static float dot_scalar(const float *x, const int8_t *w, int64_t k) {
     return acc;
 }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 load8_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -71,7 +71,7 @@ int int8_linear(const float *x, const int8_t *w, const float *scale, const float
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         int64_t rows = N - n0 < 4 ? N - n0 : 4;
         int64_t m = 0;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
         if (rows == 4 && K % 8 == 0) {
             for (; m + 2 <= M; m += 2) {
                 float d0[4], d1[4];
@@ -86,7 +86,7 @@ int int8_linear(const float *x, const int8_t *w, const float *scale, const float
 #endif
         for (; m < M; m++) {
             float d[4];
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
             if (rows == 4 && K % 8 == 0) {
                 dot4(x + m * K, w + n0 * K, K, d);
             } else
