@@ -76,16 +76,16 @@ def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in
 
 @needs_kernel
 def test_a_block_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch):
-    import engine.quantization.gguf as gguf
+    import engine.quantization.linear as linear
 
-    monkeypatch.setattr(gguf, "SCRATCH_MAX_ELEMENTS", 64 * 7)  # tiles of 7 output rows, the last one short
+    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 64 * 7)  # tiles of 7 output rows, the last one short
     gen = torch.Generator().manual_seed(5)
     blocks = random_blocks(3, 45, 64, gen)
     layer = GGUFLinear(3, blocks, (45, 64), None, load_native(), 1)
     x = torch.randn(DIRECT_MAX_ROWS + 30, 64, generator=gen)
     with torch.inference_mode():
         got = layer(x)  # tiles of 7 rows
-    monkeypatch.setattr(gguf, "SCRATCH_MAX_ELEMENTS", 1 << 22)
+    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 1 << 22)
     with torch.inference_mode():
         whole = layer._dequantized_matmul(x)  # one tile
     assert (got - whole).abs().max() <= 1e-5 * whole.abs().max() + 1e-6

@@ -51,9 +51,9 @@ def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch, bias):
-    import engine.quantization.int8 as int8
+    import engine.quantization.linear as linear
 
-    monkeypatch.setattr(int8, "SCRATCH_MAX_ELEMENTS", 40 * 7)  # tiles of 7 output rows, the last one short
+    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 40 * 7)  # tiles of 7 output rows, the last one short
     linear = torch.nn.Linear(40, 45, bias=bias)
     layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
     x = torch.randn(DIRECT_MAX_ROWS + 30, 40)

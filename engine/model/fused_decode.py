@@ -38,28 +38,28 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     """What LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused."""
     cfg = model.cfg
     backend.init_forward_metadata(batch)
-    cos = model.rope_cos[batch.positions].contiguous()
-    sin = model.rope_sin[batch.positions].contiguous()
-    h = model.embed_tokens(batch.input_ids).contiguous()
-    t, n = h.shape
+    cos = model.rope_cos[batch.positions]  # gathers: fresh contiguous tensors
+    sin = model.rope_sin[batch.positions]
+    h = model.embed_tokens(batch.input_ids)
+    t = h.shape[0]
     normed = torch.empty_like(h)
     pending = None  # the last block's output, added to h by the next norm
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for layer in model.layers:
         attn = layer.self_attn
         _add_norm(lib, h, pending, layer.input_layernorm, normed)
-        qkv = attn.qkv_proj(normed).contiguous()
+        qkv = attn.qkv_proj(normed)  # quantized layers return contiguous rows (linear.py)
         lib.rotary_qkv(qkv.data_ptr(), t, qkv.stride(0), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos.data_ptr(),
                        sin.data_ptr())  # fmt: skip
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         out = backend.forward(q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim),
                               v.view(t, cfg.num_kv_heads, cfg.head_dim), attn.layer_id, batch)  # fmt: skip
-        a = attn.o_proj(out.reshape(t, q_size)).contiguous()
+        a = attn.o_proj(out.reshape(t, q_size))
         _add_norm(lib, h, a, layer.post_attention_layernorm, normed)
-        gate_up = layer.mlp.gate_up_proj(normed).contiguous()
+        gate_up = layer.mlp.gate_up_proj(normed)
         act = torch.empty(t, gate_up.shape[1] // 2, dtype=torch.float32)
         lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), t, act.shape[1])
-        pending = layer.mlp.down_proj(act).contiguous()
+        pending = layer.mlp.down_proj(act)
     _add_norm(lib, h, pending, model.norm, normed)
     return model.lm_head(normed).float()
 

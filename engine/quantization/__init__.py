@@ -83,44 +83,41 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     from engine.model.fused_decode import install
     from kernels.cpu import load_native
 
-    swapped = _swap_gguf(model, stored) if mode == "gguf" else _swap_int8(model, mode, model_dir, stored)
+    lib, threads = load_native(), torch.get_num_threads()
+    if mode == "gguf":
+        from engine.quantization.gguf import GGUFLinear
+
+        _replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads))
+    else:
+        _swap_int8(model, mode, model_dir, stored, lib, threads)
     _release_float_weights()
-    return install(swapped, load_native())  # float32 decode steps with fused elementwise ops
+    return install(model, lib)  # float32 decode steps with fused elementwise ops
 
 
-def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict | None) -> nn.Module:
-    from engine.quantization import cache
-    from engine.quantization.int8 import Int8Linear
-    from kernels.cpu import load_native
-
-    lib, threads = load_native(), torch.get_num_threads()
-    fresh: dict[str, torch.Tensor] = {}
-    for prefix, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            known = None if stored is None else (stored[f"{name}.qweight"], stored[f"{name}.scale"])
-            layer = Int8Linear(child.weight, child.bias, lib, threads, known)
-            setattr(module, child_name, layer)
-            fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
-    if stored is None and model_dir is not None:
-        cache.save_cached(cache.cache_file(model_dir, mode), fresh)
-    return model
-
-
-def _swap_gguf(model: nn.Module, blocks: dict) -> nn.Module:
-    from engine.quantization.gguf import GGUFLinear
-    from kernels.cpu import load_native
-
-    lib, threads = load_native(), torch.get_num_threads()
+def _replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> None:
+    """Every nn.Linear of the model (by its module name) replaced in place by make(name, layer)."""
     for prefix, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                name = f"{prefix}.{child_name}" if prefix else child_name
-                kind, data = blocks[name]
-                setattr(module, child_name, GGUFLinear(kind, data, tuple(child.weight.shape), child.bias, lib, threads))
-    return model
+                setattr(module, child_name, make(f"{prefix}.{child_name}" if prefix else child_name, child))
+
+
+def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict | None, lib, threads: int) -> None:
+    """int8 layers, from the stored weights or quantized here and then kept on disk for the next start."""
+    from engine.quantization import cache
+    from engine.quantization.int8 import Int8Linear
+
+    fresh: dict[str, torch.Tensor] = {}
+
+    def make(name: str, lin: nn.Linear) -> Int8Linear:
+        known = None if stored is None else (stored[f"{name}.qweight"], stored[f"{name}.scale"])
+        layer = Int8Linear(lin.weight, lin.bias, lib, threads, known)
+        fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
+        return layer
+
+    _replace_linears(model, make)
+    if stored is None and model_dir is not None:
+        cache.save_cached(cache.cache_file(model_dir, mode), fresh)
 
 
 def _release_float_weights() -> None:

@@ -30,8 +30,6 @@ GGML_TYPES = {0: "F32", 1: "F16", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 1
               14: "Q6_K", 15: "Q8_K", 30: "BF16"}  # the types we do not read, for the refusal's wording
 ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
 DIRECT_MAX_ROWS = 64  # more input rows: float32 GEMMs over dequantized tiles (measured, docs/quantization.md)
-SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantized tile, one buffer for every layer
-_scratch = torch.empty(0, dtype=torch.float32)  # the scheduler runs one forward at a time
 
 
 def gguf_source(model_dir: str) -> Path | None:
@@ -99,7 +97,7 @@ def read_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, i
     plan = {name: parts for i in range(cfg.num_layers) for name, parts in _parts(cfg, i).items()}
     plan["lm_head"] = ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
     q_rows, k_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    orders = {"permuted": (unpermute_rows(q_rows, cfg.num_heads), unpermute_rows(k_rows, cfg.num_kv_heads)), "as stored": None}
+    orders = ((unpermute_rows(q_rows, cfg.num_heads), unpermute_rows(k_rows, cfg.num_kv_heads)), None)  # permuted, as stored
     order, decided = None, False  # None is also an answer: the rows are as stored
     out: dict[str, tuple[int, torch.Tensor]] = {}
     for name, parts in plan.items():
@@ -128,7 +126,7 @@ def read_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, i
 def _qkv_order(got, kind, orders, reference, k: int, source: str):
     """Which row order of q and k makes the first layer's blocks equal its converted float weights."""
     want = reference["layers.0.self_attn.qkv_proj.weight"].float()
-    for perm in orders.values():
+    for perm in orders:
         q, kk = got[0][1], got[1][1]
         if perm is not None:
             q, kk = q[perm[0]], kk[perm[1]]
@@ -157,13 +155,6 @@ def block_offsets(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
     return -8.0 * raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
 
 
-def _scratch_weight(n: int, k: int) -> torch.Tensor:
-    global _scratch
-    if _scratch.numel() < n * k:
-        _scratch = torch.empty(n * k, dtype=torch.float32)
-    return _scratch[: n * k].view(n, k)
-
-
 class GGUFLinear(QuantizedLinear):
     """A frozen linear layer holding a GGUF tensor's blocks (and a float32 bias, where the model has one)."""
 
@@ -176,11 +167,6 @@ class GGUFLinear(QuantizedLinear):
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
         self._lib, self._threads = lib, threads
-
-    def dequantized_weight(self) -> torch.Tensor:
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        self._dequantize_into(0, self.out_features, out)
-        return out
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         rc = self._lib.gguf_dequantize(self.kind, self.blocks[r0:r1].data_ptr(), out.data_ptr(), r1 - r0,
@@ -195,28 +181,15 @@ class GGUFLinear(QuantizedLinear):
         if rc != 0:
             raise RuntimeError(f"gguf_linear failed with code {rc}")
 
-    @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
-    # entering one costs microseconds, and a decode step calls 121 layers)
-    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """Many input rows: float32 GEMMs over tiles of output rows dequantized into the shared scratch,
-        computing what the kernel computes (x rounded per block, the offsets m times the float sums of x),
-        so a prompt gives the same logits whether it is prefilled whole or met in few-row steps."""
-        n, k = self.out_features, self.in_features
-        rounded, residue = round_blocks(rows)  # residue: sum(x) - sum(rounded x) per block, [M, k / 32]
-        tile = max(1, min(n, SCRATCH_MAX_ELEMENTS // k))
-        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        for r0 in range(0, n, tile):
-            r1 = min(n, r0 + tile)
-            weight = _scratch_weight(r1 - r0, k)
-            self._dequantize_into(r0, r1, weight)
-            bias = None if self.bias is None else self.bias[r0:r1]
-            part = torch.nn.functional.linear(rounded, weight, bias)
-            if self.kind != 8:  # Q8_0 has no offsets
-                part.addmm_(residue, block_offsets(self.kind, self.blocks[r0:r1], k).T)
-            if tile == n:
-                return part
-            out[:, r0:r1] = part
-        return out
+    def _activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tiles multiply x rounded as the kernel rounds it, and the offsets m multiply the float sums
+        of x (the residue corrects for the rounded ones): a prompt's logits do not depend on how its rows
+        were batched, prefilled whole or met a few rows at a time."""
+        return round_blocks(rows)
+
+    def _correct(self, part: torch.Tensor, r0: int, r1: int, residue: torch.Tensor) -> None:
+        if self.kind != 8:  # Q8_0 has no offsets
+            part.addmm_(residue, block_offsets(self.kind, self.blocks[r0:r1], self.in_features).T)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {TYPE_NAMES[self.kind]} blocks"

@@ -7,10 +7,7 @@ activations have outlier channels: perplexity went from 7.0 to 21.4. Weight-only
 nothing (8.88 against 8.90 on the same text). Its kernel is ours (kernels/cpu/int8_linear.c): at
 batch 1 5.3 ms per step, batch 8 20.2 against 50.0, batch 64 162 against 146. So up to
 DIRECT_MAX_ROWS input rows go through it; more rows (prefill) multiply float32 weights dequantized for
-the call, where the matmul's own work dwarfs the conversion. The dequantized weight is written into
-one scratch buffer the layers share (a fresh 7 MB allocation per layer and step would be fresh pages
-for the kernel to fault in and zero), in tiles of output rows of at most SCRATCH_MAX_ELEMENTS
-weights, so the buffer stays at 16 MB whatever the layer (lm_head has 28M weights).
+the call, where the matmul's own work dwarfs the conversion (in tiles, engine/quantization/linear.py).
 """
 
 from __future__ import annotations
@@ -20,15 +17,6 @@ import torch
 from engine.quantization.linear import QuantizedLinear
 
 DIRECT_MAX_ROWS = 64
-SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32: every layer of SmolLM2-135M but lm_head
-_scratch = torch.empty(0, dtype=torch.float32)  # the scheduler runs one forward at a time
-
-
-def _scratch_weight(n: int, k: int) -> torch.Tensor:
-    global _scratch
-    if _scratch.numel() < n * k:
-        _scratch = torch.empty(n * k, dtype=torch.float32)
-    return _scratch[: n * k].view(n, k)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,33 +48,13 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
         self._lib, self._threads = lib, threads
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight the layer multiplies by, in float32."""
-        return self.qweight.to(torch.float32) * self.scale[:, None]
+    def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        out.copy_(self.qweight[r0:r1]).mul_(self.scale[r0:r1, None])
 
     def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         bias = None if self.bias is None else self.bias.data_ptr()
         self._lib.int8_linear(rows.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias, out.data_ptr(),
                               rows.shape[0], self.out_features, self.in_features, self._threads)  # fmt: skip
-
-    @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
-    # entering one costs microseconds, and a decode step calls 121 layers)
-    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """Many input rows: float32 GEMMs over tiles of output rows, each tile dequantized into the
-        shared scratch buffer (lm_head's 28M weights take two tiles)."""
-        n, k = self.out_features, self.in_features
-        tile = max(1, min(n, SCRATCH_MAX_ELEMENTS // k))
-        if tile == n:
-            weight = _scratch_weight(n, k)
-            weight.copy_(self.qweight).mul_(self.scale[:, None])
-            return torch.nn.functional.linear(rows, weight, self.bias)
-        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        for r0 in range(0, n, tile):
-            r1 = min(n, r0 + tile)
-            weight = _scratch_weight(r1 - r0, k)
-            weight.copy_(self.qweight[r0:r1]).mul_(self.scale[r0:r1, None])
-            out[:, r0:r1] = torch.nn.functional.linear(rows, weight, None if self.bias is None else self.bias[r0:r1])
-        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-row scales"

@@ -1,14 +1,31 @@
 """What the quantized linear layers share: frozen float32-in, float32-out layers whose few-row calls go
-to a C kernel reading the quantized weights and whose many-row calls multiply dequantized tiles."""
+to a C kernel reading the quantized weights and whose many-row calls multiply dequantized tiles.
+
+The dequantized tiles are written into one scratch buffer that every layer shares (the scheduler runs
+one forward at a time): a fresh 7 MB allocation per layer and step would be fresh pages for the kernel
+to fault in and zero. Tiles are of at most SCRATCH_MAX_ELEMENTS weights, so the buffer stays at 16 MB
+whatever the layer (lm_head has 28M weights and takes two tiles).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+SCRATCH_MAX_ELEMENTS = 1 << 22  # 16 MB of float32: every layer of SmolLM2-135M but lm_head
+_scratch = torch.empty(0, dtype=torch.float32)
+
+
+def _scratch_weight(n: int, k: int) -> torch.Tensor:
+    global _scratch
+    if _scratch.numel() < n * k:
+        _scratch = torch.empty(n * k, dtype=torch.float32)
+    return _scratch[: n * k].view(n, k)
+
 
 class QuantizedLinear(nn.Module):
-    """Subclasses set kind_name, direct_max_rows, in/out_features, and implement _direct and _dequantized_matmul."""
+    """Subclasses set kind_name, direct_max_rows, in/out_features and bias, and implement _direct and
+    _dequantize_into; _activations and _correct change what the tiles multiply (gguf rounds x)."""
 
     kind_name = "quantized"
     direct_max_rows = 64
@@ -25,11 +42,44 @@ class QuantizedLinear(nn.Module):
             out = torch.empty(m, self.out_features, dtype=torch.float32)
             if m:
                 self._direct(rows, out)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)  # contiguous: engine/model/fused_decode.py relies on it
 
     def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out [m, out_features] = the layer on rows [m, in_features] (contiguous, 0 < m <= direct_max_rows)."""
         raise NotImplementedError
 
-    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+    def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        """Output rows r0..r1 of the weight, in float32, into out [r1 - r0, in_features]."""
         raise NotImplementedError
+
+    def _activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """What the dequantized tiles multiply, and what _correct needs: rows as they are, by default."""
+        return rows, None
+
+    def _correct(self, part: torch.Tensor, r0: int, r1: int, context: object) -> None:
+        """Adjust one tile's output in place (nothing, by default)."""
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the layer multiplies by, in float32."""
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self._dequantize_into(0, self.out_features, out)
+        return out
+
+    @torch.inference_mode()  # the shared scratch buffer is an inference tensor (the direct path needs no mode:
+    # entering one costs microseconds, and a decode step calls 121 layers)
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many input rows: float32 GEMMs over tiles of output rows, each dequantized into the scratch buffer."""
+        n, k = self.out_features, self.in_features
+        x, context = self._activations(rows)
+        tile = max(1, min(n, SCRATCH_MAX_ELEMENTS // k))
+        out = None if tile == n else torch.empty(rows.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, tile):
+            r1 = min(n, r0 + tile)
+            weight = _scratch_weight(r1 - r0, k)
+            self._dequantize_into(r0, r1, weight)
+            part = torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias[r0:r1])
+            self._correct(part, r0, r1, context)
+            if out is None:
+                return part
+            out[:, r0:r1] = part
+        return out
