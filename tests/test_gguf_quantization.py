@@ -46,7 +46,7 @@ def blockwise_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @needs_kernel
 @pytest.mark.parametrize("kind", [2, 3, 8])  # Q4_0, Q4_1, Q8_0
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 200])
-@pytest.mark.parametrize("out_features,in_features,bias", [(96, 576, False), (7, 64, True), (50, 1536, False)])
+@pytest.mark.parametrize("out_features,in_features,bias", [(96, 576, False), (7, 64, True), (50, 1536, False), (9, 96, True)])
 def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in_features, bias):
     """Stated tolerances, W the blocks dequantized as gguf's reference does it. The layer multiplies x
     rounded per block of 32 to int16, by the kernel up to DIRECT_MAX_ROWS rows and by
@@ -72,6 +72,39 @@ def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in
     bound = (weight.double() - m).abs() @ (d / 2).expand(-1, -1, 32).reshape(rows, in_features).double().T
     assert ((got - exact).abs() <= bound.T * 1.001 + 1e-5).all()
     assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)
+
+
+@needs_kernel
+@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx2", "-mno-fma", "-mno-avx512f"]], ids=["avx2", "scalar"])
+def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
+    """The AVX-512 loop (two blocks a step, x reordered to match) is checked against the AVX2 and scalar
+    loops a machine without it would build: the same rounded x, so equal up to float summation order."""
+    import ctypes
+    import platform
+    import subprocess
+
+    from kernels.cpu import build
+
+    command = build.compiler_command()
+    if command is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64 to build the narrower paths")
+    source = next(p for p in build.SOURCES if p.name == "gguf_linear.c")
+    narrow = tmp_path / "gguf_narrow.so"
+    subprocess.run([*command, *build.FLAGS, *narrower, str(source), "-o", str(narrow), "-lm"], check=True)
+    libs = [load_native(), ctypes.CDLL(str(narrow))]
+    for lib in libs:
+        lib.gguf_linear.restype = ctypes.c_int
+        lib.gguf_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
+    gen = torch.Generator().manual_seed(7)
+    for kind in (2, 3, 8):
+        for rows, n, k in ((1, 33, 576), (3, 20, 96), (5, 8, 32), (4, 64, 1536)):
+            blocks, x = random_blocks(kind, n, k, gen), torch.randn(rows, k, generator=gen)
+            outs = []
+            for lib in libs:
+                y = torch.empty(rows, n)
+                assert lib.gguf_linear(kind, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), rows, n, k, 2) == 0
+                outs.append(y)
+            assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[1].abs().max() + 1e-6, (kind, rows, n, k)
 
 
 @needs_kernel
