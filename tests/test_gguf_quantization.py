@@ -348,3 +348,18 @@ def test_a_zero_alignment_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="odd.gguf is not a readable GGUF file.*alignment 0"):
         read_index(tmp_path / "odd.gguf")
+
+
+@needs_kernel
+def test_the_bound_kernel_follows_its_weights_when_they_move():
+    """kernel_call binds the weights' addresses once; a layer whose blocks are replaced (what .to() does)
+    computes with the new ones, not with freed memory."""
+    gen = torch.Generator().manual_seed(3)
+    layer = GGUFLinear(3, random_blocks(3, 16, 64, gen), (16, 64), None, load_native(), 2)
+    x = torch.randn(1, 64, generator=gen)
+    before = layer(x)
+    other = random_blocks(3, 16, 64, gen)
+    layer.blocks = other
+    want = torch.nn.functional.linear(x, dequantize(3, other, 64))
+    got = layer(x)
+    assert not torch.allclose(got, before) and torch.allclose(got, want, rtol=1e-3, atol=1e-3)

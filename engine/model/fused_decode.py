@@ -34,36 +34,76 @@ def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:
     return model
 
 
+class _Layer:
+    """One decoder layer's direct kernel calls and norm weights, bound once (see QuantizedLinear.kernel_call)."""
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_id = attn.layer_id
+        self.qkv, self.o = attn.qkv_proj.kernel_call, attn.o_proj.kernel_call
+        self.gate_up, self.down = mlp.gate_up_proj.kernel_call, mlp.down_proj.kernel_call
+        self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+
+
+class _Rows:
+    """A decode batch size's intermediate rows, reused every step of that size: a step at batch 1 made
+    about 200 fresh tensors (t <= MAX_ROWS keeps each set under 2 MB). Nothing here outlives a step's use:
+    the logits and attention outputs are fresh tensors."""
+
+    def __init__(self, cfg, t: int, intermediate: int) -> None:
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.normed = torch.empty(t, cfg.hidden_size, dtype=torch.float32)
+        self.qkv = torch.empty(t, q_size + 2 * kv_size, dtype=torch.float32)
+        q, k, v = self.qkv.split([q_size, kv_size, kv_size], dim=-1)
+        self.q = q.view(t, cfg.num_heads, cfg.head_dim)
+        self.k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        self.v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        self.a = torch.empty(t, cfg.hidden_size, dtype=torch.float32)
+        self.gate_up = torch.empty(t, 2 * intermediate, dtype=torch.float32)
+        self.act = torch.empty(t, intermediate, dtype=torch.float32)
+        self.down = torch.empty(t, cfg.hidden_size, dtype=torch.float32)
+        self.ptr = {name: getattr(self, name).data_ptr() for name in ("normed", "qkv", "a", "gate_up", "act", "down")}
+
+
+def _plan(model: LlamaForCausalLM) -> list[_Layer]:
+    plan = model.__dict__.get("_fused_plan")
+    if plan is None:
+        plan = model.__dict__["_fused_plan"] = [_Layer(layer) for layer in model.layers]
+    return plan
+
+
+def _rows(model: LlamaForCausalLM, t: int) -> _Rows:
+    cache = model.__dict__.setdefault("_fused_rows", {})
+    if t not in cache:
+        cache[t] = _Rows(model.cfg, t, model.layers[0].mlp.down_proj.in_features)
+    return cache[t]
+
+
 def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend, lib) -> torch.Tensor:
-    """What LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused."""
+    """What LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused and the
+    linear layers' kernels called straight into reused rows."""
     cfg = model.cfg
     backend.init_forward_metadata(batch)
     cos = model.rope_cos[batch.positions]  # gathers: fresh contiguous tensors
     sin = model.rope_sin[batch.positions]
     h = model.embed_tokens(batch.input_ids)
-    t = h.shape[0]
-    normed = torch.empty_like(h)
+    t, hidden = h.shape
+    rows = _rows(model, t)
+    p = rows.ptr
+    h_ptr, cos_ptr, sin_ptr, qkv_stride = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.qkv.stride(0)
     pending = None  # the last block's output, added to h by the next norm
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for layer in model.layers:
-        attn = layer.self_attn
-        _add_norm(lib, h, pending, layer.input_layernorm, normed)
-        qkv = attn.qkv_proj(normed)  # quantized layers return contiguous rows (linear.py)
-        lib.rotary_qkv(qkv.data_ptr(), t, qkv.stride(0), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos.data_ptr(),
-                       sin.data_ptr())  # fmt: skip
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        out = backend.forward(q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim),
-                              v.view(t, cfg.num_kv_heads, cfg.head_dim), attn.layer_id, batch)  # fmt: skip
-        a = attn.o_proj(out.reshape(t, q_size))
-        _add_norm(lib, h, a, layer.post_attention_layernorm, normed)
-        gate_up = layer.mlp.gate_up_proj(normed)
-        act = torch.empty(t, gate_up.shape[1] // 2, dtype=torch.float32)
-        lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), t, act.shape[1])
-        pending = layer.mlp.down_proj(act)
-    _add_norm(lib, h, pending, model.norm, normed)
-    return model.lm_head(normed).float()
-
-
-def _add_norm(lib, h: torch.Tensor, add: torch.Tensor | None, norm, out: torch.Tensor) -> None:
-    lib.add_rms_norm(h.data_ptr(), None if add is None else add.data_ptr(), norm.weight.data_ptr(), out.data_ptr(),
-                     h.shape[0], h.shape[1], norm.eps)  # fmt: skip
+    for layer in _plan(model):
+        norm = layer.in_norm
+        lib.add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps)
+        layer.qkv()(p["normed"], p["qkv"], t)
+        lib.rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr)
+        out = backend.forward(rows.q, rows.k, rows.v, layer.layer_id, batch).contiguous()  # [t, heads, head_dim]
+        layer.o()(out.data_ptr(), p["a"], t)
+        norm = layer.post_norm
+        lib.add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps)
+        layer.gate_up()(p["normed"], p["gate_up"], t)
+        lib.silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1])
+        layer.down()(p["act"], p["down"], t)
+        pending = p["down"]
+    lib.add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps)
+    return model.lm_head(rows.normed).float()

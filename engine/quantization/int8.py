@@ -51,10 +51,20 @@ class Int8Linear(QuantizedLinear):
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         out.copy_(self.qweight[r0:r1]).mul_(self.scale[r0:r1, None])
 
-    def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+    def _weights_address(self) -> int:
+        return self.qweight.data_ptr()
+
+    def _bind_kernel(self):
+        fn, w, scale, n, k, threads = self._lib.int8_linear, self.qweight.data_ptr(), self.scale.data_ptr(), \
+            self.out_features, self.in_features, self._threads  # fmt: skip
         bias = None if self.bias is None else self.bias.data_ptr()
-        self._lib.int8_linear(rows.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias, out.data_ptr(),
-                              rows.shape[0], self.out_features, self.in_features, self._threads)  # fmt: skip
+
+        def call(x: int, y: int, m: int) -> None:
+            rc = fn(x, w, scale, bias, y, m, n, k, threads)
+            if rc != 0:
+                raise RuntimeError(f"int8_linear failed with code {rc}")
+
+        return call
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-row scales"

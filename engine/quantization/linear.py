@@ -9,6 +9,8 @@ whatever the layer (lm_head has 28M weights and takes two tiles).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -24,11 +26,13 @@ def _scratch_weight(n: int, k: int) -> torch.Tensor:
 
 
 class QuantizedLinear(nn.Module):
-    """Subclasses set kind_name, direct_max_rows, in/out_features and bias, and implement _direct and
-    _dequantize_into; _activations and _correct change what the tiles multiply (gguf rounds x)."""
+    """Subclasses set kind_name, direct_max_rows, in/out_features and bias, and implement _weights_address,
+    _bind_kernel and _dequantize_into; _activations and _correct change what the tiles multiply (gguf
+    rounds x)."""
 
     kind_name = "quantized"
     direct_max_rows = 64
+    _bound: tuple[int, Callable[[int, int, int], None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -46,6 +50,24 @@ class QuantizedLinear(nn.Module):
 
     def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out [m, out_features] = the layer on rows [m, in_features] (contiguous, 0 < m <= direct_max_rows)."""
+        self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
+
+    def kernel_call(self) -> Callable[[int, int, int], None]:
+        """f(x_ptr, y_ptr, m): the direct kernel on m contiguous float32 rows at x_ptr into y_ptr, with the
+        weights' addresses bound once. Why: a decode step makes 121 such calls, and looking up buffers and
+        their data pointers again each time was a tenth of a step at batch 1 (engine/model/fused_decode.py
+        calls these directly). Rebound if the weights move (the layers are frozen, so only .to() does)."""
+        key = self._weights_address()
+        if self._bound is None or self._bound[0] != key:
+            self._bound = (key, self._bind_kernel())
+        return self._bound[1]
+
+    def _weights_address(self) -> int:
+        """Where the weights the kernel reads live now (rebinds kernel_call when they move)."""
+        raise NotImplementedError
+
+    def _bind_kernel(self) -> Callable[[int, int, int], None]:
+        """A fresh f(x_ptr, y_ptr, m) for kernel_call."""
         raise NotImplementedError
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
