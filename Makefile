@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # torch is pinned to the CPU build that installs offline here; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test stress bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The long forms of tests/stress/ (1,000 concurrent requests, faults at random points); `make test`
+# runs a short form of each.
+stress: $(STAMP)
+	$(BIN)/python -m pytest -m stress tests/stress
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

@@ -100,6 +100,11 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         or len(value) > MAX_STOP_STRINGS
     ):
         raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got {value!r}")
+    for i, s in enumerate(value):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no output text can ever hold it
+            raise ValueError(f"stop[{i}] is not valid Unicode text: a lone surrogate {s[exc.start]!r} at character {exc.start}") from None
     return tuple(value)
 
 
@@ -146,6 +151,9 @@ def parse_sampling_params(
         params["logit_bias"] = dict(params["logit_bias"])
     if not isinstance(params, dict):
         raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+    odd = [key for key in params if not isinstance(key, str)]
+    if odd:
+        raise ValueError(f"sampling parameter names must be strings, got {odd[0]!r}")
     unknown = sorted(set(params) - FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}; supported: {sorted(FIELDS)}")

@@ -232,7 +232,12 @@ class TokenizerManager:
                             data = self.recv_sock.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._dispatch(self.recv_codec.decode(data))
+                        try:
+                            message = self.recv_codec.decode(data)
+                        except msgspec.DecodeError as exc:  # not ours: drop it rather than die
+                            print(f"engine::tokenizer_manager: dropped a malformed message ({exc})", file=sys.stderr)
+                            continue
+                        self._dispatch(message)
                 except Exception as exc:  # noqa: BLE001 - a dead receiver would leave every caller waiting
                     reason = f"the tokenizer manager's receiver failed ({type(exc).__name__}: {exc})"
                     self._mark_dead(reason)
@@ -346,9 +351,15 @@ class TokenizerManager:
         raise ValueError("messages must be a list of {'role', 'content'} dicts or a list of such lists")
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        for m in messages:
+        for j, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r:.200}")
+            if not isinstance(m["role"], str):
+                raise ValueError(f"messages[{j}]['role'] must be a string, got {m['role']!r:.100}")
+            content = m["content"]
+            if not (content is None or isinstance(content, str)
+                    or (isinstance(content, list) and all(isinstance(part, dict) for part in content))):  # fmt: skip
+                raise ValueError(f"messages[{j}]['content'] must be a string, a list of parts or None, got {content!r:.100}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass prompt or input_ids instead")
         from jinja2 import TemplateError
@@ -357,6 +368,8 @@ class TokenizerManager:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:  # many templates refuse some orders or roles (raise_exception)
             raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
+        except (TypeError, KeyError, AttributeError) as exc:  # a template meeting values it cannot render
+            raise ValueError(f"messages: the model's chat template cannot render them ({type(exc).__name__}: {exc})") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, ids: list[int], params: SamplingParams, index: int) -> SamplingParams:
@@ -453,8 +466,23 @@ class TokenizerManager:
             now = time.time_ns()
             for req in reqs:
                 req.submitted_ns = now
-            self.send_sock.send(self.send_codec.encode(GenerateBatch(reqs)))
+            try:
+                payload = self.send_codec.encode(GenerateBatch(reqs))
+            except (UnicodeEncodeError, OverflowError, TypeError) as exc:  # a value no check above caught
+                self._unregister(states)
+                _not_sent(announced, exc)
+                raise ValueError(f"the request cannot be sent to the scheduler: {exc}") from None
+            self.send_sock.send(payload)
         return states, is_batch or any(p.n > 1 for p in params)
+
+    def _unregister(self, states: list[ReqState]) -> None:
+        """Forget requests registered but never sent (their callers get the error instead)."""
+        with self.states_lock:
+            for state in states:
+                if self.states.get(state.rid) is state:
+                    del self.states[state.rid]
+                if state.group is not None:
+                    self.groups.pop(state.group, None)
 
     def _register(self, states: list[ReqState], base_rids: list[str], params: list[SamplingParams]) -> None:
         with self.states_lock:
@@ -528,6 +556,10 @@ class TokenizerManager:
 
     def get_stats(self, timeout: float = 30.0) -> dict:
         stats = self._ask_scheduler(StatsRequest, timeout)
+        with self.states_lock:  # this request's own holder is gone by now
+            stats.setdefault("tracked", {})["user"] = {"states": len(self.states), "groups": len(self.groups),
+                                                       "pending_stats": len(self.pending_stats),
+                                                       "deferred_aborts": len(self._deferred)}  # fmt: skip
         if hooks.has("engine_stats"):
             stats["plugins"] = {**stats.get("plugins", {}), "user": hooks.call_named("engine_stats", role="user")}
         return stats

@@ -38,6 +38,7 @@ INVALID = [
     ({"stop": ["ok", 5]}, "stop"),
     ({"stop": ["s"] * 17}, "stop"),
     ({"seed": -1}, "seed"),
+    ({0: 1, "": None}, "names must be strings"),  # found by tests/stress/test_hostile_input.py: was a TypeError
     ({"seed": 1.5}, "seed"),
     ({"seed": 2**63}, "seed"),
     ({"n": 0}, "n must"),
@@ -177,3 +178,27 @@ def test_text_that_is_not_unicode_is_refused_naming_it(engine, inputs, field):
     with pytest.raises(ValueError, match=field + r".*surrogate"):
         engine.generate(sampling_params={"max_new_tokens": 2}, **inputs)
     assert engine.get_stats()["prompt_tokens"] == before["prompt_tokens"]
+
+
+@pytest.mark.parametrize("messages,field", [
+    ([{"role": 0, "content": None}], r"messages\[0\]\['role'\]"),
+    ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\]"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ["not a part"]}], r"messages\[1\]\['content'\]"),
+])  # fmt: skip
+def test_chat_messages_of_the_wrong_types_are_refused_naming_them(engine, messages, field):
+    """Found by tests/stress/test_hostile_input.py: a role that is not a string reached the chat
+    template, whose TypeError escaped."""
+    with pytest.raises(ValueError, match=field):
+        engine.generate(messages=messages, sampling_params={"max_new_tokens": 2})
+
+
+def test_values_that_cannot_be_sent_are_refused_and_leave_no_request_behind(engine):
+    """Found by tests/stress/test_hostile_input.py: a stop string holding a lone surrogate raised the
+    encoder's UnicodeEncodeError after the request was registered, which then waited forever in the
+    user process. Now stop strings are checked by name, and anything else the encoder refuses (here a
+    rid) unregisters the call's requests before its ValueError."""
+    with pytest.raises(ValueError, match=r"stop\[1\].*surrogate"):
+        engine.generate("Hi", {"max_new_tokens": 2, "stop": ["ok", "a\ud800"]})
+    with pytest.raises(ValueError, match="cannot be sent"):
+        engine.generate("Hi", {"max_new_tokens": 2, "n": 2}, rid="bad\udc80rid")
+    assert engine.get_stats()["tracked"]["user"] == {"states": 0, "groups": 0, "pending_stats": 0, "deferred_aborts": 0}

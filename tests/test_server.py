@@ -262,7 +262,8 @@ def test_a_client_leaving_a_plain_request_frees_its_kv(server):
 def _metrics(server) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    r = http(server, "GET", "/metrics", key=None)
+    assert http(server, "GET", "/metrics", key=None).status_code == 401  # the key holds here too (--open-metrics lifts it)
+    r = http(server, "GET", "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
     for family in text_string_to_metric_families(r.text):

@@ -14,6 +14,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload grammar               # one JSON schema against the same requests unconstrained
     python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch: engine, transformers, llama.cpp
     python -m engine.bench --workload quality               # each quantization against the exact weights
+    python -m engine.bench --workload soak                  # the stress crowd for many rounds: leaks, memory slope
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -39,6 +40,7 @@ from engine.bench.quality import print_quality, run_quality
 from engine.bench.plugins import print_plugins, run_plugins
 from engine.bench.serve import print_serve, run_serve
 from engine.bench.shared_prefix import print_shared_prefix, run_shared_prefix
+from engine.bench.soak import print_soak, run_soak
 from engine.bench.tracing import print_tracing, run_tracing
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
     p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam",
-                                          "grammar", "cpu", "quality"),
+                                          "grammar", "cpu", "quality", "soak"),
                    default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
                         "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
@@ -69,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "beam: native beam search against the client-side loop and transformers; "
                         "grammar: requests under one JSON schema against the same requests unconstrained; "
                         "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp; "
-                        "quality: each quantization's perplexity and greedy agreement against the exact weights")  # fmt: skip
+                        "quality: each quantization's perplexity and greedy agreement against the exact weights; "
+                        "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all)")  # fmt: skip
     p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
     p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens")
@@ -99,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quality-windows", type=int, default=8, help="quality workload: held-out windows for perplexity")
     p.add_argument("--quality-window-len", type=int, default=512, help="quality workload: tokens per held-out window")
     p.add_argument("--cpu-skip-llama", action="store_true", help="cpu workload: skip llama.cpp")
+    p.add_argument("--soak-rounds", type=int, default=20, help="soak workload: rounds of one crowd each")
+    p.add_argument("--soak-requests", type=int, default=200, help="soak workload: concurrent requests per round")
+    p.add_argument("--soak-warmup", type=int, default=3, help="soak workload: rounds left out of the slopes")
+    p.add_argument("--soak-dtype", default="auto", help="soak workload: engine dtype")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
@@ -106,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dtypes must list some of {sorted(TORCH_DTYPES)}, got {bad or 'nothing'}")
     for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "hf_batch_size", "prefix_len",
                  "prefix_requests", "prefix_new_tokens", "plugin_rounds", "plugin_new_tokens", "serve_concurrency",
-                 "beam_prompt_len", "beam_rounds", "grammar_prompts", "grammar_rounds", "cpu_prompt_len", "cpu_new_tokens"):
+                 "beam_prompt_len", "beam_rounds", "grammar_prompts", "grammar_rounds", "cpu_prompt_len", "cpu_new_tokens",
+                 "soak_rounds", "soak_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
@@ -293,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, run, show in (("plugins", run_plugins, print_plugins), ("tracing", run_tracing, print_tracing),
                             ("serve", run_serve, print_serve), ("beam", run_beam, print_beam),
                             ("grammar", run_grammar, print_grammar), ("cpu", run_cpu, print_cpu),
-                            ("quality", run_quality, print_quality)):  # fmt: skip
+                            ("quality", run_quality, print_quality), ("soak", run_soak, print_soak)):  # fmt: skip
         extra[name] = None
-        if args.workload in ("all", name):
+        if args.workload == name or (args.workload == "all" and name != "soak"):  # soak: only when asked
             extra[name] = run(args)
             show(extra[name])
     lens = [len(p) for p in prompts or []] or [0]

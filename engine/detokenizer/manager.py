@@ -51,6 +51,41 @@ def _check_texts(hook: str, texts, n: int, allow_none: bool = False) -> None:
         raise HookError(plugins, hook, TypeError(f"texts must be a list of {n} strings, got {texts!r:.200}"))
 
 
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def malformed(message) -> str | None:
+    """What makes a well-typed message one the scheduler could not have sent, or None: lists of
+    unequal length, token ids no vocabulary has."""
+    if isinstance(message, BatchTokenOut):
+        n = len(message.rids)
+        lengths = [len(message.token_ids), len(message.finished), len(message.meta)]
+        lengths += [len(x) for x in (message.headers, message.logprobs) if x]
+        if any(length != n for length in lengths):
+            return f"tokens message with {n} rids but lists of {lengths}"
+        if any(not -1 <= t <= MAX_TOKEN_ID for t in message.token_ids):
+            return "tokens message with a token id out of range"
+    elif isinstance(message, BeamSearchOut):
+        if any(not 0 <= t <= MAX_TOKEN_ID for h in message.hypotheses for t in h.output_ids):
+            return "beam search message with a token id out of range"
+    return None
+
+
+def _pick(out: BatchTokenOut, keep: list[int]) -> BatchTokenOut | None:
+    """out with only the requests at the indices keep (None if none is left)."""
+    if len(keep) == len(out.rids):
+        return out
+    if not keep:
+        return None
+
+    def pick(values: list) -> list:
+        return [values[i] for i in keep] if values else values
+
+    return BatchTokenOut(
+        pick(out.rids), pick(out.token_ids), pick(out.finished), pick(out.meta), pick(out.headers), pick(out.logprobs)
+    )
+
+
 class DetokenizerManager:
     def __init__(self, model_dir: str, endpoints: dict) -> None:
         self.incremental = IncrementalDetokenizer(BatchDecoder(model_dir))
@@ -73,8 +108,16 @@ class DetokenizerManager:
             except msgspec.DecodeError as exc:  # not ours: drop it rather than die
                 print(f"engine::detokenizer: dropped a malformed message ({exc})", file=sys.stderr)
                 continue
+            problem = malformed(message)
+            if problem:  # typed right, but no scheduler sends it: not ours either
+                print(f"engine::detokenizer: dropped a malformed message ({problem})", file=sys.stderr)
+                continue
             if isinstance(message, BatchTokenOut):
-                message = self.detokenize(message)
+                try:
+                    message = self.detokenize(message)
+                except Exception as exc:  # noqa: BLE001 - its requests fail with the reason; the others go on
+                    print(f"engine::detokenizer: a batch failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+                    message = self._fail_batch(message, f"the detokenizer failed ({type(exc).__name__}: {exc})")
                 if message is None:
                     continue
                 if hooks.has("engine_detokenize_output"):
@@ -84,12 +127,19 @@ class DetokenizerManager:
                         print(f"engine::detokenizer: {exc}", file=sys.stderr)
             elif isinstance(message, BeamSearchOut):
                 message = self.detokenize_beams(message)
-            elif hooks.has("engine_stats"):  # Stats on its way to the user process: add this process's figures
-                try:
-                    message.plugins["detokenizer"] = hooks.call_named("engine_stats", role="detokenizer")
-                except HookError as exc:
-                    message.plugins["detokenizer"] = {"error": str(exc)}
+            else:  # Stats on its way to the user process: add this process's figures
+                message.tracked["detokenizer"] = self.tracked()
+                if hooks.has("engine_stats"):
+                    try:
+                        message.plugins["detokenizer"] = hooks.call_named("engine_stats", role="detokenizer")
+                    except HookError as exc:
+                        message.plugins["detokenizer"] = {"error": str(exc)}
             self.send_sock.send(self.send_codec.encode(message))
+
+    def tracked(self) -> dict[str, int]:
+        """This process's per-request structures and their sizes: all 0 when nothing runs."""
+        return {"decode_states": len(self.incremental.states), "stop_states": len(self.stop_states),
+                "stopped": len(self.stopped), "seqs": len(self.seqs)}  # fmt: skip
 
     def detokenize_beams(self, out: BeamSearchOut) -> BeamTextOut:
         """A finished beam search: one batch decode of its returned hypotheses, and nothing else (no
@@ -116,6 +166,9 @@ class DetokenizerManager:
                         StopMatcher(header.stop), header.min_new_tokens, header.prompt_tokens, header.cached_tokens,
                         seq=header.seq,
                     )
+        out = self._drop_strays(out)
+        if out is None:
+            return None
         finished = [f is not None for f in out.finished]
         try:
             deltas = self._decode(out, finished)
@@ -198,14 +251,14 @@ class DetokenizerManager:
                     self.stopped.discard(rid)
             else:
                 keep.append(i)
-        if len(keep) == len(out.rids):
-            return out
-        if not keep:
-            return None
+        return _pick(out, keep)
 
-        def pick(values: list) -> list:
-            return [values[i] for i in keep] if values else values
-
-        return BatchTokenOut(
-            pick(out.rids), pick(out.token_ids), pick(out.finished), pick(out.meta), pick(out.headers), pick(out.logprobs)
-        )
+    def _drop_strays(self, out: BatchTokenOut) -> BatchTokenOut | None:
+        """Remove running outputs of requests that never started here (no header came first): the
+        scheduler sends none, and each would leave a decode state no finish ever clears."""
+        known = self.incremental.states
+        keep = [i for i, (rid, f) in enumerate(zip(out.rids, out.finished)) if f is not None or rid in known]
+        if len(keep) < len(out.rids):
+            print(f"engine::detokenizer: dropped outputs of {len(out.rids) - len(keep)} request(s) it never started",
+                  file=sys.stderr)  # fmt: skip
+        return _pick(out, keep)

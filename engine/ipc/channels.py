@@ -37,10 +37,17 @@ class Endpoints:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
+MAX_MESSAGE_BYTES = 1 << 30  # a peer sending more is disconnected by zmq, not read into memory
+
+
 def pull_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """Bound, and for ipc:// readable and writable by this user only (the directory is 0700 as well)."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.bind(endpoint)
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://") :], 0o600)
     return sock
 
 

@@ -222,6 +222,8 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     grammar_mask_seconds: float = 0.0  # bitmask fill + apply, summed over steps with constrained rows
     grammar_mask_steps: int = 0
     plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
+    # role (scheduler, detokenizer, user) -> per-request structure -> its size now: all 0 when idle
+    tracked: dict[str, dict[str, int]] = {}
 
 
 ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache, AbortRequest]

@@ -42,8 +42,24 @@ def stats(sched: Scheduler, req_id: str, flushed_tokens: int = 0) -> Stats:
         grammar_mask_seconds=sched.grammars.mask_seconds,
         grammar_mask_steps=sched.grammars.mask_steps,
         plugins={"scheduler": _plugin_stats("scheduler")} if hooks.has("engine_stats") else {},
+        tracked={"scheduler": tracked(sched)},
         **sched.kv.stats(),
     )
+
+
+def tracked(sched: Scheduler) -> dict[str, int]:
+    """The scheduler's per-request structures and their sizes: every one is 0 when nothing runs (the
+    stress suite asserts it after every crowd)."""
+    return {
+        "waiting": len(sched.waiting),
+        "running": len(sched.running),
+        "chunked": int(sched.chunked_req is not None),
+        "planned": len(sched._planned),
+        "beam_groups": len(sched.beams.groups),
+        "beam_kv_tokens": sched.beams.kv_tokens,
+        "slots_in_use": sched.req_to_token.size - sched.req_to_token.available,
+        "cache_lock_refs": sched.kv.stats().get("cache_lock_refs", 0),
+    }
 
 
 def _plugin_stats(role: str) -> dict:

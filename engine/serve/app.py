@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.serve import beams, errors, sse, translate
-from engine.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from engine.serve.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 
@@ -27,6 +27,7 @@ class ServeOptions:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     cors_origins: tuple[str, ...] = ()
+    open_metrics: bool = False  # /metrics without the API key, for scrapers that cannot send one
 
 
 class ClientGone(Exception):
@@ -86,7 +87,8 @@ class InFlight:
 def build_app(engine, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="engine", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     errors.install(app)
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key,
+                       open_paths=OPEN_PATHS + (("/metrics",) if options.open_metrics else ()))  # fmt: skip
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     if options.cors_origins:
         from starlette.middleware.cors import CORSMiddleware

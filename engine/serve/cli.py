@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM or Ctrl-C (default 30)")  # fmt: skip
+    p.add_argument("--open-metrics", action="store_true",
+                   help="serve /metrics without the API key (default: it needs the key, as every route but /health)")
     p.add_argument("--allow-origin", action="append", default=[], help="allow CORS from this origin (repeatable; default none)")
     _engine_flags(p)
     return p
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.model.resolve import model_name
 
         name = args.served_model_name or engine.server_info.get("model") or model_name(args.model_path)
-        app = build_app(engine, ServeOptions(name, api_key, args.max_request_bytes, tuple(args.allow_origin)))
+        app = build_app(engine, ServeOptions(name, api_key, args.max_request_bytes, tuple(args.allow_origin), args.open_metrics))
         _instrument(app)
         # uvicorn re-raises the signal that stopped it once it is done: these handlers take it, so
         # the engine still shuts down in order and the exit code says how it went

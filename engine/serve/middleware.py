@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 
 from engine.serve.errors import response
 
-OPEN_PATHS = ("/health", "/metrics")  # for probes and scrapers, as vLLM leaves them open
+OPEN_PATHS = ("/health",)  # for probes; /metrics too only with --open-metrics (vLLM leaves it open)
 
 
 class BodyLimitMiddleware:
@@ -53,12 +53,13 @@ class _TooLarge(HTTPException):
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app, api_key: str | None) -> None:
+    def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...] = OPEN_PATHS) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):

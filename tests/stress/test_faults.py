@@ -1,0 +1,156 @@
+"""Faults: a plugin raising in each hook in turn; the scheduler and the detokenizer stopped (SIGSTOP)
+and resumed, or killed, at a random point of a generation. Each ends in a clear error for the requests
+concerned, the others unharmed, the engine serving on; or, where it cannot serve on (a child killed),
+EngineDeadError for every caller and no process left. (Parent SIGKILL, scheduler SIGKILL and a hanging
+OTLP endpoint are in tests/test_lifecycle.py and tests/test_tracing.py.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from engine import Engine
+from engine.bench.crowd import busy, wait_idle
+from engine.errors import EngineDeadError
+from engine.hooks import HookError
+from engine.hooks.loader import unload_plugins
+
+PLUGIN = "raising_plugin:"  # the module itself (tests/stress is on sys.path, which the children inherit)
+PER_REQUEST_HOOKS = ("engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_schedule",
+                     "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
+                     "engine_sample_after", "engine_step_end", "engine_request_finished", "engine_detokenize",
+                     "engine_detokenize_after", "engine_detokenize_output", "engine_output", "engine_request_done",
+                     "engine_stats", "engine_beam_step")  # fmt: skip
+PARAMS = {"max_new_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, tiny_llama_dir):
+    control = tmp_path_factory.mktemp("raise") / "hook"
+    control.write_text("")
+    os.environ["ENGINE_RAISE_CONTROL"] = str(control)  # the children inherit it at spawn
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, plugins=PLUGIN)
+    try:
+        yield eng, control
+    finally:
+        eng.shutdown()
+        unload_plugins([PLUGIN])
+        os.environ.pop("ENGINE_RAISE_CONTROL", None)
+
+
+def outcome(eng, hook: str) -> str:
+    """What one request (a beam search for engine_beam_step) met with the fault in hook."""
+    try:
+        if hook == "engine_beam_step":
+            out = eng.beam_search("Hello there", beam_width=2, max_new_tokens=4)
+            reason = out["meta_info"]["finish_reason"]
+            assert reason["type"] != "abort" or hook in reason["message"], reason
+            return reason["type"]
+        if hook == "engine_stats":
+            eng.get_stats()
+            return "stats"
+        out = eng.generate("Hello there", PARAMS)
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] != "abort" or hook in reason["message"], reason
+        return reason["type"]
+    except (HookError, RuntimeError) as exc:
+        assert hook in str(exc) and "on purpose" in str(exc), str(exc)
+        return "raised"
+
+
+@pytest.mark.parametrize("hook", PER_REQUEST_HOOKS)
+def test_a_plugin_raising_in_each_hook_in_turn(faulty, hook):
+    eng, control = faulty
+    control.write_text(hook)
+    try:
+        met = outcome(eng, hook)  # returns: a clear error or a result, never a hang (pytest's timeout is the CI's)
+    finally:
+        control.write_text("")
+    print(f"fault in {hook}: {met}")
+    assert met in ("raised", "abort", "length", "stop", "stats"), met
+    assert eng.alive
+    out = eng.generate("Hello there", PARAMS)  # the engine serves on
+    assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    assert not busy(wait_idle(eng, timeout=10))
+
+
+def _generate_in_thread(eng, results: list, n: int = 48) -> threading.Thread:
+    def run() -> None:
+        try:
+            results.append(eng.generate(["Once upon a time"] * 3, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("role", ["scheduler", "detokenizer"])
+def test_a_child_stopped_and_resumed_mid_generation_loses_nothing(tiny_llama_dir, role):
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024) as eng:
+        want = eng.generate(["Once upon a time"] * 3, {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
+        results: list = []
+        thread = _generate_in_thread(eng, results)
+        time.sleep(random.Random(role).uniform(0.05, 0.3))
+        pid = eng.pids[role]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        assert eng.alive
+        os.kill(pid, signal.SIGCONT)
+        thread.join(60)
+        assert not thread.is_alive() and results and not isinstance(results[0], Exception), results
+        assert [o["output_ids"] for o in results[0]] == [o["output_ids"] for o in want]
+        assert not busy(wait_idle(eng))
+
+
+@pytest.mark.parametrize("role", ["scheduler", "detokenizer"])
+def test_a_stopped_child_does_not_hang_shutdown(tiny_llama_dir, role):
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
+    results: list = []
+    thread = _generate_in_thread(eng, results, n=200)
+    time.sleep(0.2)
+    pids = dict(eng.pids)
+    os.kill(pids[role], signal.SIGSTOP)
+    start = time.monotonic()
+    eng.shutdown()
+    took = time.monotonic() - start
+    thread.join(30)
+    assert not thread.is_alive() and results
+    assert isinstance(results[0], EngineDeadError) or all(o["meta_info"]["finish_reason"]["type"] == "length" for o in results[0])
+    for name in ("scheduler", "detokenizer"):
+        assert not _alive(pids[name]), f"{name} left behind after shutdown ({took:.1f} s)"
+
+
+def test_detokenizer_sigkill_mid_generation_raises_engine_dead_and_leaves_nothing(tiny_llama_dir):
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
+    try:
+        results: list = []
+        thread = _generate_in_thread(eng, results, n=200)
+        time.sleep(0.3)
+        pids = dict(eng.pids)
+        os.kill(pids["detokenizer"], signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive() and isinstance(results[0], EngineDeadError), results
+        assert "detokenizer" in str(results[0])
+        with pytest.raises(EngineDeadError):
+            eng.generate("Hi", {"max_new_tokens": 2})
+    finally:
+        eng.shutdown()
+    deadline = time.monotonic() + 10
+    while _alive(pids["scheduler"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids["scheduler"]) and not _alive(pids["detokenizer"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

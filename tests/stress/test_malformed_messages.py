@@ -1,0 +1,94 @@
+"""Messages written straight into the engine's sockets by something that is not the engine: random
+bytes, truncated messages, the wrong message type for the socket, well-typed messages with wrong
+contents, huge ones. Each is dropped with a log line naming the process, none obeyed, none fatal: the
+engine serves on and its requests are not disturbed. Its own engine (tiny model): a failure here
+must not take the shared one down."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from engine import Engine
+from engine.bench.crowd import busy, wait_idle
+from engine.ipc.messages import (AbortRequest, BatchTextOut, BatchTokenOut, Codec, FinishReason, GenerateBatch,
+                                 StatsRequest, ToDetokenizer, ToScheduler, ToTokenizer)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def victim(tiny_llama_dir, tmp_path_factory):
+    """The engine, its children's stderr going to a file of its own (they inherit fd 2 at spawn)."""
+    log = tmp_path_factory.mktemp("victim") / "stderr.log"
+    saved = os.dup(2)
+    with open(log, "wb") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    eng.stderr_log = log
+    yield eng
+    eng.shutdown()
+
+
+def hostile_messages(seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    good = [Codec(ToScheduler).encode(StatsRequest("x")), Codec(ToDetokenizer).encode(BatchTokenOut(["r"], [5], [None], [None])),
+            Codec(ToTokenizer).encode(BatchTextOut(["r"], ["t"], [5], [None], [None]))]  # fmt: skip
+    out = [b"", b"\x00", rng.randbytes(64), b"\xc1" * 10, msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode([1, 2, 3]),
+           msgspec.msgpack.encode(["generate", [["rid", [-1, 10**12], None]]]),  # a GenerateBatch with bad fields
+           msgspec.msgpack.encode(["tokens", ["a", "b"], [1], [None], [None]]),  # lists of unequal length
+           msgspec.msgpack.encode(["tokens", ["a"], [2**40], [None], [None]]),  # a token id no vocabulary has
+           msgspec.msgpack.encode(["text", ["a"], ["x"], [1], [None]]), msgspec.msgpack.encode(["abort", [], "x", []]),
+           rng.randbytes(8 << 20)]  # fmt: skip
+    for g in good:
+        out += [g[: len(g) // 2], g + b"\x00", g[:1]]
+    out += good  # well-formed, but for another socket, or naming requests that do not exist
+    out += [Codec(ToDetokenizer).encode(BatchTokenOut(["ghost"], [3], [FinishReason("length", length=1)], [None])),
+            Codec(ToScheduler).encode(AbortRequest(["ghost"], "x", [0]))]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("target", ["scheduler", "detokenizer", "tokenizer"])
+def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
+    role = {"tokenizer": "tokenizer_manager"}.get(target, target)
+    endpoint = getattr(victim._resources.endpoints, target)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    try:
+        running = victim.generate("Once upon a time", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}, stream=True)
+        first = next(iter(running))
+        messages = hostile_messages(len(target))
+        for data in messages:
+            sock.send(data)
+        rest = list(running)
+        time.sleep(0.5)
+        assert victim.alive, "a hostile message took the engine down"
+        out = victim.generate("Once upon a time", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+        streamed = first["output_ids"] + [i for c in rest for i in c["output_ids"]]
+        assert streamed == out["output_ids"] and len(out["output_ids"]) == 40
+        assert not busy(wait_idle(victim))
+    finally:
+        sock.close()
+        ctx.term()
+    err = capfd.readouterr().err + victim.stderr_log.read_text(errors="replace")  # user process + children
+    assert f"engine::{role}: dropped a malformed message" in err, err[-2000:]
+
+
+def test_sockets_and_their_directory_are_private(victim):
+    runtime = victim.runtime_dir
+    st = os.stat(runtime)
+    assert st.st_uid == os.getuid() and (st.st_mode & 0o777) == 0o700
+    sockets = [os.path.join(runtime, name) for name in os.listdir(runtime)]
+    assert {os.path.basename(s) for s in sockets} >= {"scheduler", "detokenizer", "tokenizer"}
+    for path in sockets:
+        mode = os.stat(path).st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path} is mode {mode:o}"

@@ -1,0 +1,28 @@
+"""Soak: the crowd of test_crowd.py for several rounds on one engine (engine/bench/soak.py; the long
+form is `python -m engine.bench --workload soak`). After every round nothing is left in any process;
+open file descriptors of each process stay exactly flat, resident memory flat within a bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.bench.soak import soak
+
+
+def check(result: dict, rss_mb_per_1000: float) -> None:
+    assert result["failure_count"] == 0, "\n".join(result["failures"])
+    steady = result["samples"][result["warmup_rounds"]:]
+    for role in ("user", "scheduler", "detokenizer"):
+        fds = [s[f"{role}_fds"] for s in steady]
+        assert max(fds) - min(fds) <= 2, f"{role} file descriptors {fds}"  # the receiver's poll may hold one more
+        assert result["slopes"][f"{role}_rss_mb_per_1000_requests"] <= rss_mb_per_1000, (role, result["slopes"])
+
+
+def test_a_short_soak_leaves_nothing_behind(engine):
+    check(soak(engine, rounds=4, per_round=40, warmup=1, seed=50, log=False), rss_mb_per_1000=200.0)
+
+
+@pytest.mark.stress
+def test_a_long_soak_is_flat(engine):
+    result = soak(engine, rounds=15, per_round=150, warmup=3, seed=60)
+    check(result, rss_mb_per_1000=10.0)
