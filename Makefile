@@ -25,10 +25,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The long forms of tests/stress/ (1,000 concurrent requests, faults at random points); `make test`
-# runs a short form of each.
+# tests/stress/ in full: the long forms (1,000 concurrent requests in-process and over HTTP, a long
+# soak, faults at random points; marker `stress`) and the short ones, with 400 examples a property
+# for hypothesis and schemathesis. `make test` runs the short forms only.
 stress: $(STAMP)
-	$(BIN)/python -m pytest -m stress tests/stress
+	ENGINE_HYPOTHESIS_EXAMPLES=400 $(BIN)/python -m pytest -m "stress or not stress" tests/stress
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

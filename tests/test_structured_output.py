@@ -154,3 +154,22 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_sc
         assert finished["constrained"].type == "stop"
     finally:
         sched.grammars.request = real
+
+
+def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
+    """A client sending ever new schemas must not grow the scheduler's memory: the cache keeps the
+    MAX_COMPILED most recently used constraints (a request keeps its own future), and the compile
+    times the stats carry are the last MAX_COMPILED."""
+    import engine.grammar.stage as stage
+
+    monkeypatch.setattr(stage, "MAX_COMPILED", 3)
+    grammars = stage.Grammars("unused", 10, [0])
+    grammars.compile_seconds = stage.collections.deque(maxlen=3)
+    monkeypatch.setattr(grammars, "_compile", lambda kind, text: grammars.compile_seconds.append(0.0) or (kind, text))
+    held = [grammars.request("regex", f"a{i}") for i in range(10)]
+    assert [f.result() for f in held] == [("regex", f"a{i}") for i in range(10)]
+    assert list(grammars._compiled) == [("regex", "a7"), ("regex", "a8"), ("regex", "a9")]
+    assert grammars.request("regex", "a8") is held[8]  # a hit keeps it and makes it the most recent
+    grammars.request("regex", "new")
+    assert list(grammars._compiled) == [("regex", "a9"), ("regex", "a8"), ("regex", "new")]  # a7 went first
+    assert len(grammars.compile_seconds) == 3

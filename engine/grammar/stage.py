@@ -9,6 +9,7 @@ and for a beam search is forked per beam.
 
 from __future__ import annotations
 
+import collections
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -18,6 +19,9 @@ import torch
 from engine import hooks
 from engine.grammar.backend import GrammarBackend, Matcher, XGrammarBackend
 from engine.grammar.constraints import KINDS
+
+
+MAX_COMPILED = 256  # distinct constraints kept compiled (least recently used dropped first)
 
 
 def constraint_of(sampling) -> tuple[str, str] | None:
@@ -35,9 +39,9 @@ class Grammars:
         self.stop_ids = stop_ids
         self._backend: GrammarBackend | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._compiled: dict[tuple[str, str], Future] = {}
+        self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()  # LRU
         self._bitmask: torch.Tensor | None = None
-        self.compile_seconds: list[float] = []  # per distinct constraint, first compile
+        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=MAX_COMPILED)  # the last compiles
         self.mask_seconds = 0.0  # fill + apply, since start
         self.mask_steps = 0
 
@@ -67,6 +71,10 @@ class Grammars:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-grammar")
             future = self._compiled[key] = self._pool.submit(self._compile, kind, text)
+            if len(self._compiled) > MAX_COMPILED:  # a client sending ever new schemas must not grow memory
+                self._compiled.popitem(last=False)  # requests holding its future keep it
+        else:
+            self._compiled.move_to_end(key)
         return future
 
     @staticmethod

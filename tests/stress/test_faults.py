@@ -154,3 +154,23 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.stress
+def test_children_stopped_at_random_points_many_times(tiny_llama_dir):
+    """The short form's stop-and-resume, twenty times at random points, both children in turn."""
+    rng = random.Random(7)
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024) as eng:
+        want = eng.generate(["Once upon a time"] * 3, {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
+        for attempt in range(20):
+            results: list = []
+            thread = _generate_in_thread(eng, results)
+            time.sleep(rng.uniform(0.0, 0.4))
+            pid = eng.pids[rng.choice(["scheduler", "detokenizer"])]
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(rng.uniform(0.05, 0.5))
+            os.kill(pid, signal.SIGCONT)
+            thread.join(60)
+            assert results and not isinstance(results[0], Exception), (attempt, results)
+            assert [o["output_ids"] for o in results[0]] == [o["output_ids"] for o in want], attempt
+        assert not busy(wait_idle(eng))
