@@ -23,7 +23,7 @@ from engine import hooks
 from engine.beam_search.params import beam_problem
 from engine.errors import EngineDeadError
 from engine.hooks.types import PromptRequest
-from engine.ipc.channels import Endpoints, pull_socket, push_socket
+from engine.ipc.channels import MAX_MESSAGE_BYTES, Endpoints, pull_socket, push_socket
 from engine.ipc.messages import (
     BatchTextOut,
     BeamParams,
@@ -472,6 +472,12 @@ class TokenizerManager:
                 self._unregister(states)
                 _not_sent(announced, exc)
                 raise ValueError(f"the request cannot be sent to the scheduler: {exc}") from None
+            if len(payload) > MAX_MESSAGE_BYTES:  # the scheduler's socket would drop it, silently
+                self._unregister(states)
+                exc = ValueError(f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "
+                                 f"message may carry ({MAX_MESSAGE_BYTES:,}): split it into several calls")  # fmt: skip
+                _not_sent(announced, exc)
+                raise exc
             self.send_sock.send(payload)
         return states, is_batch or any(p.n > 1 for p in params)
 

@@ -71,10 +71,15 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
         model.forward = both
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
+        run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
         done = run.finish_all()
+        buffers, rows = model.__dict__["_fused_buffers"], model.__dict__["_fused_rows"]
     finally:
         run.close()
-    assert len(done) == 3 and len(seen) >= 10
+    assert len(done) == 4 and len(seen) >= 10
+    assert len(rows) >= 2  # steps of several sizes, and one set of buffers under all of them
+    for t, r in rows.items():
+        assert all(r.ptr[name] == buf.data_ptr() and getattr(r, name).shape[0] == t for name, buf in buffers.items())
     for plain, got in seen:
         assert got.shape == plain.shape and close(got, plain, rel), float((got - plain).abs().max() / plain.abs().max())
         assert torch.equal(got.argmax(-1), plain.argmax(-1))

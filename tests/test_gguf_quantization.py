@@ -363,3 +363,14 @@ def test_the_bound_kernel_follows_its_weights_when_they_move():
     want = torch.nn.functional.linear(x, dequantize(3, other, 64))
     got = layer(x)
     assert not torch.allclose(got, before) and torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
+def test_the_bound_kernel_follows_a_replaced_bias():
+    gen = torch.Generator().manual_seed(4)
+    blocks = random_blocks(3, 16, 64, gen)
+    layer = GGUFLinear(3, blocks, (16, 64), torch.zeros(16), load_native(), 2)
+    x = torch.randn(1, 64, generator=gen)
+    base = layer(x)
+    layer.bias = torch.full((16,), 2.0)
+    assert torch.allclose(layer(x), base + 2.0, atol=1e-5)

@@ -157,9 +157,10 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_sc
 
 
 def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
-    """A client sending ever new schemas must not grow the scheduler's memory: the cache keeps the
-    MAX_COMPILED most recently used constraints (a request keeps its own future), and the compile
-    times the stats carry are the last MAX_COMPILED."""
+    """A client sending ever new schemas must not grow the scheduler's memory: our cache of compile
+    futures keeps the MAX_COMPILED most recently used constraints (a request keeps its own future),
+    and the compile times the stats carry are the last MAX_COMPILED. (xgrammar's own cache: the
+    next test.) The compile itself is stubbed: this is the cache's bookkeeping."""
     import engine.grammar.stage as stage
 
     monkeypatch.setattr(stage, "MAX_COMPILED", 3)
@@ -173,3 +174,12 @@ def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
     grammars.request("regex", "new")
     assert list(grammars._compiled) == [("regex", "a9"), ("regex", "a8"), ("regex", "new")]  # a7 went first
     assert len(grammars.compile_seconds) == 3
+
+
+def test_xgrammars_own_compiler_cache_is_bounded(model_dir):
+    """xgrammar's compiler caches what it compiles, unbounded by default: ours sets its limit."""
+    from engine.grammar.backend import COMPILER_CACHE_BYTES, XGrammarBackend
+    from engine.tokenizer import load_hf_tokenizer
+
+    backend = XGrammarBackend(load_hf_tokenizer(model_dir), 49152, [0])
+    assert backend.compiler.cache_limit_bytes == COMPILER_CACHE_BYTES > 0

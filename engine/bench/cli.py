@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak-requests", type=int, default=200, help="soak workload: concurrent requests per round")
     p.add_argument("--soak-warmup", type=int, default=3, help="soak workload: rounds left out of the slopes")
     p.add_argument("--soak-dtype", default="auto", help="soak workload: engine dtype")
+    p.add_argument("--soak-max-total-tokens", type=int, default=32768,
+                   help="soak workload: KV pool tokens (small enough for the warm-up rounds to touch all of it)")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in TORCH_DTYPES]

@@ -40,9 +40,12 @@ def slope(ys: list[float]) -> float:
 def run_soak(args) -> dict:
     from engine import Engine
 
-    with Engine(dtype=args.soak_dtype) as engine:
+    # a pool the warm-up rounds fill: its pages are touched lazily, so a larger one would still be
+    # growing resident memory after the warm-up, which is not a leak
+    with Engine(dtype=args.soak_dtype, max_total_tokens=args.soak_max_total_tokens) as engine:
         result = soak(engine, args.soak_rounds, args.soak_requests, args.soak_warmup)
     result["dtype"] = args.soak_dtype
+    result["max_total_tokens_option"] = args.soak_max_total_tokens
     return result
 
 

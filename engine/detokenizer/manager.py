@@ -126,7 +126,11 @@ class DetokenizerManager:
                     except HookError as exc:  # read-only and after the fact: report, send as is
                         print(f"engine::detokenizer: {exc}", file=sys.stderr)
             elif isinstance(message, BeamSearchOut):
-                message = self.detokenize_beams(message)
+                try:
+                    message = self.detokenize_beams(message)
+                except Exception as exc:  # noqa: BLE001 - the search fails with the reason; the process goes on
+                    print(f"engine::detokenizer: a beam search failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+                    message = self._failed_beams(message, f"the detokenizer failed ({type(exc).__name__}: {exc})")
             else:  # Stats on its way to the user process: add this process's figures
                 message.tracked["detokenizer"] = self.tracked()
                 if hooks.has("engine_stats"):
@@ -140,6 +144,13 @@ class DetokenizerManager:
         """This process's per-request structures and their sizes: all 0 when nothing runs."""
         return {"decode_states": len(self.incremental.states), "stop_states": len(self.stop_states),
                 "stopped": len(self.stopped), "seqs": len(self.seqs)}  # fmt: skip
+
+    @staticmethod
+    def _failed_beams(out: BeamSearchOut, message: str) -> BeamTextOut:
+        """The search's answer when its text cannot be made: its best hypothesis ends in an abort naming why."""
+        reason = FinishReason("abort", message=message)
+        hypotheses = [msgspec.structs.replace(h, finish=reason) for h in out.hypotheses[:1]]
+        return BeamTextOut(out.rid, hypotheses, [""] * len(hypotheses), out.meta, out.width, out.steps, 0.0)
 
     def detokenize_beams(self, out: BeamSearchOut) -> BeamTextOut:
         """A finished beam search: one batch decode of its returned hypotheses, and nothing else (no

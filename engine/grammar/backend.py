@@ -41,6 +41,9 @@ class GrammarBackend(Protocol):
         """Disallowed tokens of logits[rows[i]] to -inf, in place."""
 
 
+COMPILER_CACHE_BYTES = 256 << 20  # xgrammar's compiled-grammar cache, least recently used evicted
+
+
 class XGrammarBackend:
     """xgrammar: grammars compiled for the tokenizer's vocabulary (its compiler caches them too),
     masks filled in C++ for all rows at once."""
@@ -52,7 +55,9 @@ class XGrammarBackend:
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # its own cache of compiled grammars is unbounded by default: a client sending ever new schemas
+        # would grow the scheduler without end (engine/grammar/stage.py bounds ours)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
         self.vocab_size = vocab_size
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 

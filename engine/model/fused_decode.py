@@ -46,23 +46,20 @@ class _Layer:
 
 
 class _Rows:
-    """A decode batch size's intermediate rows, reused every step of that size: a step at batch 1 made
-    about 200 fresh tensors (t <= MAX_ROWS keeps each set under 2 MB). Nothing here outlives a step's use:
-    the logits and attention outputs are fresh tensors."""
+    """The intermediate rows of a decode step of t rows: views of the first t rows of one set of
+    MAX_ROWS-row buffers, reused every step (a step at batch 1 made about 200 fresh tensors). The first
+    t rows of a row-major buffer are contiguous, so the kernels read and write them in place. Nothing
+    here outlives a step's use: the logits and attention outputs are fresh tensors."""
 
-    def __init__(self, cfg, t: int, intermediate: int) -> None:
+    def __init__(self, full: dict[str, torch.Tensor], cfg, t: int) -> None:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.normed = torch.empty(t, cfg.hidden_size, dtype=torch.float32)
-        self.qkv = torch.empty(t, q_size + 2 * kv_size, dtype=torch.float32)
+        for name, buf in full.items():
+            setattr(self, name, buf[:t])
         q, k, v = self.qkv.split([q_size, kv_size, kv_size], dim=-1)
         self.q = q.view(t, cfg.num_heads, cfg.head_dim)
         self.k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         self.v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        self.a = torch.empty(t, cfg.hidden_size, dtype=torch.float32)
-        self.gate_up = torch.empty(t, 2 * intermediate, dtype=torch.float32)
-        self.act = torch.empty(t, intermediate, dtype=torch.float32)
-        self.down = torch.empty(t, cfg.hidden_size, dtype=torch.float32)
-        self.ptr = {name: getattr(self, name).data_ptr() for name in ("normed", "qkv", "a", "gate_up", "act", "down")}
+        self.ptr = {name: getattr(self, name).data_ptr() for name in full}
 
 
 def _plan(model: LlamaForCausalLM) -> list[_Layer]:
@@ -73,9 +70,19 @@ def _plan(model: LlamaForCausalLM) -> list[_Layer]:
 
 
 def _rows(model: LlamaForCausalLM, t: int) -> _Rows:
+    """Views for t rows; the buffers themselves exist once, for MAX_ROWS (about 1.8 MB for SmolLM2-135M)."""
     cache = model.__dict__.setdefault("_fused_rows", {})
     if t not in cache:
-        cache[t] = _Rows(model.cfg, t, model.layers[0].mlp.down_proj.in_features)
+        full = model.__dict__.get("_fused_buffers")
+        if full is None:
+            cfg, inter = model.cfg, model.layers[0].mlp.down_proj.in_features
+            qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+            widths = {"normed": cfg.hidden_size, "qkv": qkv, "a": cfg.hidden_size, "gate_up": 2 * inter,
+                      "act": inter, "down": cfg.hidden_size}  # fmt: skip
+            full = model.__dict__["_fused_buffers"] = {
+                name: torch.empty(MAX_ROWS, width, dtype=torch.float32) for name, width in widths.items()
+            }
+        cache[t] = _Rows(full, model.cfg, t)
     return cache[t]
 
 

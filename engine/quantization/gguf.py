@@ -174,8 +174,8 @@ class GGUFLinear(QuantizedLinear):
         if rc != 0:
             raise RuntimeError(f"gguf_dequantize failed with code {rc}")
 
-    def _weights_address(self) -> int:
-        return self.blocks.data_ptr()
+    def _weights_address(self) -> tuple[int, ...]:
+        return self.blocks.data_ptr(), 0 if self.bias is None else self.bias.data_ptr()
 
     def _bind_kernel(self):
         fn, kind, w, n, k, threads = self._lib.gguf_linear, self.kind, self.blocks.data_ptr(), self.out_features, \

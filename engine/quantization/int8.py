@@ -51,8 +51,8 @@ class Int8Linear(QuantizedLinear):
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         out.copy_(self.qweight[r0:r1]).mul_(self.scale[r0:r1, None])
 
-    def _weights_address(self) -> int:
-        return self.qweight.data_ptr()
+    def _weights_address(self) -> tuple[int, ...]:
+        return self.qweight.data_ptr(), self.scale.data_ptr(), 0 if self.bias is None else self.bias.data_ptr()
 
     def _bind_kernel(self):
         fn, w, scale, n, k, threads = self._lib.int8_linear, self.qweight.data_ptr(), self.scale.data_ptr(), \

@@ -32,7 +32,7 @@ class QuantizedLinear(nn.Module):
 
     kind_name = "quantized"
     direct_max_rows = 64
-    _bound: tuple[int, Callable[[int, int, int], None]] | None = None
+    _bound: tuple[tuple[int, ...], Callable[[int, int, int], None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -56,14 +56,15 @@ class QuantizedLinear(nn.Module):
         """f(x_ptr, y_ptr, m): the direct kernel on m contiguous float32 rows at x_ptr into y_ptr, with the
         weights' addresses bound once. Why: a decode step makes 121 such calls, and looking up buffers and
         their data pointers again each time was a tenth of a step at batch 1 (engine/model/fused_decode.py
-        calls these directly). Rebound if the weights move (the layers are frozen, so only .to() does)."""
+        calls these directly). Rebound if any buffer it reads moves or is replaced."""
         key = self._weights_address()
         if self._bound is None or self._bound[0] != key:
             self._bound = (key, self._bind_kernel())
         return self._bound[1]
 
-    def _weights_address(self) -> int:
-        """Where the weights the kernel reads live now (rebinds kernel_call when they move)."""
+    def _weights_address(self) -> tuple[int, ...]:
+        """Where everything the kernel reads lives now (weights, scales, bias): kernel_call rebinds when
+        any of it moves or is replaced."""
         raise NotImplementedError
 
     def _bind_kernel(self) -> Callable[[int, int, int], None]:

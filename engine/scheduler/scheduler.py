@@ -144,6 +144,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - fail what the schedule touched, never the process
             endings.schedule_failed(self, f"{type(exc).__name__}: {exc}")
             return True
+        self._planned = []  # only a failing schedule() needs them; kept, they would outlive their requests
         if step is None:
             return False
         t1 = clock()

@@ -100,7 +100,7 @@ int gguf_dequantize(int type, const uint8_t *w, float *out, int64_t rows, int64_
 
 /* x's rows in blocks of 32 as int16 with one float scale each, and the float sum of each block of x
  * (what the min m of Q4_0/Q4_1 multiplies). */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
 /* One row's int16 blocks, each pair (b, b+1) reordered to halves: b[0:16] b+1[0:16] b[16:32] b+1[16:32].
  * The AVX-512 loop widens two blocks' quants in that order (fewer shuffles than weight order). */
 static void x_pair_order(int16_t *row, int64_t nb) {
@@ -126,8 +126,8 @@ static void quantize_x(const float *x, int64_t blocks, int64_t nb, int16_t *qx, 
         for (int j = 0; j < QK; j++) qx[i * QK + j] = (int16_t)__builtin_lrintf(xb[j] * id);
         ds[2 * i] = d, ds[2 * i + 1] = s;
     }
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    for (int64_t r = 0; r < blocks / nb; r++) x_pair_order(qx + r * nb * QK, nb);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
+    for (int64_t r = 0; nb > 0 && r < blocks / nb; r++) x_pair_order(qx + r * nb * QK, nb);
 #endif
 }
 
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
                                                              const float *ds, const uint8_t *wrow, int64_t nb,
                                                              const int rows, float *out) {
     float macc[MB];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
     /* Two blocks an iteration, 512 bits wide: 32 quants of each block's first halves, then of its
      * second halves, widened to int16 (quantize_x laid x out in the same order, see x_pair_order).
      * Both blocks' d and m are converted from half in one instruction, and multiplied by x's (dx, sx)

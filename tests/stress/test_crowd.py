@@ -46,3 +46,11 @@ def test_a_crowd_ends_every_request_once_and_leaves_nothing_behind(engine, token
 @pytest.mark.stress
 def test_a_thousand_concurrent_requests(engine, tokenizer, corpus_ids):
     check_crowd(engine, tokenizer, corpus_ids, n=1000, seed=2)
+
+
+def test_stats_are_idle_at_once_after_requests_that_end_in_their_prefill(engine):
+    """No polling: a prefill step in which every request finished leaves nothing planned (the review
+    found `planned` still holding them until the next schedule)."""
+    engine.generate(["Hello", "World"], {"max_new_tokens": 1})
+    stats = engine.get_stats()
+    assert not busy(stats), busy(stats)

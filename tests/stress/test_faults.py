@@ -27,6 +27,15 @@ PER_REQUEST_HOOKS = ("engine_tokenize_before", "engine_tokenize_after", "engine_
                      "engine_detokenize_after", "engine_detokenize_output", "engine_output", "engine_request_done",
                      "engine_stats", "engine_beam_step")  # fmt: skip
 PARAMS = {"max_new_tokens": 6, "temperature": 0}
+# What each fault does to its request. The call raises for the user process's hooks before anything is
+# queued; the request aborts, naming the hook, where the hook's result was needed; the request completes
+# and the error is printed where the hook only watches what already happened (docs/plugins.md).
+EXPECTED = {"engine_tokenize_before": "raised", "engine_tokenize_after": "raised", "engine_request_submitted": "raised",
+            "engine_schedule": "abort", "engine_request_admitted": "abort", "engine_forward_before": "abort",
+            "engine_forward_after": "abort", "engine_process_logits": "abort", "engine_sample_after": "abort",
+            "engine_step_end": "length", "engine_request_finished": "length", "engine_detokenize": "abort",
+            "engine_detokenize_after": "abort", "engine_detokenize_output": "length", "engine_output": "abort",
+            "engine_request_done": "length", "engine_stats": "raised", "engine_beam_step": "abort"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +80,7 @@ def test_a_plugin_raising_in_each_hook_in_turn(faulty, hook):
         met = outcome(eng, hook)  # returns: a clear error or a result, never a hang (pytest's timeout is the CI's)
     finally:
         control.write_text("")
-    print(f"fault in {hook}: {met}")
-    assert met in ("raised", "abort", "length", "stop", "stats"), met
+    assert met == EXPECTED[hook], (hook, met)  # an unloaded plugin would show as "length" everywhere
     assert eng.alive
     out = eng.generate("Hello there", PARAMS)  # the engine serves on
     assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")

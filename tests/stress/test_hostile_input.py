@@ -46,10 +46,12 @@ edge = {  # values at and near the edges of what is allowed: numbers the sampler
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
 }
 valid_sampling = st.fixed_dictionaries({}, optional=edge)
-sampling = st.one_of(valid_sampling, st.dictionaries(param_names, values, max_size=5), values)
-token_ids = st.one_of(st.lists(st.integers(0, 49151), min_size=1, max_size=30),
-                      st.lists(st.one_of(st.integers(-(2**40), 2**40), st.integers(0, 49151), numbers, texts), max_size=30))
-messages = st.one_of(values, st.lists(st.one_of(values, st.dictionaries(st.sampled_from(["role", "content", "name", "x"]), values, max_size=3),
+sampling = st.one_of(valid_sampling, valid_sampling, st.dictionaries(param_names, values, max_size=5), values)
+valid_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=30)
+token_ids = st.one_of(valid_ids, valid_ids, st.lists(st.one_of(st.integers(-(2**40), 2**40), st.integers(0, 49151), numbers, texts), max_size=30))
+plain_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=60)  # valid, control characters included
+valid_chat = st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": plain_text}), min_size=1, max_size=2)
+messages = st.one_of(valid_chat, valid_chat, values, st.lists(st.one_of(values, st.dictionaries(st.sampled_from(["role", "content", "name", "x"]), values, max_size=3),
                                                 st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]), "content": st.one_of(texts, values)})), max_size=3))  # fmt: skip
 trace_contexts = st.one_of(values, st.just("00-" + "0" * 32 + "-" + "0" * 16 + "-01"), st.text(st.sampled_from("0123456789abcdef-"), max_size=60))
 
@@ -80,6 +82,8 @@ def tally(engine):
     out = engine.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0})
     assert len(out["output_ids"]) == 4  # still serving
     print("hostile inputs tried:", counts)
+    for key in ("sampling_params", "input_ids", "prompt", "messages"):  # the properties explored both sides
+        assert counts.get(f"{key}:served", 0) and counts.get(f"{key}:refused", 0), counts
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +119,8 @@ def test_any_token_ids(engine, tally, ids):
 
 
 @SETTINGS
-@given(prompt=st.one_of(texts, st.lists(texts, max_size=3), values, st.integers(0, 300_000).map(lambda n: "word " * n)))
+@given(prompt=st.one_of(plain_text, plain_text, texts, st.lists(texts, max_size=3), values,
+                        st.integers(0, 300_000).map(lambda n: "word " * n)))
 def test_any_prompt(engine, tally, prompt):
     _count(tally, "prompt", try_request(engine, prompt=prompt, sampling_params={"max_new_tokens": 2}))
 

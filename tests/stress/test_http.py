@@ -2,7 +2,7 @@
 server on a tiny model with a short context, so any generation a generated request asks for is short.
 
 - A crowd: concurrent clients, completions and chat, streaming and not, n, stop, logprobs; about a
-  tenth leave mid-way (a stream closed, a call cancelled). No 5xx, every other request complete, the
+  tenth leave mid-stream (the stream closed after a few chunks). No 5xx, every other request complete, the
   greedy ones equal to the same request alone, and afterwards /stats idle in all three processes.
 - schemathesis over the server's own OpenAPI schema: no response is a 5xx.
 - Security: every route but /health needs the API key; the server listens on loopback only; neither
