@@ -168,3 +168,34 @@ def test_stop_string_across_the_min_new_tokens_boundary():
     m = StopMatcher(("A", "END"))
     assert m.release("xAy") == "xAy"  # a whole stop string before the boundary is passed over...
     assert m.feed("z", False) == ("z", None)  # ...and does not match afterwards
+
+
+@pytest.mark.parametrize("bad", ["nan_row", "nan_some", "posinf", "neginf_row", "mixed"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "top_p_k_min_p", "penalties"])
+def test_non_finite_logits_never_give_an_out_of_range_token(bad, kind):
+    """NaN or infinite logits from the model (a broken checkpoint, an overflow in half precision) must
+    not make the sampler return an id outside the vocabulary, whatever the sampling parameters."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, V)
+    if bad == "nan_row":
+        logits[:] = float("nan")
+    elif bad == "nan_some":
+        logits[:, ::3] = float("nan")
+    elif bad == "posinf":
+        logits[:, 5] = float("inf")
+        logits[1, 9] = float("inf")
+    elif bad == "neginf_row":
+        logits[:] = float("-inf")
+    else:
+        logits[0] = float("nan")
+        logits[1, 2] = float("inf")
+        logits[2] = float("-inf")
+        logits[3, ::2] = float("nan")
+    base = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.9, seed=1),
+            "top_p_k_min_p": dict(temperature=1.0, top_p=0.5, top_k=3, min_p=0.1),
+            "penalties": dict(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)}[kind]  # fmt: skip
+    params = [SamplingParams(**base)] * 4
+    st = tensors(params, outputs=[[1, 2], [], [3], [4, 4]])
+    out = sample(logits.clone(), st, torch.tensor([2, 0, 1, 2]), torch.full((4, 1), -1), [[1, 2], [], [3], [4, 4]], ProcessorSet())
+    ids = out.next_ids.tolist()
+    assert all(0 <= i < V for i in ids), (bad, kind, ids)
