@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 from typing import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -22,6 +23,7 @@ class FileSpanExporter(SpanExporter):
         parent = os.path.dirname(self.path)
         if not os.path.isdir(parent):
             raise ValueError(f"ENGINE_TRACE_FILE={path!r}: the folder {parent!r} does not exist")
+        self._warned = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
@@ -34,8 +36,13 @@ class FileSpanExporter(SpanExporter):
                 os.write(fd, data)
             finally:
                 os.close(fd)  # closing releases the lock
-        except OSError:
+        except OSError as exc:  # a full or read-only disk: spans are dropped, requests are not
+            if not self._warned:
+                self._warned = True
+                print(f"engine: ENGINE_TRACE_FILE={self.path!r} cannot be written ({exc}); spans are dropped "
+                      "until it can (requests are served as usual)", file=sys.stderr)  # fmt: skip
             return SpanExportResult.FAILURE
+        self._warned = False  # written again: warn again at the next failure
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

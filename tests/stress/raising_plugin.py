@@ -1,12 +1,16 @@
 """A plugin that raises in the one hook named by the file ENGINE_RAISE_CONTROL points at (read when the
 hook runs, so a test can move the fault from hook to hook on a running engine); otherwise it does
-nothing. Used by tests/stress/test_faults.py."""
+nothing. It also provides logit processors that misbehave: nan_logits, wrong_shape, not_a_tensor.
+Used by tests/stress/test_faults.py."""
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 from engine.hooks import hookimpl
+from engine.sampling.processors import CustomLogitProcessor
 
 
 def _maybe_raise(hook: str) -> None:
@@ -110,3 +114,25 @@ def engine_output():
 @hookimpl
 def engine_stats():
     _maybe_raise("engine_stats")
+
+
+class NanLogits(CustomLogitProcessor):
+    """Every logit NaN: what a broken model or an overflow would give."""
+
+    def __call__(self, logits, batch):
+        return torch.full_like(logits, float("nan"))
+
+
+class WrongShape(CustomLogitProcessor):
+    def __call__(self, logits, batch):
+        return logits[:, :-1]
+
+
+class NotATensor(CustomLogitProcessor):
+    def __call__(self, logits, batch):
+        return None
+
+
+@hookimpl
+def engine_logit_processors():
+    return {"nan_logits": NanLogits, "wrong_shape": WrongShape, "not_a_tensor": NotATensor}

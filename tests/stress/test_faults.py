@@ -87,6 +87,25 @@ def test_a_plugin_raising_in_each_hook_in_turn(faulty, hook):
     assert not busy(wait_idle(eng, timeout=10))
 
 
+@pytest.mark.parametrize("processor,ends", [("nan_logits", "served"), ("wrong_shape", "abort"), ("not_a_tensor", "abort")])
+def test_a_misbehaving_logit_processor_harms_only_its_request(faulty, processor, ends):
+    """NaN logits still give ids of the vocabulary; a wrong shape or no tensor fails the request, naming
+    the processor; its neighbour in the same batch is unharmed, and equal to it run alone."""
+    eng, _ = faulty
+    plain = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = eng.generate("Hello there", plain)["output_ids"]
+    outs = eng.generate(["Hello there", "Hello there"], [dict(plain, custom_logit_processor=processor), plain])
+    bad, good = outs
+    assert good["output_ids"] == alone and good["meta_info"]["finish_reason"]["type"] == "length"
+    if ends == "served":
+        assert bad["meta_info"]["finish_reason"]["type"] == "length" and len(bad["output_ids"]) == 6
+        assert all(0 <= t < 49152 for t in bad["output_ids"]), bad["output_ids"]
+    else:
+        reason = bad["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and processor in reason["message"], reason
+    assert not busy(wait_idle(eng, timeout=10))
+
+
 def _generate_in_thread(eng, results: list, n: int = 48) -> threading.Thread:
     def run() -> None:
         try:
