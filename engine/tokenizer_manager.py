@@ -89,6 +89,18 @@ def _unicode_messages(messages: list, where: str) -> list:
     return messages
 
 
+def _malformed(message) -> str | None:
+    """Why a well-typed text message is one the detokenizer could not have sent (lists of unequal
+    length, which zip would silently cut), or None."""
+    if isinstance(message, BatchTextOut):
+        n = len(message.rids)
+        lengths = [len(message.text_deltas), len(message.token_ids), len(message.finished), len(message.meta)]
+        lengths += [len(x) for x in (message.headers, message.logprobs) if x]
+        if any(length != n for length in lengths):
+            return f"text message with {n} rids but lists of {lengths}"
+    return None
+
+
 def _done_hook(state: "ReqState", error: str | None) -> None:
     """engine_request_done, from the receiver thread: a plugin error is printed, never raised there."""
     try:
@@ -236,6 +248,10 @@ class TokenizerManager:
                             message = self.recv_codec.decode(data)
                         except msgspec.DecodeError as exc:  # not ours: drop it rather than die
                             print(f"engine::tokenizer_manager: dropped a malformed message ({exc})", file=sys.stderr)
+                            continue
+                        problem = _malformed(message)
+                        if problem:  # typed right, but no detokenizer sends it
+                            print(f"engine::tokenizer_manager: dropped a malformed message ({problem})", file=sys.stderr)
                             continue
                         self._dispatch(message)
                 except Exception as exc:  # noqa: BLE001 - a dead receiver would leave every caller waiting

@@ -46,6 +46,7 @@ def hostile_messages(seed: int) -> list[bytes]:
            msgspec.msgpack.encode(["tokens", ["a", "b"], [1], [None], [None]]),  # lists of unequal length
            msgspec.msgpack.encode(["tokens", ["a"], [2**40], [None], [None]]),  # a token id no vocabulary has
            msgspec.msgpack.encode(["text", ["a"], ["x"], [1], [None]]), msgspec.msgpack.encode(["abort", [], "x", []]),
+           msgspec.msgpack.encode(["text", ["a", "b"], ["x"], [1], [None], [None]]),  # lists of unequal length
            rng.randbytes(8 << 20)]  # fmt: skip
     for g in good:
         out += [g[: len(g) // 2], g + b"\x00", g[:1]]
@@ -81,6 +82,8 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
         ctx.term()
     err = capfd.readouterr().err + victim.stderr_log.read_text(errors="replace")  # user process + children
     assert f"engine::{role}: dropped a malformed message" in err, err[-2000:]
+    if target in ("detokenizer", "tokenizer"):  # well-typed, but lists of unequal length: refused, not cut short
+        assert "rids but lists of" in err, err[-2000:]
 
 
 def test_sockets_and_their_directory_are_private(victim):
