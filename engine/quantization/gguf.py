@@ -174,20 +174,9 @@ class GGUFLinear(QuantizedLinear):
         if rc != 0:
             raise RuntimeError(f"gguf_dequantize failed with code {rc}")
 
-    def _weights_address(self) -> tuple[int, ...]:
-        return self.blocks.data_ptr(), 0 if self.bias is None else self.bias.data_ptr()
-
-    def _bind_kernel(self):
-        fn, kind, w, n, k, threads = self._lib.gguf_linear, self.kind, self.blocks.data_ptr(), self.out_features, \
-            self.in_features, self._threads  # fmt: skip
+    def _kernel_args(self):
         bias = None if self.bias is None else self.bias.data_ptr()
-
-        def call(x: int, y: int, m: int) -> None:
-            rc = fn(kind, x, w, bias, y, m, n, k, threads)
-            if rc != 0:
-                raise RuntimeError(f"gguf_linear failed with code {rc}")
-
-        return call
+        return self._lib.gguf_linear, (self.kind,), (self.blocks.data_ptr(), bias)
 
     def _activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tiles multiply x rounded as the kernel rounds it, and the offsets m multiply the float sums

@@ -51,20 +51,9 @@ class Int8Linear(QuantizedLinear):
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         out.copy_(self.qweight[r0:r1]).mul_(self.scale[r0:r1, None])
 
-    def _weights_address(self) -> tuple[int, ...]:
-        return self.qweight.data_ptr(), self.scale.data_ptr(), 0 if self.bias is None else self.bias.data_ptr()
-
-    def _bind_kernel(self):
-        fn, w, scale, n, k, threads = self._lib.int8_linear, self.qweight.data_ptr(), self.scale.data_ptr(), \
-            self.out_features, self.in_features, self._threads  # fmt: skip
+    def _kernel_args(self):
         bias = None if self.bias is None else self.bias.data_ptr()
-
-        def call(x: int, y: int, m: int) -> None:
-            rc = fn(x, w, scale, bias, y, m, n, k, threads)
-            if rc != 0:
-                raise RuntimeError(f"int8_linear failed with code {rc}")
-
-        return call
+        return self._lib.int8_linear, (), (self.qweight.data_ptr(), self.scale.data_ptr(), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-row scales"

@@ -26,8 +26,8 @@ def _scratch_weight(n: int, k: int) -> torch.Tensor:
 
 
 class QuantizedLinear(nn.Module):
-    """Subclasses set kind_name, direct_max_rows, in/out_features and bias, and implement _weights_address,
-    _bind_kernel and _dequantize_into; _activations and _correct change what the tiles multiply (gguf
+    """Subclasses set kind_name, direct_max_rows, in/out_features, bias and _threads, and implement
+    _kernel_args and _dequantize_into; _activations and _correct change what the tiles multiply (gguf
     rounds x)."""
 
     kind_name = "quantized"
@@ -57,18 +57,22 @@ class QuantizedLinear(nn.Module):
         weights' addresses bound once. Why: a decode step makes 121 such calls, and looking up buffers and
         their data pointers again each time was a tenth of a step at batch 1 (engine/model/fused_decode.py
         calls these directly). Rebound if any buffer it reads moves or is replaced."""
-        key = self._weights_address()
+        fn, before, after = self._kernel_args()
+        key = (before, after)  # the addresses themselves: a moved or replaced buffer rebinds
         if self._bound is None or self._bound[0] != key:
-            self._bound = (key, self._bind_kernel())
+            n, k, threads, name = self.out_features, self.in_features, self._threads, fn.__name__
+
+            def call(x: int, y: int, m: int) -> None:
+                rc = fn(*before, x, *after, y, m, n, k, threads)
+                if rc != 0:
+                    raise RuntimeError(f"{name} failed with code {rc}")
+
+            self._bound = (key, call)
         return self._bound[1]
 
-    def _weights_address(self) -> tuple[int, ...]:
-        """Where everything the kernel reads lives now (weights, scales, bias): kernel_call rebinds when
-        any of it moves or is replaced."""
-        raise NotImplementedError
-
-    def _bind_kernel(self) -> Callable[[int, int, int], None]:
-        """A fresh f(x_ptr, y_ptr, m) for kernel_call."""
+    def _kernel_args(self) -> tuple[Callable, tuple, tuple]:
+        """The kernel, and what it takes before x and between x and y (weights, scales, bias addresses,
+        as they are now); it then takes y, m, out_features, in_features, threads, and returns 0 or a code."""
         raise NotImplementedError
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
