@@ -122,3 +122,47 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
                              kv_pool=Pool(4, 2, head_dim, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
     assert type(backend) is CpuNativeAttentionBackend
     assert backend.native_extend == (avx512 and head_dim % 16 == 0)
+
+
+@pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"]], ids=["native", "no-bf16-dot", "no-avx512"])
+@pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2
+def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
+    """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
+    first, no AVX-512 at all) against the float64 reference, over lengths around the 16-key blocks."""
+    import ctypes
+    import platform
+    import subprocess
+
+    from kernels.cpu import build
+
+    command = build.compiler_command()
+    if command is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64 to build the narrower paths")
+    source = next(p for p in build.SOURCES if p.name == "decode_attention.c")
+    lib_path = tmp_path / "decode.so"
+    subprocess.run([*command, *build.FLAGS, *narrower, str(source), "-o", str(lib_path), "-lm"], check=True)
+    lib = build.bind_attention(ctypes.CDLL(str(lib_path)))
+    h, hkv = heads
+    d, lens = 64, torch.tensor([1, 7, 15, 16, 17, 33, 80, 131])
+    gen = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        k = torch.randn(1200, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(1200, hkv, d, generator=gen).to(dtype)
+        b = len(lens)
+        table = torch.zeros(b, int(lens.max()), dtype=torch.int64)
+        rows = torch.randperm(1199, generator=gen)[: int(lens.sum())] + 1
+        start = 0
+        for i, n in enumerate(lens.tolist()):
+            table[i, :n] = rows[start : start + n]
+            start += n
+        q = torch.randn(b, h, d, generator=gen).to(dtype)
+        out = torch.empty_like(q)
+        slots = torch.arange(b)
+        rc = lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), table.data_ptr(),
+                                  table.stride(0), slots.data_ptr(), lens.data_ptr(), b, h, hkv, d, d**-0.5,
+                                  int(dtype == torch.bfloat16), 2)  # fmt: skip
+        assert rc == 0
+        for i in range(b):
+            idx = table[i, : lens[i]]
+            expected = _reference(q[i], k[idx], v[idx], d**-0.5)
+            assert torch.allclose(out[i].double(), expected, atol=tol, rtol=tol), (dtype, i, int(lens[i]))

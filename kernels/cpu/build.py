@@ -133,8 +133,8 @@ def library_path() -> tuple[Path, bool] | None:
     return built, True
 
 
-def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the kernels' C signatures on a loaded library."""
+def bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the attention kernels' C signatures (a library built from decode_attention.c alone has only these)."""
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -147,6 +147,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
+    return lib
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernels' C signatures on a loaded library."""
+    bind_attention(lib)
     lib.int8_linear.restype = ctypes.c_int
     lib.int8_linear.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

@@ -49,6 +49,61 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #define HAVE_SIMD 1
+/* exp for 16 lanes: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (rel. error
+ * about 2e-7); lanes below -87 flush to 0, which is all attention needs (x <= 0 here). */
+static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 result = _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(~tiny, result);
+}
+
+/* sh[t] = exp(sh[t] - m) for t < len, 16 at a time; returns their sum. */
+static inline float exp_shifted_sum(float *sh, int64_t len, float m) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 tot = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sh + t), vm));
+        _mm512_storeu_ps(sh + t, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    if (t < len) {
+        const __mmask16 mk = (__mmask16)((1u << (len - t)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sh + t), vm)));
+        _mm512_mask_storeu_ps(sh + t, mk, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    return _mm512_reduce_add_ps(tot);
+}
+
+/* out[i] = the sum of a[i]'s 16 lanes: a transpose-and-add tree, 45 instructions for 16 sums
+ * where one horizontal sum each takes about 8. */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of a pair */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: four keys' partial sums */
+        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* across the four 128-bit lanes */
+    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
 #else
 #define HAVE_SIMD 0
 #endif
@@ -67,9 +122,9 @@ static inline void load_row64(const void *base, int64_t off, int is_bf16, __m512
     }
 }
 
-static void attend_one_d64(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
-                           int64_t len, int H, int Hkv, int hk0, int hk1, int is_bf16, float *scores, float *mx,
-                           float *sum) {
+static void attend_one_d64(const float *qf, const void *q_raw, float scale, const void *k, const void *v,
+                           float *acc_out, const int64_t *rows, int64_t len, int H, int Hkv, int hk0, int hk1,
+                           int is_bf16, float *scores, float *mx, float *sum) {
     const int G = H / Hkv;
     const int D = 64, W = Hkv * 64;
     const int64_t elem = is_bf16 ? 2 : 4;
@@ -81,29 +136,69 @@ static void attend_one_d64(const float *qf, const void *k, const void *v, float 
             float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
             for (int j = 0; j < n; j++)
                 for (int c = 0; c < 4; c++) qv[j][c] = _mm512_loadu_ps(qf + (h0 + j) * D + 16 * c);
-            for (int64_t t = 0; t < len; t++) {
-                if (t + PREFETCH < len) prefetch_row(k, (rows[t + PREFETCH] * W + hk * D) * elem, D * elem);
-                __m512 kr[4];
-                load_row64(k, rows[t] * W + hk * D, is_bf16, kr);
+#if defined(__AVX512BF16__)
+            __m512bh qb[4][2]; /* the unscaled bf16 query (exact), as pairs; the scale comes after the sum */
+            if (is_bf16)
+                for (int j = 0; j < n; j++)
+                    for (int c = 0; c < 2; c++)
+                        qb[j][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q_raw + (h0 + j) * D + 32 * c);
+#endif
+            __m512 vmax[4];
+            for (int j = 0; j < n; j++) vmax[j] = _mm512_set1_ps(-INFINITY);
+            for (int64_t t0 = 0; t0 < len; t0 += 16) { /* 16 keys a block: their scores as one vector */
+                const int nt = len - t0 < 16 ? (int)(len - t0) : 16;
+                const __mmask16 mk = (__mmask16)((1u << nt) - 1u);
+                int64_t off[16];
+                for (int t = 0; t < 16; t++) off[t] = rows[t0 + (t < nt ? t : 0)] * W + hk * D; /* tail: a real row, masked */
+                for (int t = 0; t < nt; t++)
+                    if (t0 + 16 + t < len) prefetch_row(k, (rows[t0 + 16 + t] * W + hk * D) * elem, D * elem);
+#if defined(__AVX512BF16__)
+                if (is_bf16) { /* bf16 pairs straight from the pool: two dot-product instructions a row */
+                    for (int j = 0; j < n; j++) {
+                        __m512 a[16];
+#pragma GCC unroll 16
+                        for (int t = 0; t < 16; t++) {
+                            const uint16_t *kr = (const uint16_t *)k + off[t];
+                            __m512 z = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr), qb[j][0]);
+                            a[t] = _mm512_dpbf16_ps(z, (__m512bh)_mm512_loadu_si512(kr + 32), qb[j][1]);
+                        }
+                        __m512 sc = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+                        _mm512_mask_storeu_ps(scores + (h0 + j) * len + t0, mk, sc);
+                        vmax[j] = _mm512_mask_max_ps(vmax[j], mk, vmax[j], sc);
+                    }
+                    continue;
+                }
+#endif
+                float kb[16 * 64];
+                const float *kf[16];
+                for (int t = 0; t < 16; t++) {
+                    if (is_bf16) {
+                        __m512 r[4];
+                        load_row64(k, off[t], 1, r);
+                        for (int c = 0; c < 4; c++) _mm512_storeu_ps(kb + t * 64 + 16 * c, r[c]);
+                        kf[t] = kb + t * 64;
+                    } else {
+                        kf[t] = (const float *)k + off[t];
+                    }
+                }
                 for (int j = 0; j < n; j++) {
-                    __m512 a = _mm512_mul_ps(qv[j][0], kr[0]);
-                    a = _mm512_fmadd_ps(qv[j][1], kr[1], a);
-                    a = _mm512_fmadd_ps(qv[j][2], kr[2], a);
-                    a = _mm512_fmadd_ps(qv[j][3], kr[3], a);
-                    float s = _mm512_reduce_add_ps(a);
-                    scores[(h0 + j) * len + t] = s;
-                    if (s > m[j]) m[j] = s;
+                    __m512 a[16];
+#pragma GCC unroll 16
+                    for (int t = 0; t < 16; t++) {
+                        __m512 x = _mm512_mul_ps(qv[j][0], _mm512_loadu_ps(kf[t]));
+                        x = _mm512_fmadd_ps(qv[j][1], _mm512_loadu_ps(kf[t] + 16), x);
+                        x = _mm512_fmadd_ps(qv[j][2], _mm512_loadu_ps(kf[t] + 32), x);
+                        a[t] = _mm512_fmadd_ps(qv[j][3], _mm512_loadu_ps(kf[t] + 48), x);
+                    }
+                    __m512 sc = reduce16(a);
+                    _mm512_mask_storeu_ps(scores + (h0 + j) * len + t0, mk, sc);
+                    vmax[j] = _mm512_mask_max_ps(vmax[j], mk, vmax[j], sc);
                 }
             }
+            for (int j = 0; j < n; j++) m[j] = _mm512_reduce_max_ps(vmax[j]);
             for (int j = 0; j < n; j++) {
-                float *sh = scores + (h0 + j) * len, total = 0.0f;
-                for (int64_t t = 0; t < len; t++) {
-                    float e = expf(sh[t] - m[j]);
-                    sh[t] = e;
-                    total += e;
-                }
                 mx[h0 + j] = m[j];
-                sum[h0 + j] = total;
+                sum[h0 + j] = exp_shifted_sum(scores + (h0 + j) * len, len, m[j]);
             }
             __m512 acc[4][4];
             for (int j = 0; j < 4; j++)
@@ -148,7 +243,8 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
     memset(acc + h_lo * D, 0, sizeof(float) * (h_hi - h_lo) * D);
 #if HAVE_SIMD
     if (D == 64) {
-        attend_one_d64(qf, k, v, acc, rows, len, H, Hkv, hk0, hk1, is_bf16, scores, mx, sum);
+        attend_one_d64(qf, (const uint16_t *)q + (int64_t)b * H * D, scale, k, v, acc, rows, len, H, Hkv, hk0, hk1,
+                       is_bf16, scores, mx, sum);
         goto write_out;
     }
 #endif
@@ -244,26 +340,6 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
 }
 
 #if HAVE_SIMD
-/* exp for 16 lanes: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (rel. error
- * about 2e-7); lanes below -87 flush to 0, which is all attention needs (x <= 0 here). */
-static inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512 result = _mm512_scalef_ps(p, n);
-    return _mm512_maskz_mov_ps(~tiny, result);
-}
-
 /* Causal extend (prefill) attention for one request and one KV head, flash-style on the CPU.
  *
  * K is first transposed into 16-key blocks [D][16] (float32), V converted to float32 rows, both
