@@ -1,8 +1,23 @@
-"""Elementwise building blocks, written to match Hugging Face's Llama numerics exactly in float32."""
+"""Elementwise building blocks, written to match Hugging Face's Llama numerics exactly in float32.
+
+bfloat16 on the CPU goes to the native kernels (kernels/cpu/elementwise_bf16.c) when they are built:
+the same roundings at the same points, one pass each instead of a torch call per operation.
+float32 always stays on torch's operations, in transformers' order: greedy parity depends on it.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.cpu import load_native
+
+
+def _bf16_native(*tensors: torch.Tensor):
+    """The native library when every tensor is a contiguous bfloat16 CPU tensor (and the kernels built), else None."""
+    for t in tensors:
+        if t.dtype is not torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+    return load_native()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -12,6 +27,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     precision: the weight multiply also happens in float32 with a single cast at the end, which on the
     CPU is about twice as fast as transformers' cast-then-multiply in bfloat16 (and no less accurate).
     """
+    lib = _bf16_native(x, weight)
+    if lib is not None:
+        out = torch.empty_like(x)
+        lib.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                              x.shape[-1], eps, torch.get_num_threads())  # fmt: skip
+        return out
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
@@ -21,8 +42,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * weight.to(torch.float32)).to(input_dtype)
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta)): a residual add and the norm after it. The native bfloat16 path adds
+    into h in place (h is the running hidden state, which nothing else holds); without delta, only the norm."""
+    lib = _bf16_native(h, weight) if delta is None else _bf16_native(h, delta, weight)
+    if lib is None:
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, weight, eps)
+    out = torch.empty_like(h)
+    lib.add_rms_norm_bf16(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                          h.numel() // h.shape[-1], h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
+    return h, out
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [.., 2 * I] gate/up projection."""
+    lib = _bf16_native(gate_up)
+    if lib is not None:
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+        lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter,
+                          torch.get_num_threads())  # fmt: skip
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
@@ -37,3 +79,19 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] of fused qkv rows [T, (H + 2 Hkv) D], q and k rotated.
+    The native bfloat16 path rotates in place in qkv and returns views of it."""
+    t = qkv.shape[0]
+    lib = _bf16_native(qkv, cos, sin)
+    if lib is not None:
+        lib.rotary_qkv_bf16(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                            torch.get_num_threads())  # fmt: skip
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
+    if lib is None:
+        q, k = apply_rotary(q, k, cos, sin)
+    return q, k, v

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
-from kernels.ops import apply_rotary, rms_norm, silu_and_mul
+from kernels.ops import add_rms_norm, rms_norm, rotate_qkv, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -35,15 +35,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k, v = rotate_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -64,9 +58,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, backend, batch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, delta, cos, sin, backend, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """h + delta is this layer's input: the previous layer's MLP output (delta) is added here, fused with
+        the norm after it, as is the attention output; returns (h, this layer's MLP output)."""
+        norm = self.input_layernorm
+        h, x = add_rms_norm(h, delta, norm.weight, norm.eps)
+        norm = self.post_attention_layernorm
+        h, x = add_rms_norm(h, self.self_attn(x, cos, sin, backend, batch), norm.weight, norm.eps)
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,12 +89,12 @@ class LlamaForCausalLM(nn.Module):
         backend.init_forward_metadata(batch)
         cos = self.rope_cos[batch.positions]
         sin = self.rope_sin[batch.positions]
-        h = self.embed_tokens(batch.input_ids)
+        h, delta = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            h = layer(h, cos, sin, backend, batch)
+            h, delta = layer(h, delta, cos, sin, backend, batch)
         if batch.mode is ForwardMode.EXTEND:
-            h = h[batch.logits_indices]
-        return self.lm_head(self.norm(h)).float()
+            h, delta = h[batch.logits_indices], delta[batch.logits_indices]
+        return self.lm_head(add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]).float()
 
 
 def weight_plan(cfg: ModelConfig, names: set[str]) -> dict[str, list[str]]:

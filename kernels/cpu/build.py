@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, elementwise.c, gguf_linear.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, elementwise.c, elementwise_bf16.c, gguf_linear.c, int8_linear.c
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
@@ -174,6 +174,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.add_rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.rotary_qkv_bf16.restype = None
+    lib.rotary_qkv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int
         lib.native_support.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
