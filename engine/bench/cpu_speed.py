@@ -1,4 +1,4 @@
-"""CPU speed and footprint: the engine (each --cpu-quantizations mode) against transformers float32 and llama.cpp.
+"""CPU speed and footprint: the engine (each --cpu-quantizations mode) against transformers (float32, and the engine's `auto` dtype where that differs) and llama.cpp.
 
 Why: on a CPU a user picks a runtime by start-up and memory, one stream's speed and batch throughput.
 One run measures all three for every backend on the same model (the embedded SmolLM2 GGUF: llama.cpp
@@ -89,13 +89,14 @@ def child_engine(cfg_path: str, t_import: float) -> None:
 
 
 def child_transformers(cfg_path: str, t_import: float) -> None:
-    """transformers float32, sdpa: load time (torch's import included), memory, batch-1 decode, batches."""
+    """transformers in cfg["hf_dtype"], sdpa: load time (torch's import included), memory, batch-1 decode, batches."""
     cfg = json.loads(Path(cfg_path).read_text())
     t0 = time.perf_counter()
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    dtype = getattr(torch, cfg["hf_dtype"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=dtype, attn_implementation="sdpa")
     load = time.perf_counter() - t0
     torch.set_num_threads(os.cpu_count() or 1)
     pad = model.generation_config.eos_token_id
@@ -125,7 +126,7 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
         runs.append({"generated_tokens": len(prompts) * m, "wall_s": wall, "tokens_per_s": len(prompts) * m / wall,
                      "setting": f"batch {size}"})  # fmt: skip
     batch = max(runs, key=lambda r: r["tokens_per_s"])
-    _emit(t_import, load, memory=mem, single=single, batch={**batch, "all_batch_sizes": runs}, dtype="float32")
+    _emit(t_import, load, memory=mem, single=single, batch={**batch, "all_batch_sizes": runs}, dtype=cfg["hf_dtype"])
 
 
 def child_llama(cfg_path: str, t_import: float) -> None:
@@ -245,6 +246,15 @@ def _child(backend: str, fn: str, cfg: dict) -> dict:
     return json.loads(lines[-1][len(MARK) :]) if lines and not proc.returncode else failed
 
 
+def hf_dtypes() -> list[str]:
+    """transformers in float32 and, where it differs, in the dtype the engine's exact mode picks here
+    (bfloat16 on a CPU with native bfloat16): the batch target is against transformers in the same dtype."""
+    from engine.scheduler.device import resolve_dtype
+
+    auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    return ["float32"] + ([auto] if auto != "float32" else [])
+
+
 def run_cpu(args: argparse.Namespace) -> dict:
     """Every backend in turn, each in its own interpreter; the figures and the settings behind them."""
     from engine.bench.cli import machine_line  # imported here: cli imports this module
@@ -264,12 +274,13 @@ def run_cpu(args: argparse.Namespace) -> dict:
     for q in modes:
         print(f"[cpu] engine quantization={q} ...", flush=True)
         backends[f"engine {q}"] = _child("engine", "child_engine", {**cfg, "mode": q})
-    for name, fn, skip in (("transformers", "child_transformers", args.cpu_skip_hf and "--cpu-skip-hf"),
-                           ("llama.cpp", "child_llama", args.cpu_skip_llama and "--cpu-skip-llama")):  # fmt: skip
+    hf_runs = [(f"transformers {d}", "child_transformers", args.cpu_skip_hf and "--cpu-skip-hf", {"hf_dtype": d})
+               for d in hf_dtypes()]  # fmt: skip
+    for name, fn, skip, extra in (*hf_runs, ("llama.cpp", "child_llama", args.cpu_skip_llama and "--cpu-skip-llama", {})):
         if name == "llama.cpp" and not skip and importlib.util.find_spec("llama_cpp") is None:
             skip = LLAMA_MISSING
         print(f"[cpu] {name} ...", flush=True)
-        backends[name] = {"skipped": skip} if skip else _child(name, fn, cfg)
+        backends[name] = {"skipped": skip} if skip else _child(name.split()[0], fn, {**cfg, **extra})
         if name == "llama.cpp" and "error" in backends[name]:  # its kindest setting failed: the plain one
             print("[cpu] llama.cpp failed; again without its extra buffer types (AMX repack) ...", flush=True)
             backends[name] = {**_child(name, fn, {**cfg, "llama_extra_bufts": False}),
@@ -306,16 +317,17 @@ def print_cpu(r: dict) -> None:
     print(f"\ncpu: {r['machine']}\n  single stream: {s['prompt_len']} prompt tokens, {s['new_tokens']} new; "
           f"batch: {s['num_prompts']} prompts of {s['min_len']}-{s['max_len']} tokens, {s['max_new_tokens']} new each")
     ran = [n for n, b in backends.items() if "startup" in b]
-    pairs = [(e, b) for e in ran if e.startswith("engine") for b in ("transformers", "llama.cpp") if b in ran]
+    baselines = [n for n in ran if n.startswith("transformers") or n == "llama.cpp"]
+    pairs = [(e, b) for e in ran if e.startswith("engine") for b in baselines]
     for title, *cols in TABLES:
-        print(f"\n  {title}\n  {'':<30}" + "".join(f"{c:>14}" for c, _, _ in cols))
+        print(f"\n  {title}\n  {'':<42}" + "".join(f"{c:>14}" for c, _, _ in cols))
         for name, b in backends.items():
             cells = ["-" if _get(b, k) is None else f.format(_get(b, k)) for _, k, f in cols]
             row = "".join(f"{c:>14}" for c in cells) if name in ran else b.get("skipped", b.get("error"))
-            print(f"  {name:<30}{row}")
+            print(f"  {name:<42}{row}")
         for e, o in pairs:
             ratios = [(_get(backends[e], k), _get(backends[o], k)) for _, k, _ in cols]
-            print(f"  {e + ' / ' + o:<30}" + "".join(f"{f'{a / b:.2f}x' if isinstance(a, float) and b else '':>14}"
+            print(f"  {e + ' / ' + o:<42}" + "".join(f"{f'{a / b:.2f}x' if isinstance(a, float) and b else '':>14}"
                                                      for a, b in ratios))  # fmt: skip
     print("  RSS counts shared pages in every process, PSS splits them; engine rows sum its 3 processes", flush=True)
     if setting := backends.get("llama.cpp", {}).get("setting"):
