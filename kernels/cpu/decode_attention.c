@@ -129,6 +129,9 @@ static void attend_one_d64(const float *qf, const void *q_raw, float scale, cons
     const int D = 64, W = Hkv * 64;
     const int64_t elem = is_bf16 ? 2 : 4;
     for (int hk = hk0; hk < hk1; hk++) {
+        /* rows hold every KV head contiguously: the first head's passes prefetch the rest of each row too
+         * (one stream of whole rows from memory instead of one per head), the later heads' find it cached */
+        const int64_t span = (hk == hk0 ? hk1 - hk0 : 1) * D * elem;
         for (int g0 = 0; g0 < G; g0 += 4) {
             const int n = G - g0 < 4 ? G - g0 : 4;
             const int h0 = hk * G + g0;
@@ -150,8 +153,8 @@ static void attend_one_d64(const float *qf, const void *q_raw, float scale, cons
                 const __mmask16 mk = (__mmask16)((1u << nt) - 1u);
                 int64_t off[16];
                 for (int t = 0; t < 16; t++) off[t] = rows[t0 + (t < nt ? t : 0)] * W + hk * D; /* tail: a real row, masked */
-                for (int t = 0; t < nt; t++)
-                    if (t0 + 16 + t < len) prefetch_row(k, (rows[t0 + 16 + t] * W + hk * D) * elem, D * elem);
+                for (int t = 0; t < nt; t++) /* the first head's pass fetches every head's part of the row */
+                    if (t0 + 16 + t < len) prefetch_row(k, (rows[t0 + 16 + t] * W + hk * D) * elem, span);
 #if defined(__AVX512BF16__)
                 if (is_bf16) { /* bf16 pairs straight from the pool: two dot-product instructions a row */
                     for (int j = 0; j < n; j++) {
@@ -204,7 +207,7 @@ static void attend_one_d64(const float *qf, const void *q_raw, float scale, cons
             for (int j = 0; j < 4; j++)
                 for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
             for (int64_t t = 0; t < len; t++) {
-                if (t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, D * elem);
+                if (t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, span);
                 __m512 vr[4];
                 load_row64(v, rows[t] * W + hk * D, is_bf16, vr);
                 for (int j = 0; j < n; j++) {
