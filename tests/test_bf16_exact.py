@@ -107,3 +107,17 @@ def test_bf16_batch_and_alone_agree(bf16_outputs):
     _, outs, alone = bf16_outputs
     same = next((i for i, (a, b) in enumerate(zip(outs[0], alone)) if a != b), NEW_TOKENS)
     assert same >= 16, f"batched and alone greedy part after {same} tokens"
+
+def test_native_bf16_silu_saturates_as_torch():
+    """Gates beyond exp's float32 range: torch's exp(-x) overflows to inf (silu -> -0.0, and NaN at -inf);
+    a clamp at 88 had given -6e-37 and inf instead."""
+    if load_native() is None:
+        pytest.fail("no C compiler: the native kernels could not be built on this machine")
+    gate = torch.tensor([-100.0, -88.5, -89.0, -1e30, float("-inf"), 100.0, 0.0, -3.0] * 8).bfloat16()
+    up = torch.full_like(gate, 2.0)
+    gate_up = torch.cat([gate, up])[None]
+    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_and_mul(gate_up)[0]
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(got[keep], want[keep]) and torch.equal(got[keep].signbit(), want[keep].signbit())

@@ -93,7 +93,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, backend, batch)
         if batch.mode is ForwardMode.EXTEND:
-            h, delta = h[batch.logits_indices], delta[batch.logits_indices]
+            h = h[batch.logits_indices]
+            delta = None if delta is None else delta[batch.logits_indices]
         return self.lm_head(add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]).float()
 
 

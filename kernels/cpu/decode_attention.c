@@ -21,6 +21,7 @@ static inline uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } x;
     x.f = f;
     uint32_t u = x.u;
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0u; /* NaN: the carry below would make it 0 or inf */
     u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(u >> 16);
 }

@@ -7,8 +7,8 @@
  *
  * Numerics follow llama.py's torch operations: every value torch rounds to bfloat16 is rounded here at
  * the same point (round to nearest even, as c10::BFloat16), and RMSNorm computes in float32 with one
- * rounding at the end. What differs is float32 summation order in the norm's mean and SiLU's exp (a
- * polynomial, about 2 ulp in float32, before the rounding to bfloat16).
+ * rounding at the end. What differs is float32 summation order in the norm's mean, SiLU's exp (a
+ * polynomial, about 2 ulp in float32, before the rounding to bfloat16) and the bits of a NaN.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,13 +25,17 @@ static inline uint16_t f32_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded; /* NaN stays NaN */
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded; /* NaN stays a NaN (torch's
+    scalar conversion's 0x7FC0; its vectorized one writes 0xFFFF: the same value, other bits) */
 }
 
 static inline float round_bf16(float f) { return bf16_f32(f32_bf16(f)); }
 
 /* exp(x) as 2^n * p(r), r = x - n ln2, degree-6 polynomial; plain C so the compiler vectorizes it. */
 static inline float exp_poly(float x) {
+    const float big = x > 88.7228f ? INFINITY : 1.0f; /* beyond float32's range: inf, as torch's exp */
+    const float e1 = x > 87.0f ? 2.71828182845904524f : 1.0f; /* near the top: exp(x - 1) * e, so 2^n fits */
+    x = x > 87.0f ? x - 1.0f : x;
     x = x < -87.0f ? -87.0f : x; /* not fminf/fmaxf: those do not vectorize */
     x = x > 88.0f ? 88.0f : x;
     const float n = __builtin_rintf(x * 1.44269504088896341f);
@@ -45,7 +49,7 @@ static inline float exp_poly(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + (r + 1.0f);
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
+    return p * scale.f * e1 * big;
 }
 
 #define PARALLEL_MIN 32768 /* elements: below this, one thread (a fork costs more than the work) */
