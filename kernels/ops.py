@@ -29,10 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     lib = _bf16_native(x, weight)
     if lib is not None:
-        out = torch.empty_like(x)
-        lib.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
-                              x.shape[-1], eps, torch.get_num_threads())  # fmt: skip
-        return out
+        return _native_add_rms_norm(lib, x, None, weight, eps)
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
@@ -45,15 +42,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)): a residual add and the norm after it. The native bfloat16 path adds
     into h in place (h is the running hidden state, which nothing else holds); without delta, only the norm."""
-    lib = _bf16_native(h, weight) if delta is None else _bf16_native(h, delta, weight)
+    lib = _bf16_native(h, weight, *(() if delta is None else (delta,)))
     if lib is None:
         if delta is not None:
             h = h + delta
         return h, rms_norm(h, weight, eps)
+    return h, _native_add_rms_norm(lib, h, delta, weight, eps)
+
+
+def _native_add_rms_norm(lib, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """The bfloat16 kernel: h += delta in place (when given), returns the normed rows."""
     out = torch.empty_like(h)
     lib.add_rms_norm_bf16(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
                           h.numel() // h.shape[-1], h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
-    return h, out
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

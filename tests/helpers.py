@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import subprocess
 import time
+
+import pytest
 
 
 def pid_alive(pid: int) -> bool:
@@ -43,3 +48,17 @@ def engine_idle(stats: dict) -> bool:
         and stats["cache_locked_tokens"] == 0
         and stats["cache_lock_refs"] == 0
     )
+
+
+def build_narrower(tmp_path, source_name: str, flags: list[str]) -> ctypes.CDLL:
+    """One kernel source compiled with the project's flags plus `flags` (-mno-avx512f, ...): the path a
+    machine without those instructions builds. Skips where there is no C compiler on x86-64."""
+    from kernels.cpu import build
+
+    command = build.compiler_command()
+    if command is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64 to build the narrower paths")
+    source = next(p for p in build.SOURCES if p.name == source_name)
+    out = tmp_path / (source.stem + "_narrow.so")
+    subprocess.run([*command, *build.FLAGS, *flags, str(source), "-o", str(out), "-lm"], check=True)
+    return ctypes.CDLL(str(out))

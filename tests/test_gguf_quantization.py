@@ -80,18 +80,10 @@ def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
     """The AVX-512 loop (two blocks a step, x reordered to match) is checked against the AVX2 and scalar
     loops a machine without it would build: the same rounded x, so equal up to float summation order."""
     import ctypes
-    import platform
-    import subprocess
 
-    from kernels.cpu import build
+    from helpers import build_narrower
 
-    command = build.compiler_command()
-    if command is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs a C compiler on x86-64 to build the narrower paths")
-    source = next(p for p in build.SOURCES if p.name == "gguf_linear.c")
-    narrow = tmp_path / "gguf_narrow.so"
-    subprocess.run([*command, *build.FLAGS, *narrower, str(source), "-o", str(narrow), "-lm"], check=True)
-    libs = [load_native(), ctypes.CDLL(str(narrow))]
+    libs = [load_native(), build_narrower(tmp_path, "gguf_linear.c", narrower)]
     for lib in libs:
         lib.gguf_linear.restype = ctypes.c_int
         lib.gguf_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]

@@ -129,19 +129,10 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
 def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
     """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
     first, no AVX-512 at all) against the float64 reference, over lengths around the 16-key blocks."""
-    import ctypes
-    import platform
-    import subprocess
+    from helpers import build_narrower
+    from kernels.cpu.build import bind_attention
 
-    from kernels.cpu import build
-
-    command = build.compiler_command()
-    if command is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs a C compiler on x86-64 to build the narrower paths")
-    source = next(p for p in build.SOURCES if p.name == "decode_attention.c")
-    lib_path = tmp_path / "decode.so"
-    subprocess.run([*command, *build.FLAGS, *narrower, str(source), "-o", str(lib_path), "-lm"], check=True)
-    lib = build.bind_attention(ctypes.CDLL(str(lib_path)))
+    lib = bind_attention(build_narrower(tmp_path, "decode_attention.c", narrower))
     h, hkv = heads
     d, lens = 64, torch.tensor([1, 7, 15, 16, 17, 33, 80, 131])
     gen = torch.Generator().manual_seed(3)
