@@ -18,6 +18,7 @@ import torch
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.rope import rotary_tables
+from engine.model.packed_linear import pack_linears
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
 SAFETENSORS_DTYPES = {
@@ -148,5 +149,8 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = cos, sin
     model.eval()
-    del state  # the model holds the weights now; quantization must be able to free the float ones
-    return quantize_model(model, quantization, model_dir, stored), cfg
+    del state  # the model holds the weights now; quantization and packing must be able to free the plain ones
+    model = quantize_model(model, quantization, model_dir, stored)
+    if quantization == "none":
+        pack_linears(model, dtype, device)  # bfloat16 on the CPU: oneDNN's layout, once (packed_linear.py)
+    return model, cfg

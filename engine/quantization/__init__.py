@@ -9,6 +9,7 @@ from torch import nn
 from typing import Callable
 
 from engine.config import QUANTIZATIONS
+from engine.model.swap import release_freed_memory, replace_linears
 
 
 def check_quantization(mode: str, device: str, dtype: torch.dtype) -> None:
@@ -87,19 +88,11 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     if mode == "gguf":
         from engine.quantization.gguf import GGUFLinear
 
-        _replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads))
+        replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads))
     else:
         _swap_int8(model, mode, model_dir, stored, lib, threads)
-    _release_float_weights()
+    release_freed_memory()  # the float32 weights of the swapped layers
     return install(model, lib)  # float32 decode steps with fused elementwise ops
-
-
-def _replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> None:
-    """Every nn.Linear of the model (by its module name) replaced in place by make(name, layer)."""
-    for prefix, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, make(f"{prefix}.{child_name}" if prefix else child_name, child))
 
 
 def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict | None, lib, threads: int) -> None:
@@ -115,20 +108,6 @@ def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict 
         fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
         return layer
 
-    _replace_linears(model, make)
+    replace_linears(model, make)
     if stored is None and model_dir is not None:
         cache.save_cached(cache.cache_file(model_dir, mode), fresh)
-
-
-def _release_float_weights() -> None:
-    """The float32 linear weights are garbage now; glibc keeps freed heap blocks in the process unless
-    asked to give them back, which would leave the scheduler as big as before quantization."""
-    import gc
-
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

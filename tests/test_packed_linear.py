@@ -1,0 +1,71 @@
+"""bfloat16 linear layers with oneDNN-packed weights (engine/model/packed_linear.py): the same products
+as torch's linear within bfloat16's rounding, taken by the loader only for bfloat16 on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model.config import load_hf_config
+from engine.model.loader import load_model
+from engine.model.packed_linear import PackedLinear, pack_linears, packing_available
+
+SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2-135M's qkv, gate_up, down, lm_head
+
+
+def _within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """got is the exact product (float64) up to one bfloat16 rounding of the result plus float32
+    accumulation error (K terms, each bounded by |x||w|), the bound torch's own linear also keeps."""
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    scale = x.double().abs() @ w.double().abs().T
+    bound = 2**-8 * exact.abs() + x.shape[-1] * 2**-23 * scale + 1e-30
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"worst error {float((err / bound).max()):.2f} x the bound"
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_is_torch_linear_within_rounding(rows):
+    if not packing_available(torch.bfloat16, "cpu"):
+        layer = nn.Linear(8, 4).bfloat16()
+        model = nn.Sequential(layer)
+        assert pack_linears(model, torch.bfloat16, "cpu") == 0 and model[0] is layer  # left as it was
+        return
+    gen = torch.Generator().manual_seed(rows)
+    for k, n in SHAPES:
+        lin = nn.Linear(k, n, bias=(n == 960)).bfloat16()
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
+            if lin.bias is not None:
+                lin.bias.copy_(torch.randn(n, generator=gen))
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        packed = PackedLinear(lin)
+        got = packed(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        _within_rounding(got, x, lin.weight, lin.bias)
+        _within_rounding(lin(x), x, lin.weight, lin.bias)  # the bound is one torch's linear keeps too
+        assert torch.equal(packed(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
+
+
+def test_loader_packs_bfloat16_on_the_cpu_only(tiny_llama_dir, monkeypatch):
+    hf_config = load_hf_config(tiny_llama_dir)
+
+    def linears(dtype):
+        model, cfg = load_model(tiny_llama_dir, hf_config, dtype, "cpu", 64)
+        kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))}
+        return model, cfg, kinds
+
+    _, _, kinds = linears(torch.float32)
+    assert kinds == {nn.Linear}  # float32: token parity with transformers rests on torch's linear
+    monkeypatch.setenv("ENGINE_PACK_WEIGHTS", "0")
+    assert linears(torch.bfloat16)[2] == {nn.Linear}
+    monkeypatch.delenv("ENGINE_PACK_WEIGHTS")
+    model, cfg, kinds = linears(torch.bfloat16)
+    if not packing_available(torch.bfloat16, "cpu"):
+        assert kinds == {nn.Linear}
+        return
+    assert kinds == {PackedLinear}
+    assert cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided  # gathered from: plain
+    ids = torch.tensor([[3, 17, 99]])
+    head = model.lm_head(model.embed_tokens(ids))
+    _within_rounding(head, model.embed_tokens(ids), model.embed_tokens.weight, None)  # its own packed copy
