@@ -17,8 +17,8 @@ import torch
 
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
-from engine.model.rope import rotary_tables
 from engine.model.packed_linear import pack_linears
+from engine.model.rope import rotary_tables
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
 SAFETENSORS_DTYPES = {
