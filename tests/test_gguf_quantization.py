@@ -75,10 +75,12 @@ def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in
 
 
 @needs_kernel
-@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx2", "-mno-fma", "-mno-avx512f"]], ids=["avx2", "scalar"])
+@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-f16c"], ["-mno-avx2", "-mno-fma", "-mno-avx512f"]],
+                         ids=["avx2", "avx2-one-block", "scalar"])  # fmt: skip
 def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
-    """The AVX-512 loop (two blocks a step, x reordered to match) is checked against the AVX2 and scalar
-    loops a machine without it would build: the same rounded x, so equal up to float summation order."""
+    """The AVX-512 loop (two blocks a step, x reordered to match) is checked against the loops a machine
+    without it would build: AVX2 two blocks a step (F16C), AVX2 one block a step, scalar. The same
+    rounded x, so equal up to float summation order."""
     import ctypes
 
     from helpers import build_narrower

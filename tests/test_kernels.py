@@ -124,11 +124,13 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
     assert backend.native_extend == (avx512 and head_dim % 16 == 0)
 
 
-@pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"]], ids=["native", "no-bf16-dot", "no-avx512"])
+@pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
+                         ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"])  # fmt: skip
 @pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2
 def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
     """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
-    first, no AVX-512 at all) against the float64 reference, over lengths around the 16-key blocks."""
+    first, 256-bit vectors without AVX-512, the plain loop without AVX2) against the float64 reference,
+    over lengths around the 16- and 8-key blocks."""
     from helpers import build_narrower
     from kernels.cpu.build import bind_attention
 

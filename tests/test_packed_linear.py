@@ -1,5 +1,5 @@
-"""bfloat16 linear layers with oneDNN-packed weights (engine/model/packed_linear.py): the same products
-as torch's linear within bfloat16's rounding, taken by the loader only for bfloat16 on the CPU."""
+"""Linear layers with oneDNN-packed weights (engine/model/packed_linear.py): the same products as torch's
+linear within the dtype's rounding, taken by the loader for float32 and bfloat16 on the CPU."""
 
 from __future__ import annotations
 
@@ -15,39 +15,41 @@ SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2-135M's 
 
 
 def _within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """got is the exact product (float64) up to one bfloat16 rounding of the result plus float32
+    """got is the exact product (float64) up to one rounding of the result to its dtype plus float32
     accumulation error (K terms, each bounded by |x||w|), the bound torch's own linear also keeps."""
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     scale = x.double().abs() @ w.double().abs().T
-    bound = 2**-8 * exact.abs() + x.shape[-1] * 2**-23 * scale + 1e-30
+    unit = 2**-8 if got.dtype == torch.bfloat16 else 2**-24
+    bound = unit * exact.abs() + x.shape[-1] * 2**-23 * scale + 1e-30
     err = (got.double() - exact).abs()
     assert (err <= bound).all(), f"worst error {float((err / bound).max()):.2f} x the bound"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_is_torch_linear_within_rounding(rows):
-    if not packing_available(torch.bfloat16, "cpu"):
-        layer = nn.Linear(8, 4).bfloat16()
+def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
+    if not packing_available(dtype, "cpu"):
+        layer = nn.Linear(8, 4).to(dtype)
         model = nn.Sequential(layer)
-        assert pack_linears(model, torch.bfloat16, "cpu") == 0 and model[0] is layer  # left as it was
+        assert pack_linears(model, dtype, "cpu") == 0 and model[0] is layer  # left as it was
         return
     gen = torch.Generator().manual_seed(rows)
     for k, n in SHAPES:
-        lin = nn.Linear(k, n, bias=(n == 960)).bfloat16()
+        lin = nn.Linear(k, n, bias=(n == 960)).to(dtype)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
             if lin.bias is not None:
                 lin.bias.copy_(torch.randn(n, generator=gen))
-        x = torch.randn(rows, k, generator=gen).bfloat16()
+        x = torch.randn(rows, k, generator=gen).to(dtype)
         packed = PackedLinear(lin)
         got = packed(x)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert got.dtype == dtype and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, lin.bias)
         _within_rounding(lin(x), x, lin.weight, lin.bias)  # the bound is one torch's linear keeps too
         assert torch.equal(packed(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
 
 
-def test_loader_packs_bfloat16_on_the_cpu_only(tiny_llama_dir, monkeypatch):
+def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch):
     hf_config = load_hf_config(tiny_llama_dir)
 
     def linears(dtype):
@@ -55,9 +57,12 @@ def test_loader_packs_bfloat16_on_the_cpu_only(tiny_llama_dir, monkeypatch):
         kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))}
         return model, cfg, kinds
 
-    _, _, kinds = linears(torch.float32)
-    assert kinds == {nn.Linear}  # float32: token parity with transformers rests on torch's linear
+    model, _, _ = linears(torch.float32)
+    if packing_available(torch.float32, "cpu"):  # float32: packed too, but a tied lm_head stays plain (memory)
+        assert {type(m) for n, m in model.named_modules() if n.startswith("layers.") and isinstance(m, (nn.Linear, PackedLinear))} == {PackedLinear}
+        assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.embed_tokens.weight
     monkeypatch.setenv("ENGINE_PACK_WEIGHTS", "0")
+    assert linears(torch.float32)[2] == {nn.Linear}
     assert linears(torch.bfloat16)[2] == {nn.Linear}
     monkeypatch.delenv("ENGINE_PACK_WEIGHTS")
     model, cfg, kinds = linears(torch.bfloat16)

@@ -152,5 +152,5 @@ def load_model(
     del state  # the model holds the weights now; quantization and packing must be able to free the plain ones
     model = quantize_model(model, quantization, model_dir, stored)
     if quantization == "none":
-        pack_linears(model, dtype, device)  # bfloat16 on the CPU: oneDNN's layout, once (packed_linear.py)
+        pack_linears(model, dtype, device)  # on the CPU: oneDNN's layout, once (packed_linear.py)
     return model, cfg

@@ -1,13 +1,15 @@
-"""bfloat16 linear layers on the CPU with their weights reordered once, at load, into oneDNN's blocked layout.
+"""Linear layers on the CPU with their weights reordered once, at load, into oneDNN's blocked layout.
 
 Why: given plain [out, in] weights, torch's bf16 matmul on the CPU (oneDNN's brgemm, AMX or AVX512_BF16)
 rearranges them into its blocked layout (row pairs for the bf16 dot products) inside every call, for
 every layer of every step. Reordered once (torch.ops.mkldnn._reorder_linear_weight, the packing torch's
-own compiler applies to frozen bf16 linears), each call reads them as they lie: on an Intel Xeon with
+own compiler applies to frozen linears), each call reads them as they lie: on an Intel Xeon with
 AMX, 30 layers' matmuls at 64 rows went 25.8 -> 18.2 ms, at one row 18.7 -> 12.6 ms, prefill shapes
-alike. float32 keeps nn.Linear: its greedy output is held token-identical to transformers', and another
-kernel would round differently. The same weights, the same math; only the summation order inside
-oneDNN may differ, as between any two of its kernels.
+alike. float32 goes the same way: torch's float32 linear calls MKL's sgemm, which on an AMD EPYC
+without AVX-512 (Zen 2) ran 30 layers' matmuls at 64 rows in 198 ms where oneDNN's packed kernel took
+143 (512 rows: 1,294 -> 861 ms), and the 64-prompt batch went 115.6 -> 103.4 s. The same weights, the
+same math; only the summation order inside the kernel differs (float32: within 2e-6 of torch's linear
+on SmolLM2's shapes), as between any two BLAS kernels: greedy parity with transformers is tested.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measu
 
 
 def packing_available(dtype: torch.dtype, device: str) -> bool:
-    """Whether this torch build and CPU run oneDNN's packed bf16 linear (and ENGINE_PACK_WEIGHTS allows it)."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or envvars.read("ENGINE_PACK_WEIGHTS") == "0":
+    """Whether this torch build and CPU run oneDNN's packed linear in this dtype (float32 or bfloat16, the
+    latter only where the CPU computes it natively) and ENGINE_PACK_WEIGHTS allows it."""
+    if dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu" \
+            or envvars.read("ENGINE_PACK_WEIGHTS") == "0":  # fmt: skip
         return False
     if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
         return False
     ops = torch.ops.mkldnn
-    return all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")) \
-        and bool(ops._is_mkldnn_bf16_supported())  # fmt: skip
+    if not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")):
+        return False
+    return dtype == torch.float32 or bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -50,10 +55,17 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available; the count.
-    A tied lm_head gets its own packed copy (the embedding is gathered from, row by row, and stays plain):
-    vocab x hidden more memory (57 MB for SmolLM2-135M) for a 1.5x faster logits matmul."""
+    In bfloat16 a tied lm_head gets its own packed copy (the embedding is gathered from, row by row, and
+    stays plain): vocab x hidden more memory (57 MB for SmolLM2-135M) for a 1.5x faster logits matmul. In
+    float32 that copy would be 113 MB, past the 1 GB the engine keeps to for the embedded model: a tied
+    lm_head stays plain there."""
     if not packing_available(dtype, device):
         return 0
-    count = replace_linears(model, lambda _name, linear: PackedLinear(linear))
+    tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(getattr(model, "embed_tokens", None), "weight", 0)
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        return linear if dtype == torch.float32 and tied and name == "lm_head" else PackedLinear(linear)
+
+    replace_linears(model, make)
     release_freed_memory()  # the plain weights are garbage now
-    return count
+    return sum(isinstance(m, PackedLinear) for m in model.modules())

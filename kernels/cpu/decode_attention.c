@@ -223,6 +223,159 @@ static void attend_one_d64(const float *qf, const void *q_raw, float scale, cons
 }
 #endif
 
+#if !HAVE_SIMD && defined(__AVX2__) && defined(__FMA__)
+/* The same D == 64 decode with 256-bit vectors, for CPUs without AVX-512 (AMD Zen 2, older Intel): the
+ * plain loop below takes one horizontal sum and one scalar expf per score, half of a step's attention. */
+#include <immintrin.h>
+#define HAVE_AVX2_D64 1
+
+static inline __m256 load8(const void *base, int64_t off, int is_bf16) {
+    if (is_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + off);
+}
+
+/* exp512's polynomial for 8 lanes; 2^n built in the exponent bits (n >= -126 after the clamp). */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* out[i] = the sum of a[i]'s 8 lanes (three levels of adds instead of eight horizontal sums) */
+static inline __m256 reduce8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
+                                int64_t len, int H, int Hkv, int hk0, int hk1, int is_bf16, float *scores, float *mx,
+                                float *sum) {
+    const int G = H / Hkv;
+    const int D = 64, W = Hkv * 64;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    for (int hk = hk0; hk < hk1; hk++) {
+        const int64_t span = (hk == hk0 ? hk1 - hk0 : 1) * D * elem; /* as in attend_one_d64 */
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int n = G - g0 < 4 ? G - g0 : 4;
+            const int h0 = hk * G + g0;
+            __m256 vmax[4];
+            for (int j = 0; j < n; j++) vmax[j] = _mm256_set1_ps(-INFINITY);
+            for (int64_t t0 = 0; t0 < len; t0 += 8) { /* 8 keys a block: their scores as one vector */
+                const int nt = len - t0 < 8 ? (int)(len - t0) : 8;
+                float kb[8 * 64];
+                for (int t = 0; t < nt; t++)
+                    if (t0 + 8 + t < len) prefetch_row(k, (rows[t0 + 8 + t] * W + hk * D) * elem, span);
+                const float *kf[8];
+                for (int t = 0; t < 8; t++) { /* the tail repeats a real row; its scores are not kept */
+                    const int64_t off = rows[t0 + (t < nt ? t : 0)] * W + hk * D;
+                    if (is_bf16) { /* converted once for all n query heads */
+                        for (int c = 0; c < 8; c++) _mm256_storeu_ps(kb + t * 64 + 8 * c, load8(k, off + 8 * c, 1));
+                        kf[t] = kb + t * 64;
+                    } else {
+                        kf[t] = (const float *)k + off;
+                    }
+                }
+                for (int j = 0; j < n; j++) {
+                    const float *qh = qf + (h0 + j) * D;
+                    __m256 a[8];
+                    for (int t = 0; t < 8; t++) {
+                        const float *kr = kf[t];
+                        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
+                        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), _mm256_loadu_ps(kr + 8));
+                        for (int c = 2; c < 8; c += 2) {
+                            x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kr + 8 * c), x);
+                            y = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c + 8), _mm256_loadu_ps(kr + 8 * c + 8), y);
+                        }
+                        a[t] = _mm256_add_ps(x, y);
+                    }
+                    __m256 sc = reduce8(a);
+                    float *dst = scores + (h0 + j) * len + t0;
+                    if (nt == 8) {
+                        _mm256_storeu_ps(dst, sc);
+                        vmax[j] = _mm256_max_ps(vmax[j], sc);
+                    } else {
+                        float tmp[8];
+                        _mm256_storeu_ps(tmp, sc);
+                        for (int t = 0; t < nt; t++) dst[t] = tmp[t];
+                        for (int t = nt; t < 8; t++) tmp[t] = -INFINITY;
+                        vmax[j] = _mm256_max_ps(vmax[j], _mm256_loadu_ps(tmp));
+                    }
+                }
+            }
+            for (int j = 0; j < n; j++) {
+                float *sh = scores + (h0 + j) * len;
+                const float m = hmax256(vmax[j]);
+                const __m256 vm = _mm256_set1_ps(m);
+                __m256 tot = _mm256_setzero_ps();
+                int64_t t = 0;
+                for (; t + 8 <= len; t += 8) {
+                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vm));
+                    _mm256_storeu_ps(sh + t, e);
+                    tot = _mm256_add_ps(tot, e);
+                }
+                float total = hsum256(tot);
+                for (; t < len; t++) {
+                    sh[t] = expf(sh[t] - m);
+                    total += sh[t];
+                }
+                mx[h0 + j] = m;
+                sum[h0 + j] = total;
+            }
+            /* P.V in two halves of D: 4 heads x 4 vectors of accumulators fit the 16 registers */
+            for (int half = 0; half < 2; half++) {
+                __m256 acc[4][4];
+                for (int j = 0; j < 4; j++)
+                    for (int c = 0; c < 4; c++) acc[j][c] = _mm256_setzero_ps();
+                for (int64_t t = 0; t < len; t++) {
+                    if (half == 0 && t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, span);
+                    const int64_t off = rows[t] * W + hk * D + 32 * half;
+                    __m256 vr[4];
+                    for (int c = 0; c < 4; c++) vr[c] = load8(v, off + 8 * c, is_bf16);
+                    for (int j = 0; j < n; j++) {
+                        const __m256 p = _mm256_broadcast_ss(scores + (h0 + j) * len + t);
+                        for (int c = 0; c < 4; c++) acc[j][c] = _mm256_fmadd_ps(p, vr[c], acc[j][c]);
+                    }
+                }
+                for (int j = 0; j < n; j++)
+                    for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc_out + (h0 + j) * D + 32 * half + 8 * c, acc[j][c]);
+            }
+        }
+    }
+}
+#else
+#define HAVE_AVX2_D64 0
+#endif
+
 #define MAX_H 64
 #define MAX_D 256
 
@@ -249,6 +402,11 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
     if (D == 64) {
         attend_one_d64(qf, (const uint16_t *)q + (int64_t)b * H * D, scale, k, v, acc, rows, len, H, Hkv, hk0, hk1,
                        is_bf16, scores, mx, sum);
+        goto write_out;
+    }
+#elif HAVE_AVX2_D64
+    if (D == 64) {
+        attend_one_d64_avx2(qf, k, v, acc, rows, len, H, Hkv, hk0, hk1, is_bf16, scores, mx, sum);
         goto write_out;
     }
 #endif
@@ -287,7 +445,7 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
             for (int d = 0; d < D; d++) ah[d] += p * vr[d];
         }
     }
-#if HAVE_SIMD
+#if HAVE_SIMD || HAVE_AVX2_D64
 write_out:
 #endif
     for (int h = h_lo; h < h_hi; h++) {
