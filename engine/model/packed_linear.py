@@ -67,5 +67,5 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
         return linear if dtype == torch.float32 and tied and name == "lm_head" else PackedLinear(linear)
 
     replace_linears(model, make)
-    release_freed_memory()  # the plain weights are garbage now
+    release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
     return sum(isinstance(m, PackedLinear) for m in model.modules())
