@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_len > args.max_len:
         p.error("--min-len must not exceed --max-len")
+    if Path(args.out).is_dir():  # found at the end otherwise, after a run of up to half an hour
+        p.error(f"--out must be the path of the JSON file to write, got the directory {args.out!r}")
     if args.beam_dtype not in TORCH_DTYPES:
         p.error(f"--beam-dtype must be one of {sorted(TORCH_DTYPES)}, got {args.beam_dtype!r}")
     if args.grammar_dtype not in TORCH_DTYPES:
