@@ -29,8 +29,10 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     states_lock (the receiver thread does, often); the abort it makes must not take that lock inline."""
     tm = tiny_engine._resources.tokenizer_manager
     queued: list[list[str]] = []
-    abort_soon = tm.abort_soon
+    sent: list[list[str]] = []
+    abort_soon, abort = tm.abort_soon, tm.abort
     monkeypatch.setattr(tm, "abort_soon", lambda rids, *a: (queued.append(list(rids)), abort_soon(rids, *a)))
+    monkeypatch.setattr(tm, "abort", lambda rids, *a: (sent.append(list(rids)), abort(rids, *a)))
     stream = tiny_engine.generate(input_ids=[1, 5, 6], sampling_params=LONG, rid="gc-dropped", stream=True)
     state = tm.states["gc-dropped"]
     cycle: dict = {"stream": stream}
@@ -53,9 +55,9 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     assert queued == [["gc-dropped"]]  # the finalizer queued the abort instead of taking the lock
     assert state.done.wait(10)
     deadline = time.monotonic() + 10
-    while tm._deferred and time.monotonic() < deadline:
+    while not sent and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not tm._deferred  # and the receiver thread sent it
+    assert sent == [["gc-dropped"]] and not tm._deferred  # and the receiver thread sent it
     # a collection of a large heap can outlast the 80 tokens: then the abort found the request done
     assert state.finish_reason.type == "abort" or state.finish_reason.length == 80, state.finish_reason
     assert tiny_engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["output_ids"]

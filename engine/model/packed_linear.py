@@ -5,11 +5,12 @@ rearranges them into its blocked layout (row pairs for the bf16 dot products) in
 every layer of every step. Reordered once (torch.ops.mkldnn._reorder_linear_weight, the packing torch's
 own compiler applies to frozen linears), each call reads them as they lie: on an Intel Xeon with
 AMX, 30 layers' matmuls at 64 rows went 25.8 -> 18.2 ms, at one row 18.7 -> 12.6 ms, prefill shapes
-alike. float32 goes the same way: torch's float32 linear calls MKL's sgemm, which on an AMD EPYC
-without AVX-512 (Zen 2) ran 30 layers' matmuls at 64 rows in 198 ms where oneDNN's packed kernel took
-143 (512 rows: 1,294 -> 861 ms), and the 64-prompt batch went 115.6 -> 103.4 s. The same weights, the
-same math; only the summation order inside the kernel differs (float32: within 2e-6 of torch's linear
-on SmolLM2's shapes), as between any two BLAS kernels: greedy parity with transformers is tested.
+alike. float32 goes the same way on CPUs without AVX-512: torch's float32 linear calls MKL's sgemm,
+which on an AMD EPYC (Zen 2) ran 30 layers' matmuls at 64 rows in 198 ms where oneDNN's packed kernel
+took 143 (512 rows: 1,294 -> 861 ms), and the 64-prompt batch went 115.6 -> 103.4 s. The same
+weights, the same math; only the summation order inside the kernel differs (float32: the largest
+difference from torch's linear on one SmolLM2 shape was 2e-6), as between any two BLAS kernels:
+greedy parity with transformers is tested.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from engine import envvars
 from engine.model.swap import release_freed_memory, replace_linears
 
 BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
+# float32 is packed where it was measured to pay: CPUs whose best torch kernels are AVX2 (AMD Zen 2
+# here). On AVX-512 CPUs MKL's sgemm is Intel's own best case and no A/B has been run: they keep it.
+FLOAT32_PACKED_ON = "AVX2"
 
 
 def packing_available(dtype: torch.dtype, device: str) -> bool:
@@ -34,7 +38,9 @@ def packing_available(dtype: torch.dtype, device: str) -> bool:
     ops = torch.ops.mkldnn
     if not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")):
         return False
-    return dtype == torch.float32 or bool(ops._is_mkldnn_bf16_supported())
+    if dtype == torch.float32:  # measured faster than MKL's sgemm on an AVX2 CPU only; AVX-512 ones keep MKL
+        return torch.backends.cpu.get_cpu_capability() == FLOAT32_PACKED_ON
+    return bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):

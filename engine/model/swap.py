@@ -11,13 +11,13 @@ from torch import nn
 
 def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> int:
     """Every nn.Linear of the model (by its module name) replaced in place by make(name, layer); the count."""
-    count = 0
-    for prefix, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, make(f"{prefix}.{child_name}" if prefix else child_name, child))
-                count += 1
-    return count
+    # (parent, name) pairs only: a list of the layers themselves would keep every replaced weight alive
+    # until the end, the plain and the new weights side by side at the peak
+    slots = [(prefix, module, child_name) for prefix, module in model.named_modules()
+             for child_name, child in module.named_children() if isinstance(child, nn.Linear)]  # fmt: skip
+    for prefix, module, child_name in slots:
+        setattr(module, child_name, make(f"{prefix}.{child_name}" if prefix else child_name, getattr(module, child_name)))
+    return len(slots)
 
 
 def release_freed_memory(collect: bool = True) -> None:

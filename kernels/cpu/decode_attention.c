@@ -277,6 +277,28 @@ static inline __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* P.V for NH query heads (a constant at each call: their 4 x NH accumulators then stay in registers)
+ * over one half of D: acc[j] = sum over t of p[j][t] V[t][32 half .. 32 half + 31] */
+static inline __attribute__((always_inline)) void pv_half(const int NH, const void *v, const float *p, float *out,
+                                                          const int64_t *rows, int64_t len, int W, int hk, int half,
+                                                          int is_bf16, int64_t elem, int64_t span, int fetch) {
+    __m256 acc[3][4];
+    for (int j = 0; j < NH; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        if (fetch && t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * 64) * elem, span);
+        const int64_t off = rows[t] * W + hk * 64 + 32 * half;
+        __m256 vr[4];
+        for (int c = 0; c < 4; c++) vr[c] = load8(v, off + 8 * c, is_bf16);
+        for (int j = 0; j < NH; j++) {
+            const __m256 pj = _mm256_broadcast_ss(p + j * len + t);
+            for (int c = 0; c < 4; c++) acc[j][c] = _mm256_fmadd_ps(pj, vr[c], acc[j][c]);
+        }
+    }
+    for (int j = 0; j < NH; j++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j * 64 + 8 * c, acc[j][c]);
+}
+
 static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
                                 int64_t len, int H, int Hkv, int hk0, int hk1, int is_bf16, float *scores, float *mx,
                                 float *sum) {
@@ -351,23 +373,19 @@ static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, f
                 mx[h0 + j] = m;
                 sum[h0 + j] = total;
             }
-            /* P.V in two halves of D: 4 heads x 4 vectors of accumulators fit the 16 registers */
-            for (int half = 0; half < 2; half++) {
-                __m256 acc[4][4];
-                for (int j = 0; j < 4; j++)
-                    for (int c = 0; c < 4; c++) acc[j][c] = _mm256_setzero_ps();
-                for (int64_t t = 0; t < len; t++) {
-                    if (half == 0 && t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, span);
-                    const int64_t off = rows[t] * W + hk * D + 32 * half;
-                    __m256 vr[4];
-                    for (int c = 0; c < 4; c++) vr[c] = load8(v, off + 8 * c, is_bf16);
-                    for (int j = 0; j < n; j++) {
-                        const __m256 p = _mm256_broadcast_ss(scores + (h0 + j) * len + t);
-                        for (int c = 0; c < 4; c++) acc[j][c] = _mm256_fmadd_ps(p, vr[c], acc[j][c]);
-                    }
+            /* P.V in halves of D for up to 3 heads at a time: 12 accumulators, the broadcast and the V
+             * vectors fit the 16 registers only with the head count a constant (pv_half) */
+            for (int j0 = 0; j0 < n; j0 += 3) {
+                const int nh = n - j0 < 3 ? n - j0 : 3;
+                for (int half = 0; half < 2; half++) {
+                    const int fetch = j0 == 0 && half == 0;
+#define PV(NH) pv_half(NH, v, scores + (int64_t)(h0 + j0) * len, acc_out + (h0 + j0) * D + 32 * half, rows, len, \
+                       W, hk, half, is_bf16, elem, span, fetch)
+                    if (nh == 3) PV(3);
+                    else if (nh == 2) PV(2);
+                    else PV(1);
+#undef PV
                 }
-                for (int j = 0; j < n; j++)
-                    for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc_out + (h0 + j) * D + 32 * half + 8 * c, acc[j][c]);
             }
         }
     }
