@@ -126,7 +126,7 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
 
 @pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
                          ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"])  # fmt: skip
-@pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2
+@pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)
 def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
     """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
     first, 256-bit vectors without AVX-512, the plain loop without AVX2) against the float64 reference,

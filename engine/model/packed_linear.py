@@ -67,7 +67,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
     lm_head stays plain there."""
     if not packing_available(dtype, device):
         return 0
-    tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(getattr(model, "embed_tokens", None), "weight", 0)
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         return linear if dtype == torch.float32 and tied and name == "lm_head" else PackedLinear(linear)

@@ -307,10 +307,10 @@ static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, f
     const int64_t elem = is_bf16 ? 2 : 4;
     for (int hk = hk0; hk < hk1; hk++) {
         const int64_t span = (hk == hk0 ? hk1 - hk0 : 1) * D * elem; /* as in attend_one_d64 */
-        for (int g0 = 0; g0 < G; g0 += 4) {
-            const int n = G - g0 < 4 ? G - g0 : 4;
+        for (int g0 = 0; g0 < G; g0 += 3) { /* 3 query heads at a time: their P.V accumulators fit the registers */
+            const int n = G - g0 < 3 ? G - g0 : 3;
             const int h0 = hk * G + g0;
-            __m256 vmax[4];
+            __m256 vmax[3];
             for (int j = 0; j < n; j++) vmax[j] = _mm256_set1_ps(-INFINITY);
             for (int64_t t0 = 0; t0 < len; t0 += 8) { /* 8 keys a block: their scores as one vector */
                 const int nt = len - t0 < 8 ? (int)(len - t0) : 8;
@@ -373,19 +373,15 @@ static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, f
                 mx[h0 + j] = m;
                 sum[h0 + j] = total;
             }
-            /* P.V in halves of D for up to 3 heads at a time: 12 accumulators, the broadcast and the V
-             * vectors fit the 16 registers only with the head count a constant (pv_half) */
-            for (int j0 = 0; j0 < n; j0 += 3) {
-                const int nh = n - j0 < 3 ? n - j0 : 3;
-                for (int half = 0; half < 2; half++) {
-                    const int fetch = j0 == 0 && half == 0;
-#define PV(NH) pv_half(NH, v, scores + (int64_t)(h0 + j0) * len, acc_out + (h0 + j0) * D + 32 * half, rows, len, \
-                       W, hk, half, is_bf16, elem, span, fetch)
-                    if (nh == 3) PV(3);
-                    else if (nh == 2) PV(2);
-                    else PV(1);
+            /* P.V in halves of D: 12 accumulators, the broadcast and the V vectors fit the 16 registers
+             * only with the head count a constant (pv_half) */
+            for (int half = 0; half < 2; half++) {
+#define PV(NH) pv_half(NH, v, scores + (int64_t)h0 * len, acc_out + h0 * D + 32 * half, rows, len, W, hk, half, \
+                       is_bf16, elem, span, half == 0)
+                if (n == 3) PV(3);
+                else if (n == 2) PV(2);
+                else PV(1);
 #undef PV
-                }
             }
         }
     }
