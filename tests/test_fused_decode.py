@@ -60,6 +60,7 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     try:
         model, seen = run.sched.model, []
         fused = model.forward
+        assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one C call
 
         def both(batch, backend):
             if batch.mode is ForwardMode.DECODE:

@@ -360,6 +360,21 @@ def test_the_bound_kernel_follows_its_weights_when_they_move():
 
 
 @needs_kernel
+def test_the_bound_kernel_follows_weights_moved_by_apply():
+    """.to(), .float() and the like replace buffers through _apply, not through attribute assignment."""
+    gen = torch.Generator().manual_seed(5)
+    layer = GGUFLinear(3, random_blocks(3, 16, 64, gen), (16, 64), None, load_native(), 2)
+    x = torch.randn(1, 64, generator=gen)
+    layer(x)
+    other = random_blocks(3, 16, 64, gen)
+    layer._apply(lambda t: other if t is layer.blocks else t)
+    assert layer.blocks is other
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, dequantize(3, other, 64)), rtol=1e-3, atol=1e-3)
+    layer.register_buffer("blocks", random_blocks(3, 16, 64, gen))
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, dequantize(3, layer.blocks, 64)), rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
 def test_the_bound_kernel_follows_a_replaced_bias():
     gen = torch.Generator().manual_seed(4)
     blocks = random_blocks(3, 16, 64, gen)

@@ -124,6 +124,48 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
     assert backend.native_extend == (avx512 and head_dim % 16 == 0)
 
 
+@pytest.mark.parametrize("b", [5, 1])
+def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_them(b):
+    """The fused decode path's one call (rows_decoder): q, k, v are strided views of one qkv row per
+    request; the new K/V land in the pool at out_cache_loc and out equals forward()'s on the same batch."""
+    if load_native() is None:
+        pytest.fail("no C compiler: the native kernel could not be built on this machine")
+    torch.manual_seed(1)
+    h, hkv, d = 9, 3, 64
+    lens, slots = torch.tensor([61, 7, 80, 33, 50])[:b], torch.tensor([6, 0, 3, 1, 7])[:b]
+    table = torch.zeros(8, 80, dtype=torch.int64)
+    rows = torch.randperm(999)[: int(lens.sum())] + 1
+    start = 0
+    for s, n in zip(slots.tolist(), lens.tolist()):
+        table[s, :n] = rows[start : start + n]
+        start += n
+    loc = table[slots, lens - 1]
+    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.long), lens - 1, loc, slots, lens,
+                         int(lens.max()), torch.arange(b))  # fmt: skip
+    qkv = torch.randn(b, (h + 2 * hkv) * d)
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
+    outs, pools = [], []
+    for fused in (False, True):
+        pool = Pool(1000, hkv, d, torch.float32)
+        torch.manual_seed(2)
+        pool.k_buffers[0].normal_(), pool.v_buffers[0].normal_()  # the same pool both ways
+        backend = create_backend("cpu_native", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
+                                 kv_pool=pool, req_to_token=table)  # fmt: skip
+        backend.init_forward_metadata(batch)
+        if fused:
+            out = torch.full((b, h, d), float("nan"))
+            backend.rows_decoder()(0, q.data_ptr(), k.data_ptr(), v.data_ptr(), qkv.stride(0), out.data_ptr(), b)
+        else:
+            out = backend.forward(q, k, v, 0, batch)
+        outs.append(out)
+        pools.append(pool)
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0]) and torch.equal(pools[1].v_buffers[0][loc], v)
+    bf16 = create_backend("cpu_native", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
+                          kv_pool=Pool(10, hkv, d, torch.bfloat16), req_to_token=table)  # fmt: skip
+    assert bf16.rows_decoder() is None  # a bfloat16 pool: forward() converts, the fused path uses it
+
+
 @pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
                          ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"])  # fmt: skip
 @pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)
@@ -159,3 +201,19 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
             idx = table[i, : lens[i]]
             expected = _reference(q[i], k[idx], v[idx], d**-0.5)
             assert torch.allclose(out[i].double(), expected, atol=tol, rtol=tol), (dtype, i, int(lens[i]))
+        # fewer requests than threads: KV heads that do not divide among the threads have their sequences
+        # split in parts a thread and merged (SPLIT_MIN_LEN, 256 tokens a part; parts empty where a request
+        # is shorter than the parts)
+        for threads, few in ((2, [1100]), (2, [513]), (2, [511]), (3, [800]), (4, [5, 1100]), (4, [1, 1030])):
+            few_lens = torch.tensor(few)
+            q1 = torch.randn(len(few), h, d, generator=gen).to(dtype)
+            out1 = torch.full_like(q1, float("nan"))
+            slots1 = torch.arange(len(few))
+            table1 = torch.stack([torch.randperm(1199, generator=gen)[:1100] + 1 for _ in few])
+            rc = lib.decode_attention(q1.data_ptr(), k.data_ptr(), v.data_ptr(), out1.data_ptr(), table1.data_ptr(),
+                                      table1.stride(0), slots1.data_ptr(), few_lens.data_ptr(), len(few), h, hkv, d,
+                                      d**-0.5, int(dtype == torch.bfloat16), threads)  # fmt: skip
+            assert rc == 0
+            for i, n in enumerate(few):
+                expected = _reference(q1[i], k[table1[i, :n]], v[table1[i, :n]], d**-0.5)
+                assert torch.allclose(out1[i].double(), expected, atol=tol, rtol=tol), (dtype, threads, few, i)

@@ -59,7 +59,7 @@ class _Rows:
         self.q = q.view(t, cfg.num_heads, cfg.head_dim)
         self.k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         self.v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        self.ptr = {name: getattr(self, name).data_ptr() for name in full}
+        self.ptr = {name: getattr(self, name).data_ptr() for name in (*full, "k", "v")}
 
 
 def _plan(model: LlamaForCausalLM) -> list[_Layer]:
@@ -77,8 +77,8 @@ def _rows(model: LlamaForCausalLM, t: int) -> _Rows:
         if full is None:
             cfg, inter = model.cfg, model.layers[0].mlp.down_proj.in_features
             qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-            widths = {"normed": cfg.hidden_size, "qkv": qkv, "a": cfg.hidden_size, "gate_up": 2 * inter,
-                      "act": inter, "down": cfg.hidden_size}  # fmt: skip
+            widths = {"normed": cfg.hidden_size, "qkv": qkv, "attn": cfg.num_heads * cfg.head_dim,
+                      "a": cfg.hidden_size, "gate_up": 2 * inter, "act": inter, "down": cfg.hidden_size}  # fmt: skip
             full = model.__dict__["_fused_buffers"] = {
                 name: torch.empty(MAX_ROWS, width, dtype=torch.float32) for name, width in widths.items()
             }
@@ -99,13 +99,19 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     p = rows.ptr
     h_ptr, cos_ptr, sin_ptr, qkv_stride = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.qkv.stride(0)
     pending = None  # the last block's output, added to h by the next norm
+    rows_decoder = getattr(backend, "rows_decoder", None)
+    attend = rows_decoder() if rows_decoder is not None else None  # K/V store and attention in one C call
     for layer in _plan(model):
         norm = layer.in_norm
         lib.add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps)
         layer.qkv()(p["normed"], p["qkv"], t)
         lib.rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr)
-        out = backend.forward(rows.q, rows.k, rows.v, layer.layer_id, batch).contiguous()  # [t, heads, head_dim]
-        layer.o()(out.data_ptr(), p["a"], t)
+        if attend is not None:
+            attend(layer.layer_id, p["qkv"], p["k"], p["v"], qkv_stride, p["attn"], t)
+            layer.o()(p["attn"], p["a"], t)
+        else:
+            out = backend.forward(rows.q, rows.k, rows.v, layer.layer_id, batch).contiguous()  # [t, heads, head_dim]
+            layer.o()(out.data_ptr(), p["a"], t)
         norm = layer.post_norm
         lib.add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps)
         layer.gate_up()(p["normed"], p["gate_up"], t)

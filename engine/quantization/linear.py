@@ -32,7 +32,7 @@ class QuantizedLinear(nn.Module):
 
     kind_name = "quantized"
     direct_max_rows = 64
-    _bound: tuple[tuple[int, ...], Callable[[int, int, int], None]] | None = None
+    _bound: Callable[[int, int, int], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -56,19 +56,32 @@ class QuantizedLinear(nn.Module):
         """f(x_ptr, y_ptr, m): the direct kernel on m contiguous float32 rows at x_ptr into y_ptr, with the
         weights' addresses bound once. Why: a decode step makes 121 such calls, and looking up buffers and
         their data pointers again each time was a tenth of a step at batch 1 (engine/model/fused_decode.py
-        calls these directly). Rebound if any buffer it reads moves or is replaced."""
+        calls these directly); checking them again each call, 3% of a step. Rebound after any buffer is
+        replaced (assigned, registered, or moved by .to() and the like, which go through _apply)."""
+        if self._bound is not None:
+            return self._bound
         fn, before, after = self._kernel_args()
-        key = (before, after)  # the addresses themselves: a moved or replaced buffer rebinds
-        if self._bound is None or self._bound[0] != key:
-            n, k, threads, name = self.out_features, self.in_features, self._threads, fn.__name__
+        n, k, threads, name = self.out_features, self.in_features, self._threads, fn.__name__
 
-            def call(x: int, y: int, m: int) -> None:
-                rc = fn(*before, x, *after, y, m, n, k, threads)
-                if rc != 0:
-                    raise RuntimeError(f"{name} failed with code {rc}")
+        def call(x: int, y: int, m: int) -> None:
+            rc = fn(*before, x, *after, y, m, n, k, threads)
+            if rc != 0:
+                raise RuntimeError(f"{name} failed with code {rc}")
 
-            self._bound = (key, call)
-        return self._bound[1]
+        object.__setattr__(self, "_bound", call)
+        return call
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, "_bound", None)
+        super().__setattr__(name, value)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        object.__setattr__(self, "_bound", None)
+        super().register_buffer(name, tensor, persistent)
+
+    def _apply(self, fn, recurse: bool = True):
+        object.__setattr__(self, "_bound", None)
+        return super()._apply(fn, recurse)
 
     def _kernel_args(self) -> tuple[Callable, tuple, tuple]:
         """The kernel, and what it takes before x and between x and y (weights, scales, bias addresses,

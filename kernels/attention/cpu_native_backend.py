@@ -8,6 +8,7 @@ replaces torch's CPU flash kernel, which is slow at head_dim 64 with GQA (about 
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import torch
 
@@ -43,6 +44,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         self._slots = batch.req_slots.contiguous()
         if batch.mode is ForwardMode.DECODE:
             self._lens = batch.seq_lens.contiguous()
+            self._out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
         elif not self.native_extend:
             super().init_forward_metadata(batch)
         else:
@@ -79,3 +81,22 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if rc != 0:
             raise RuntimeError(f"native decode attention failed with code {rc}")
         return out
+
+    def rows_decoder(self) -> Callable[[int, int, int, int, int, int, int], None] | None:
+        """For engine/model/fused_decode.py: f(layer_id, q, k, v, row_stride, out, rows) on the addresses of
+        float32 rows (the new K and V stored into the pool, q attended, [rows, H, D] written at out), one
+        C call where forward() makes two index_put and a copy of q; None unless the pool is float32."""
+        if self.kv_pool.k_buffers[0].dtype != torch.float32:
+            return None
+        return self._decode_rows
+
+    def _decode_rows(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int) -> None:
+        table = self.req_to_token
+        rc = self.lib.decode_attention_store(
+            q, k, v, row_stride, self._out_loc.data_ptr(), self.kv_pool.k_buffers[layer_id].data_ptr(),
+            self.kv_pool.v_buffers[layer_id].data_ptr(), out, table.data_ptr(), table.stride(0),
+            self._slots.data_ptr(), self._lens.data_ptr(), rows, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.scale, self.num_threads,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"native decode attention failed with code {rc}")

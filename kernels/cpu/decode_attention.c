@@ -392,36 +392,38 @@ static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, f
 
 #define MAX_H 64
 #define MAX_D 256
+#define SPLIT_MIN_LEN 256 /* tokens a part, at least, where a sequence is split among threads */
 
 /* One request, KV heads hk0..hk1 (all of them unless the batch is smaller than the thread count) and
- * their query heads: each token's K (then V) row holds every KV head contiguously, so one pass reads
- * the request's rows front to back instead of striding through them once per head. */
-static void attend_one(const void *q, const void *k, const void *v, void *out, const int64_t *rows, int64_t len,
-                       int b, int H, int Hkv, int hk0, int hk1, int D, float scale, int is_bf16, float *scores) {
+ * their query heads, over the sequence rows[0..len): for each query head h, acc[h * D..] = the sum over
+ * t of exp(s_t - mx[h]) V_t and sum[h] that of exp(s_t - mx[h]), not yet divided (attend_one divides;
+ * a sequence split in parts is merged by merge_parts). Each token's K (then V) row holds every KV head
+ * contiguously, so one pass reads the request's rows front to back instead of striding through them
+ * once per head. */
+static void attend_part(const void *q, const void *k, const void *v, const int64_t *rows, int64_t len, int b,
+                        int H, int Hkv, int hk0, int hk1, int D, float scale, int is_bf16, float *scores, float *acc,
+                        float *mx, float *sum) {
     const int G = H / Hkv, h_lo = hk0 * G, h_hi = hk1 * G;
     const int W = Hkv * D; /* elements per token row */
     const int64_t elem = is_bf16 ? 2 : 4;
     static __thread float qf[MAX_H * MAX_D];
-    static __thread float acc[MAX_H * MAX_D];
     static __thread float row[MAX_H * MAX_D];
-    float mx[MAX_H], sum[MAX_H];
     for (int h = h_lo; h < h_hi; h++) {
         int64_t base = ((int64_t)b * H + h) * D;
         for (int d = 0; d < D; d++)
             qf[h * D + d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[base + d]) : ((const float *)q)[base + d]) * scale;
         mx[h] = -INFINITY;
     }
-    memset(acc + h_lo * D, 0, sizeof(float) * (h_hi - h_lo) * D);
 #if HAVE_SIMD
     if (D == 64) {
         attend_one_d64(qf, (const uint16_t *)q + (int64_t)b * H * D, scale, k, v, acc, rows, len, H, Hkv, hk0, hk1,
                        is_bf16, scores, mx, sum);
-        goto write_out;
+        return;
     }
 #elif HAVE_AVX2_D64
     if (D == 64) {
         attend_one_d64_avx2(qf, k, v, acc, rows, len, H, Hkv, hk0, hk1, is_bf16, scores, mx, sum);
-        goto write_out;
+        return;
     }
 #endif
     for (int64_t t = 0; t < len; t++) {
@@ -459,17 +461,47 @@ static void attend_one(const void *q, const void *k, const void *v, void *out, c
             for (int d = 0; d < D; d++) ah[d] += p * vr[d];
         }
     }
-#if HAVE_SIMD || HAVE_AVX2_D64
-write_out:
-#endif
-    for (int h = h_lo; h < h_hi; h++) {
-        int64_t base = ((int64_t)b * H + h) * D;
-        float inv = 1.0f / sum[h];
-        for (int d = 0; d < D; d++) {
-            float o = acc[h * D + d] * inv;
-            if (is_bf16) ((uint16_t *)out)[base + d] = f32_to_bf16(o);
-            else ((float *)out)[base + d] = o;
+}
+
+static inline void store_out(void *out, int64_t base, int D, const float *acc, float inv, int is_bf16) {
+    for (int d = 0; d < D; d++) {
+        float o = acc[d] * inv;
+        if (is_bf16) ((uint16_t *)out)[base + d] = f32_to_bf16(o);
+        else ((float *)out)[base + d] = o;
+    }
+}
+
+/* A request's KV heads hk0..hk1 over its whole sequence, normalized into out [B, H, D]. */
+static void attend_one(const void *q, const void *k, const void *v, void *out, const int64_t *rows, int64_t len,
+                       int b, int H, int Hkv, int hk0, int hk1, int D, float scale, int is_bf16, float *scores) {
+    static __thread float acc[MAX_H * MAX_D];
+    float mx[MAX_H], sum[MAX_H];
+    const int G = H / Hkv;
+    memset(acc + hk0 * G * D, 0, sizeof(float) * (hk1 - hk0) * G * D);
+    attend_part(q, k, v, rows, len, b, H, Hkv, hk0, hk1, D, scale, is_bf16, scores, acc, mx, sum);
+    for (int h = hk0 * G; h < hk1 * G; h++) store_out(out, ((int64_t)b * H + h) * D, D, acc + h * D, 1.0f / sum[h], is_bf16);
+}
+
+/* One KV head's G query heads of request b from its n parts (part j: acc [G * D], then mx [G], sum [G]):
+ * rescaled to the largest max, summed, divided, into out. */
+static void merge_parts(const float *parts, int n, int64_t part_size, void *out, int b, int H, int G, int hk, int D,
+                        int is_bf16) {
+    float acc[MAX_D];
+    for (int g = 0; g < G; g++) {
+        float m = -INFINITY, total = 0.0f;
+        for (int j = 0; j < n; j++) {
+            const float pm = parts[j * part_size + G * D + g];
+            if (pm > m) m = pm;
         }
+        memset(acc, 0, sizeof(float) * D);
+        for (int j = 0; j < n; j++) {
+            const float *part = parts + j * part_size;
+            if (part[G * D + G + g] == 0.0f) continue; /* an empty part (its max is -inf) */
+            const float w = expf(part[G * D + g] - m);
+            total += w * part[G * D + G + g];
+            for (int d = 0; d < D; d++) acc[d] += w * part[g * D + d];
+        }
+        store_out(out, ((int64_t)b * H + hk * G + g) * D, D, acc, 1.0f / total, is_bf16);
     }
 }
 
@@ -492,6 +524,16 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
     if (Hkv <= 0 || H % Hkv != 0 || H > MAX_H || D <= 0 || D > MAX_D) return 1;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) if (lens[b] > max_len) max_len = lens[b];
+    /* fewer requests than threads (one user): each KV head is a unit of work, else each request; and where
+     * the KV heads do not divide among the threads (3 on 2), each head's sequence in one part a thread,
+     * merged after (flash-decoding's split), so no thread waits a head's time for the last one */
+    const int split = B < num_threads ? Hkv : 1, per = Hkv / split;
+    const int parts = split > 1 && (B * Hkv) % num_threads != 0 && max_len >= (int64_t)num_threads * SPLIT_MIN_LEN
+                          ? num_threads : 1;
+    const int G = H / Hkv;
+    const int64_t part_size = (int64_t)G * D + 2 * G;
+    float *part_buf = parts > 1 ? (float *)malloc(sizeof(float) * part_size * B * Hkv * parts) : NULL;
+    if (parts > 1 && part_buf == NULL) return 2;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -500,19 +542,67 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
 #pragma omp atomic write
             failed = 2;
         }
-        /* every thread must reach the worksharing loop, even one whose allocation failed */
-        /* fewer requests than threads (one user): each KV head is a unit of work, else each request */
-        const int split = B < num_threads ? Hkv : 1, per = Hkv / split;
+        /* every thread must reach the worksharing loops, even one whose allocation failed */
+        if (parts == 1) {
 #pragma omp for schedule(dynamic, 1)
-        for (int u = 0; u < B * split; u++) {
-            const int b = u / split, hk0 = (u % split) * per;
-            if (scores != NULL)
-                attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, hk0, hk0 + per, D,
-                           scale, is_bf16, scores);
+            for (int u = 0; u < B * split; u++) {
+                const int b = u / split, hk0 = (u % split) * per;
+                if (scores != NULL)
+                    attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, hk0, hk0 + per, D,
+                               scale, is_bf16, scores);
+            }
+        } else {
+            static __thread float acc[MAX_H * MAX_D];
+            float mx[MAX_H], sum[MAX_H];
+#pragma omp for schedule(static)
+            for (int u = 0; u < B * Hkv * parts; u++) { /* unit u: request b, KV head hk, part j */
+                const int j = u % parts, hk = (u / parts) % Hkv, b = u / (parts * Hkv);
+                const int64_t t0 = lens[b] * j / parts, t1 = lens[b] * (j + 1) / parts;
+                float *part = part_buf + (int64_t)u * part_size;
+                memset(acc + hk * G * D, 0, sizeof(float) * G * D);
+                for (int g = 0; g < G; g++) mx[hk * G + g] = -INFINITY, sum[hk * G + g] = 0.0f;
+                if (scores != NULL && t1 > t0)
+                    attend_part(q, k, v, req_to_token + slots[b] * stride + t0, t1 - t0, b, H, Hkv, hk, hk + 1, D,
+                                scale, is_bf16, scores, acc, mx, sum);
+                memcpy(part, acc + hk * G * D, sizeof(float) * G * D);
+                memcpy(part + G * D, mx + hk * G, sizeof(float) * G);
+                memcpy(part + G * D + G, sum + hk * G, sizeof(float) * G);
+            }
+#pragma omp for schedule(static)
+            for (int u = 0; u < B * Hkv; u++)
+                merge_parts(part_buf + (int64_t)u * parts * part_size, parts, part_size, out, u / Hkv, H, G, u % Hkv, D,
+                            is_bf16);
         }
         free(scores);
     }
+    free(part_buf);
     return failed;
+}
+
+/* decode_attention for the quantized modes' fused decode steps (engine/model/fused_decode.py), on a float32
+ * pool: each row's new K and V (float32, rows of row_stride elements, where the qkv projection wrote
+ * them) stored at out_loc first, then its q (same row stride) attended. In torch that is two index_put
+ * and a copy of q a layer, 90 small ops a step at batch 1. out: [B, H, D]. */
+int decode_attention_store(const float *q, const float *k_new, const float *v_new, int64_t row_stride,
+                           const int64_t *out_loc, float *k, float *v, float *out, const int64_t *req_to_token,
+                           int64_t stride, const int64_t *slots, const int64_t *lens, int B, int H, int Hkv, int D,
+                           float scale, int num_threads) {
+    if (Hkv <= 0 || H % Hkv != 0 || H > MAX_H || D <= 0 || D > MAX_D) return 1;
+    const int64_t W = (int64_t)Hkv * D, Q = (int64_t)H * D;
+    for (int b = 0; b < B; b++) {
+        memcpy(k + out_loc[b] * W, k_new + b * row_stride, sizeof(float) * W);
+        memcpy(v + out_loc[b] * W, v_new + b * row_stride, sizeof(float) * W);
+    }
+    float *packed = NULL; /* the kernel reads q as [B, H, D]: rows of one row stride are, not of a wider one */
+    if (B > 1 && row_stride != Q) {
+        packed = (float *)malloc(sizeof(float) * Q * B);
+        if (packed == NULL) return 2;
+        for (int b = 0; b < B; b++) memcpy(packed + b * Q, q + b * row_stride, sizeof(float) * Q);
+    }
+    const int rc = decode_attention(packed != NULL ? packed : q, k, v, out, req_to_token, stride, slots, lens, B, H,
+                                    Hkv, D, scale, 0, num_threads);
+    free(packed);
+    return rc;
 }
 
 #if HAVE_SIMD
