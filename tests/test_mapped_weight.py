@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 from engine.model.config import load_hf_config
 from engine.model.loader import index_weights, load_model
 from engine.model.mapped_weight import MappedWeight, mappable
+from engine.model.packed_linear import PackedLinear, packing_available
+from kernels.cpu import load_native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 
@@ -33,11 +35,13 @@ def _rss_file_mb() -> float:
 
 
 def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
+    if not packing_available(torch.float32, "cpu"):
+        pytest.skip("float32 is not packed on this CPU: the tied lm_head reads the embedding (next test)")
     model, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64)
     weights = index_weights(tiny_llama_dir)
     entry = weights["model.embed_tokens.weight"]
     embed, file = model.embed_tokens.weight, os.path.realpath(entry.path)
-    assert _mapped_file(embed.data_ptr()) == file
+    assert _mapped_file(embed.data_ptr()) == file and isinstance(model.lm_head, PackedLinear)  # its own copy
     assert _mapped_file(model.norm.weight.data_ptr()) != file  # read into memory
     with open(entry.path, "rb") as f:
         f.seek(entry.offset)
@@ -48,6 +52,21 @@ def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
     bf16, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.bfloat16, "cpu", 64)
     assert _mapped_file(bf16.embed_tokens.weight.data_ptr()) != file  # converted: read
     assert torch.equal(bf16.embed_tokens.weight, on_disk.bfloat16())
+
+
+def test_a_tied_lm_head_left_plain_reads_the_embedding_into_memory(tiny_llama_dir, monkeypatch):
+    """Unpacked (ENGINE_PACK_WEIGHTS=0, or float32 on an AVX-512 CPU) the tied lm_head multiplies the
+    embedding itself every step: mapped, that would stream file pages; it is read instead. Quantized, the
+    lm_head has its own weights and the embedding is mapped again."""
+    file = os.path.realpath(index_weights(tiny_llama_dir)["model.embed_tokens.weight"].path)
+    monkeypatch.setenv("ENGINE_PACK_WEIGHTS", "0")
+    model, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert _mapped_file(model.embed_tokens.weight.data_ptr()) != file
+    if load_native() is None:
+        pytest.skip("no C compiler: no quantized mode")
+    model, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64, quantization="int8")
+    assert _mapped_file(model.embed_tokens.weight.data_ptr()) == file
 
 
 def test_mapping_is_only_resident_where_touched_and_gives_pages_back(tmp_path):

@@ -49,7 +49,8 @@ class _Rows:
     """The intermediate rows of a decode step of t rows: views of the first t rows of one set of
     MAX_ROWS-row buffers, reused every step (a step at batch 1 made about 200 fresh tensors). The first
     t rows of a row-major buffer are contiguous, so the kernels read and write them in place. Nothing
-    here outlives a step's use: the logits and attention outputs are fresh tensors."""
+    here outlives a step's use: the logits are a fresh tensor, and the attention output (rows "attn", or a
+    fresh tensor from backend.forward) is read by o_proj within the same layer."""
 
     def __init__(self, full: dict[str, torch.Tensor], cfg, t: int) -> None:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

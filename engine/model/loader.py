@@ -19,7 +19,7 @@ import torch
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.model.packed_linear import pack_linears
+from engine.model.packed_linear import pack_linears, packing_available
 from engine.model.rope import rotary_tables
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
@@ -139,10 +139,13 @@ def load_model(
                          lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32))
     if stored is not None:  # quantized weights at hand: the float ones of those layers stay unread
         plan = {k: v for k, v in plan.items() if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)}
+    # mapped only where gathers alone read it: a tied lm_head left plain would stream the mapping's small
+    # file pages every step (float32 on AVX-512 CPUs, ENGINE_PACK_WEIGHTS=0), so it is read there
+    head_own = not cfg.tie_word_embeddings or quantization != "none" or packing_available(dtype, device)
     mapped: dict[str, MappedWeight] = {}
     for name in ("embed_tokens.weight",):
         entry = entries[plan[name][0]]
-        if mappable(entry.dtype, dtype, len(plan[name]), device):
+        if head_own and mappable(entry.dtype, dtype, len(plan[name]), device):
             mapped[name] = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
     state = read_planned({k: v for k, v in plan.items() if k not in mapped}, entries, dtype, progress)
     state.update({name: m.tensor for name, m in mapped.items()})
@@ -160,7 +163,9 @@ def load_model(
     del state  # the model holds the weights now; quantization and packing must be able to free the plain ones
     model = quantize_model(model, quantization, model_dir, stored)
     if quantization == "none":
-        pack_linears(model, dtype, device)  # on the CPU: oneDNN's layout, once (packed_linear.py)
+        # on the CPU: oneDNN's layout, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
+        # the mapped embedding, and without it would be 113 MB more
+        pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or bool(mapped))
     for m in mapped.values():  # a tied lm_head quantized or packed from the embedding read all of it
         m.drop_pages()
     return model, cfg

@@ -20,18 +20,18 @@ class MappedWeight:
     """One tensor's bytes in a private, copy-on-write mapping of its file; .tensor views them."""
 
     def __init__(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> None:
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # the tensor's range only, from an aligned start
         with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # the mapping outlives the fd
-        if offset + nbytes > len(self._map):
-            raise ValueError(f"{path.name} is truncated")
-        self._offset, self._nbytes = offset, nbytes
+            if offset + nbytes > f.seek(0, 2):
+                raise ValueError(f"{path.name} is truncated")
+            self._map = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, access=mmap.ACCESS_COPY)
         count = nbytes // torch.empty((), dtype=dtype).element_size()
-        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset).view(shape)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset - start).view(shape)
 
     def drop_pages(self) -> None:
-        """Unmap the resident pages of the tensor (the next gather of a row reads it from the page cache)."""
-        start = self._offset - self._offset % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, start, self._offset + self._nbytes - start)
+        """Unmap the resident pages of the tensor (the next gather of a row reads it from the page cache).
+        A page written to since (copy-on-write) would be lost with them: nothing writes the embedding."""
+        self._map.madvise(mmap.MADV_DONTNEED)
 
 
 def mappable(entry_dtype: torch.dtype, dtype: torch.dtype, parts: int, device: str) -> bool:

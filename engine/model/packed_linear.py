@@ -59,14 +59,21 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
+def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True) -> int:
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available; the count.
-    A tied lm_head gets its own packed copy (the embedding is gathered from, row by row, and stays plain):
-    1.5x faster logits in bfloat16, 2.3x in float32 at 64 rows (AMD Zen 2: 81 -> 35 ms), for vocab x
-    hidden more memory (57 MB, 113 MB for SmolLM2-135M), which a float32 embedding mapped from the file
-    (mapped_weight.py) gives back: only its gathered rows stay resident."""
+    A tied lm_head gets its own packed copy unless copy_tied_head is false (the embedding is gathered
+    from, row by row, and stays plain): 1.5x faster logits in bfloat16, 2.3x in float32 at 64 rows (AMD
+    Zen 2: 81 -> 35 ms), for vocab x hidden more memory (57 MB, 113 MB for SmolLM2-135M), which a
+    float32 embedding mapped from the file (mapped_weight.py) gives back: only its gathered rows stay
+    resident. The loader asks for no copy in float32 where the embedding could not be mapped."""
     if not packing_available(dtype, device):
         return 0
-    replace_linears(model, lambda _name, linear: PackedLinear(linear))
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        return linear if tied and name == "lm_head" and not copy_tied_head else PackedLinear(linear)
+
+    replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
     return sum(isinstance(m, PackedLinear) for m in model.modules())

@@ -57,7 +57,9 @@ class QuantizedLinear(nn.Module):
         weights' addresses bound once. Why: a decode step makes 121 such calls, and looking up buffers and
         their data pointers again each time was a tenth of a step at batch 1 (engine/model/fused_decode.py
         calls these directly); checking them again each call, 3% of a step. Rebound after any buffer is
-        replaced (assigned, registered, or moved by .to() and the like, which go through _apply)."""
+        replaced (assigned, registered, or moved by .to() and the like, which go through _apply); not after
+        a buffer's storage is swapped under it (`buf.data = t`, `set_()`, writing `_buffers` directly) or a
+        deepcopy, none of which the engine does."""
         if self._bound is not None:
             return self._bound
         fn, before, after = self._kernel_args()

@@ -554,7 +554,7 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
         } else {
             static __thread float acc[MAX_H * MAX_D];
             float mx[MAX_H], sum[MAX_H];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1) /* requests of unequal lengths: parts of unequal sizes */
             for (int u = 0; u < B * Hkv * parts; u++) { /* unit u: request b, KV head hk, part j */
                 const int j = u % parts, hk = (u / parts) % Hkv, b = u / (parts * Hkv);
                 const int64_t t0 = lens[b] * j / parts, t1 = lens[b] * (j + 1) / parts;
