@@ -142,13 +142,14 @@ def load_model(
     # mapped only where gathers alone read it: a tied lm_head left plain would stream the mapping's small
     # file pages every step (float32 on AVX-512 CPUs, ENGINE_PACK_WEIGHTS=0), so it is read there
     head_own = not cfg.tie_word_embeddings or quantization != "none" or packing_available(dtype, device)
-    mapped: dict[str, MappedWeight] = {}
-    for name in ("embed_tokens.weight",):
-        entry = entries[plan[name][0]]
-        if head_own and mappable(entry.dtype, dtype, len(plan[name]), device):
-            mapped[name] = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-    state = read_planned({k: v for k, v in plan.items() if k not in mapped}, entries, dtype, progress)
-    state.update({name: m.tensor for name, m in mapped.items()})
+    embed_parts, mapped = plan["embed_tokens.weight"], None
+    entry = entries[embed_parts[0]]
+    if head_own and mappable(entry.dtype, dtype, len(embed_parts), device):
+        mapped = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
+        plan = {k: v for k, v in plan.items() if k != "embed_tokens.weight"}
+    state = read_planned(plan, entries, dtype, progress)
+    if mapped is not None:
+        state["embed_tokens.weight"] = mapped.tensor
     if device != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -165,7 +166,7 @@ def load_model(
     if quantization == "none":
         # on the CPU: oneDNN's layout, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
         # the mapped embedding, and without it would be 113 MB more
-        pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or bool(mapped))
-    for m in mapped.values():  # a tied lm_head quantized or packed from the embedding read all of it
-        m.drop_pages()
+        pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None)
+    if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
+        mapped.drop_pages()
     return model, cfg

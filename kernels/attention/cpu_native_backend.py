@@ -45,6 +45,9 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             self._lens = batch.seq_lens.contiguous()
             self._out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
+            table = self.req_to_token  # what every layer's _decode_rows passes, looked up once a step
+            self._step_args = (self._out_loc.data_ptr(), table.data_ptr(), table.stride(0), self._slots.data_ptr(),
+                               self._lens.data_ptr())  # fmt: skip
         elif not self.native_extend:
             super().init_forward_metadata(batch)
         else:
@@ -91,12 +94,11 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return self._decode_rows
 
     def _decode_rows(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int) -> None:
-        table = self.req_to_token
+        out_loc, table, stride, slots, lens = self._step_args
         rc = self.lib.decode_attention_store(
-            q, k, v, row_stride, self._out_loc.data_ptr(), self.kv_pool.k_buffers[layer_id].data_ptr(),
-            self.kv_pool.v_buffers[layer_id].data_ptr(), out, table.data_ptr(), table.stride(0),
-            self._slots.data_ptr(), self._lens.data_ptr(), rows, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.scale, self.num_threads,
+            q, k, v, row_stride, out_loc, self.kv_pool.k_buffers[layer_id].data_ptr(),
+            self.kv_pool.v_buffers[layer_id].data_ptr(), out, table, stride, slots, lens, rows, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.scale, self.num_threads,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"native decode attention failed with code {rc}")
