@@ -1,8 +1,9 @@
 """Elementwise building blocks, written to match Hugging Face's Llama numerics exactly in float32.
 
-bfloat16 on the CPU goes to the native kernels (kernels/cpu/elementwise_bf16.c) when they are built:
-the same roundings at the same points, one pass each instead of a torch call per operation.
-float32 always stays on torch's operations, in transformers' order: greedy parity depends on it.
+On the CPU both float32 and bfloat16 go to the native kernels (kernels/cpu/elementwise.c,
+elementwise_bf16.c) when they are built: one pass each instead of a torch call per operation, in
+transformers' order of operations (bfloat16: rounded where torch rounds; float32: summation order
+and exp aside, see elementwise.c). ENGINE_NATIVE_KERNELS=0 keeps torch's operations.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import torch
 from kernels.cpu import load_native
 
 
-def _bf16_native(*tensors: torch.Tensor):
-    """The native library when every tensor is a contiguous bfloat16 CPU tensor (and the kernels built), else None."""
+def _native(*tensors: torch.Tensor):
+    """(library, is_bf16) when every tensor is a contiguous CPU tensor of one dtype, float32 or bfloat16, and
+    the kernels are built; else (None, False)."""
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, False
     for t in tensors:
-        if t.dtype is not torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
-            return None
-    return load_native()
+        if t.dtype is not dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None, False
+    return load_native(), dtype is torch.bfloat16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,9 +32,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     precision: the weight multiply also happens in float32 with a single cast at the end, which on the
     CPU is about twice as fast as transformers' cast-then-multiply in bfloat16 (and no less accurate).
     """
-    lib = _bf16_native(x, weight)
+    lib, bf16 = _native(x, weight)
     if lib is not None:
-        return _native_add_rms_norm(lib, x, None, weight, eps)
+        return _native_add_rms_norm(lib, bf16, x, None, weight, eps)
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
@@ -42,29 +47,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)): a residual add and the norm after it. The native bfloat16 path adds
     into h in place (h is the running hidden state, which nothing else holds); without delta, only the norm."""
-    lib = _bf16_native(h, weight, *(() if delta is None else (delta,)))
+    lib, bf16 = _native(h, weight, *(() if delta is None else (delta,)))
     if lib is None:
         if delta is not None:
             h = h + delta
         return h, rms_norm(h, weight, eps)
-    return h, _native_add_rms_norm(lib, h, delta, weight, eps)
+    return h, _native_add_rms_norm(lib, bf16, h, delta, weight, eps)
 
 
-def _native_add_rms_norm(lib, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """The bfloat16 kernel: h += delta in place (when given), returns the normed rows."""
+def _native_add_rms_norm(lib, bf16: bool, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """The native kernel: h += delta in place (when given), returns the normed rows."""
     out = torch.empty_like(h)
-    lib.add_rms_norm_bf16(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                          h.numel() // h.shape[-1], h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
+    kernel = lib.add_rms_norm_bf16 if bf16 else lib.add_rms_norm
+    kernel(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+           h.numel() // h.shape[-1], h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
     return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [.., 2 * I] gate/up projection."""
-    lib = _bf16_native(gate_up)
+    lib, bf16 = _native(gate_up)
     if lib is not None:
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter,
+        (lib.silu_mul_bf16 if bf16 else lib.silu_mul)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter,
                           torch.get_num_threads())  # fmt: skip
         return out
     gate, up = gate_up.chunk(2, dim=-1)
@@ -85,12 +91,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] of fused qkv rows [T, (H + 2 Hkv) D], q and k rotated.
-    The native bfloat16 path rotates in place in qkv and returns views of it."""
+    The native path rotates in place in qkv and returns views of it."""
     t = qkv.shape[0]
-    lib = _bf16_native(qkv, cos, sin)
+    lib, bf16 = _native(qkv, cos, sin)
     if lib is not None:
-        lib.rotary_qkv_bf16(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                            torch.get_num_threads())  # fmt: skip
+        kernel = lib.rotary_qkv_bf16 if bf16 else lib.rotary_qkv
+        kernel(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+               torch.get_num_threads())  # fmt: skip
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)

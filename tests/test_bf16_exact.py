@@ -56,14 +56,33 @@ def test_native_bf16_elementwise_matches_torch(rows):
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
-def test_float32_keeps_torch_operations():
-    """float32 never takes the native path: token parity with transformers depends on torch's order."""
-    x = torch.randn(4, 576)
-    w = torch.randn(576)
-    transformers_order = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    assert torch.equal(ops.rms_norm(x, w, 1e-5), transformers_order)
-    h, normed = ops.add_rms_norm(x, x, w, 1e-5)
-    assert torch.equal(h, x + x) and torch.equal(normed, ops.rms_norm(x + x, w, 1e-5))
+def test_float32_native_ops_match_transformers_order():
+    """float32 takes the native kernels too (kernels/cpu/elementwise.c): the same operations in
+    transformers' order, within a float32 rounding of it (the norm's summation order, SiLU's exp); the
+    residual add is exact. Token parity with transformers is tested on them (test_parity_smollm2.py)."""
+    if load_native() is None:
+        pytest.skip("no C compiler: float32 stays on torch's operations")
+    gen = torch.Generator().manual_seed(3)
+    x, d, w = torch.randn(70, 576, generator=gen), torch.randn(70, 576, generator=gen), torch.randn(576, generator=gen)
+
+    def transformers_order(y):
+        return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    assert torch.allclose(ops.rms_norm(x, w, 1e-5), transformers_order(x), rtol=1e-5, atol=1e-6)
+    want_h = x + d
+    h, normed = ops.add_rms_norm(x.clone(), d, w, 1e-5)
+    assert torch.equal(h, want_h) and torch.allclose(normed, transformers_order(want_h), rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(70, 2 * 1536, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    qkv = torch.randn(70, (9 + 2 * 3) * 64, generator=gen)
+    angles = torch.rand(70, 32, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, v = qkv.clone().split([576, 192, 192], dim=-1)
+    want_q, want_k = ops.apply_rotary(q.reshape(70, 9, 64), k.reshape(70, 3, 64), cos, sin)
+    got_q, got_k, got_v = ops.rotate_qkv(qkv, cos, sin, 9, 3, 64)
+    assert torch.allclose(got_q, want_q, rtol=1e-5, atol=1e-6) and torch.allclose(got_k, want_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_v, v.reshape(70, 3, 64))
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ def test_elementwise_ops_match_torch(rows):
     lib, gen = load_native(), torch.Generator().manual_seed(rows)
     h, a, w = (torch.randn(rows, 576, generator=gen) for _ in range(3))
     out, want_h = torch.empty_like(h), h + a
-    lib.add_rms_norm(h.data_ptr(), a.data_ptr(), w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5)
+    lib.add_rms_norm(h.data_ptr(), a.data_ptr(), w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2)
     assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
-    lib.add_rms_norm(h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5)  # no residual
+    lib.add_rms_norm(h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2)  # no residual
     assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
 
     heads, kv_heads, d = 9, 3, 64
@@ -38,14 +38,14 @@ def test_elementwise_ops_match_torch(rows):
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     q, k, v = qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], -1)
     want_q, want_k = apply_rotary(q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), cos, sin)
-    lib.rotary_qkv(qkv.data_ptr(), rows, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr())
+    lib.rotary_qkv(qkv.data_ptr(), rows, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), 2)
     got_q, got_k, got_v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
     assert close(got_q.reshape(rows, heads, d), want_q) and close(got_k.reshape(rows, kv_heads, d), want_k)
     assert torch.equal(got_v, v)  # v is not rotated
 
     gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
     act = torch.empty(rows, 1536)
-    lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, 1536)
+    lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, 1536, 2)
     assert close(act, silu_and_mul(gate_up))
 
 

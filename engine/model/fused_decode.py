@@ -100,13 +100,14 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     p = rows.ptr
     h_ptr, cos_ptr, sin_ptr, qkv_stride = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.qkv.stride(0)
     pending = None  # the last block's output, added to h by the next norm
+    threads = torch.get_num_threads()
     rows_decoder = getattr(backend, "rows_decoder", None)
     attend = rows_decoder() if rows_decoder is not None else None  # K/V store and attention in one C call
     for layer in _plan(model):
         norm = layer.in_norm
-        lib.add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps)
+        lib.add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
         layer.qkv()(p["normed"], p["qkv"], t)
-        lib.rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr)
+        lib.rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr, threads)
         if attend is not None:
             attend(layer.layer_id, p["qkv"], p["k"], p["v"], qkv_stride, p["attn"], t)
             layer.o()(p["attn"], p["a"], t)
@@ -114,10 +115,10 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
             out = backend.forward(rows.q, rows.k, rows.v, layer.layer_id, batch).contiguous()  # [t, heads, head_dim]
             layer.o()(out.data_ptr(), p["a"], t)
         norm = layer.post_norm
-        lib.add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps)
+        lib.add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
         layer.gate_up()(p["normed"], p["gate_up"], t)
-        lib.silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1])
+        lib.silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1], threads)
         layer.down()(p["act"], p["down"], t)
         pending = p["down"]
-    lib.add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps)
+    lib.add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps, threads)
     return model.lm_head(rows.normed).float()

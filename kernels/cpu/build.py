@@ -27,6 +27,7 @@ from pathlib import Path
 from engine import envvars
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, elementwise.c, elementwise_bf16.c, gguf_linear.c, int8_linear.c
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # exp_poly.h: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
@@ -95,7 +96,7 @@ def _compile(command: list[str], folder: Path) -> Path | None:
 
 
 def source_bytes() -> bytes:
-    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in [*SOURCES, *HEADERS])
 
 
 def cache_key() -> str:
@@ -174,12 +175,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
     lib.add_rms_norm.restype = None
-    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
     lib.rotary_qkv.restype = None
     lib.rotary_qkv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
     lib.silu_mul.restype = None
-    lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
     lib.rotary_qkv_bf16.restype = None

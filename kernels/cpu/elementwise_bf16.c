@@ -31,28 +31,8 @@ static inline uint16_t f32_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_f32(f32_bf16(f)); }
 
-/* exp(x) as 2^n * p(r), r = x - n ln2, degree-6 polynomial; plain C so the compiler vectorizes it. */
-static inline float exp_poly(float x) {
-    const float big = x > 88.7228f ? INFINITY : 1.0f; /* beyond float32's range: inf, as torch's exp */
-    const float e1 = x > 87.0f ? 2.71828182845904524f : 1.0f; /* near the top: exp(x - 1) * e, so 2^n fits */
-    x = x > 87.0f ? x - 1.0f : x;
-    x = x < -87.0f ? -87.0f : x; /* not fminf/fmaxf: those do not vectorize */
-    x = x > 88.0f ? 88.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f * e1 * big;
-}
+#include "exp_poly.h"
 
-#define PARALLEL_MIN 32768 /* elements: below this, one thread (a fork costs more than the work) */
 
 /* h += a (when a is given, rounded to bfloat16 as torch's add), then
  * out = bf16(h * rsqrt(mean(h^2) + eps) * w), row by row; h, a, out, w: bfloat16. */
