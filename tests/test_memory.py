@@ -4,6 +4,8 @@ requests that could never fit are refused up front."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,6 +70,42 @@ def test_kv_pool_takes_memory_only_as_tokens_are_written(dtype):
         assert not buf[0].any() and not buf[tokens // 2].any() and not buf[-1].any()
     pool.k_buffers[0][1:1001] = 1.0  # writes still land
     assert pool.k_buffers[0][1:1001].eq(1.0).all()
+
+
+FREED_HEAP_THEN_POOL = """
+import ctypes, torch
+from engine.memory.kv_pool import TokenKVPool
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+assert libc.mallopt(-4, 0) == 1  # M_MMAP_MAX 0: no block gets a mapping of its own
+assert libc.mallopt(-1, 1 << 30) == 1  # M_TRIM_THRESHOLD: freed heap is kept
+used = libc.malloc(600 << 20)  # heap memory never written: not resident
+pin = libc.malloc(4096)  # above it, so freeing it cannot shrink the heap
+libc.free(used)
+before = rss()
+pool = TokenKVPool(62_000, 8, 4, 64, torch.float32, "cpu")  # 16 buffers of 31 MB
+grown = rss() - before
+pool.k_buffers[3][100:200] = 2.0
+assert not pool.k_buffers[3][:100].any() and pool.k_buffers[3][100:200].eq(2.0).all()
+for buf in pool.k_buffers + pool.v_buffers:
+    buf.fill_(1.0)  # all 496 MB resident now
+full = rss()
+del pool, buf
+print(grown >> 20, (full - rss()) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc")
+def test_kv_pool_stays_lazy_whatever_malloc_has_freed():
+    """A test process whose earlier tests had freed hundreds of MB made a new pool 476 MB resident (CI on
+    2026-12-03): calloc clears reused heap memory byte by byte. Here malloc is made to hold 600 MB of freed,
+    never-written heap (glibc's mallopt); the pool still takes no memory, and gives it back when freed."""
+    out = subprocess.run([sys.executable, "-c", FREED_HEAP_THEN_POOL], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown_mb, given_back_mb = map(int, out.stdout.split())
+    assert grown_mb < 50, f"a 496 MB pool made the process {grown_mb} MB bigger"
+    assert given_back_mb > 450, f"freeing the written pool gave back {given_back_mb} MB of its 496"
 
 
 def test_kv_pool_reuses_freed_indices_first():
