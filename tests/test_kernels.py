@@ -60,20 +60,24 @@ def test_decode_matches_reference(backend_name, dtype, tol, head_dim, b):
     assert torch.equal(pool.k_buffers[0][loc], new_k)
 
 
-@pytest.mark.parametrize("head_dim", [32, 40, 72])  # 40, 72: not multiples of 16 (issue 13, item 1)
+# head_dim 40, 72: not multiples of 16 (issue 13, item 1); 64 and 128 with 3 or 4 query heads a KV head: the
+# native kernel's paths compiled for those counts (the rest take its general loop)
+@pytest.mark.parametrize("head_dim,heads", [(32, (6, 2)), (40, (6, 2)), (72, (6, 2)), (64, (6, 2)), (64, (8, 2)),
+                                            (128, (8, 2)), (64, (10, 2))])  # fmt: skip
 @pytest.mark.parametrize("backend_name", ["torch", "cpu_native", "auto"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_extend_with_prefix_matches_reference(backend_name, dtype, tol, head_dim):
-    """Two requests in one extend batch: one continues after a 21-token cached prefix, one starts fresh."""
+def test_extend_with_prefix_matches_reference(backend_name, dtype, tol, head_dim, heads):
+    """Three requests in one extend batch: one continues after a 21-token cached prefix, one starts fresh,
+    one runs 145 keys deep (the native kernel's softmax steps of 64 keys, three of them, the last partial)."""
     if backend_name == "cpu_native" and load_native() is None:
         pytest.fail("no C compiler: the native kernel could not be built on this machine")
     torch.manual_seed(1)
-    h, hkv, d = 6, 2, head_dim
-    pool = Pool(200, hkv, d, dtype)
-    table = torch.zeros(3, 64, dtype=torch.int64)
-    prefix_lens, ext_lens, slots = [21, 0], [19, 37], [2, 0]
-    rows = (torch.randperm(199) + 1).tolist()
-    for slot, n in zip(slots, (21 + 19, 37)):
+    (h, hkv), d = heads, head_dim
+    pool = Pool(300, hkv, d, dtype)
+    table = torch.zeros(3, 160, dtype=torch.int64)
+    prefix_lens, ext_lens, slots = [21, 0, 70], [19, 37, 75], [2, 0, 1]
+    rows = (torch.randperm(299) + 1).tolist()
+    for slot, n in zip(slots, (21 + 19, 37, 70 + 75)):
         table[slot, :n] = torch.tensor(rows[:n])
         rows = rows[n:]
     backend = create_backend(backend_name, "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,

@@ -606,12 +606,93 @@ int decode_attention_store(const float *q, const float *k_new, const float *v_ne
 }
 
 #if HAVE_SIMD
+#define EXT_SB 4 /* key blocks of 16 per online-softmax step: its reductions, exp of the old max and
+                  * rescale of the output, once per 64 keys instead of per 16 */
+/* One query row's n heads (n <= 4; queries qv, pre-scaled) against the keys 0..pos of kt/vf, written at
+ * out + qoff[j]. Always inlined: extend_one calls it with n and C as constants where it can, so the
+ * accumulators (n * C vectors) and scores live in registers; with a run-time n they were kept on the stack. */
+static inline __attribute__((always_inline)) void extend_query(const float (*qv)[MAX_D], const int n, const int C,
+                                                              const float *kt, const float *vf, int64_t pos,
+                                                              void *out, const int64_t *qoff, int is_bf16) {
+    const int D = 16 * C;
+    const int64_t last = pos / 16;
+    __m512 acc[4][MAX_D / 16];
+    float m[4], l[4];
+    for (int j = 0; j < n; j++) {
+        for (int c = 0; c < C; c++) acc[j][c] = _mm512_setzero_ps();
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    for (int64_t sb = 0; sb <= last; sb += EXT_SB) { /* EXT_SB key blocks per online-softmax step */
+        const int nb = last - sb + 1 < EXT_SB ? (int)(last - sb + 1) : EXT_SB;
+        __m512 sc[4][EXT_SB];
+        for (int b = 0; b < nb; b++) {
+            const float *kb = kt + (sb + b) * 16 * D;
+            __m512 s[4], s2[4];
+            for (int j = 0; j < n; j++) s[j] = s2[j] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 2) { /* two chains per head hide FMA latency */
+                __m512 k0 = _mm512_loadu_ps(kb + d * 16), k1 = _mm512_loadu_ps(kb + (d + 1) * 16);
+                for (int j = 0; j < n; j++) {
+                    s[j] = _mm512_fmadd_ps(_mm512_set1_ps(qv[j][d]), k0, s[j]);
+                    s2[j] = _mm512_fmadd_ps(_mm512_set1_ps(qv[j][d + 1]), k1, s2[j]);
+                }
+            }
+            for (int j = 0; j < n; j++) sc[j][b] = _mm512_add_ps(s[j], s2[j]);
+        }
+        const int64_t base = sb * 16;
+        const int nk = (int)((sb + nb - 1 == last ? pos + 1 : base + 16 * nb) - base); /* keys in the step */
+        const int tail = nk - 16 * (nb - 1); /* valid keys of its last block, 1..16 */
+        const __mmask16 keep = (__mmask16)((1u << tail) - 1u);
+        float p[4][16 * EXT_SB];
+        for (int j = 0; j < n; j++) {
+            sc[j][nb - 1] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), sc[j][nb - 1]);
+            __m512 mv = sc[j][0];
+            for (int b = 1; b < nb; b++) mv = _mm512_max_ps(mv, sc[j][b]);
+            const float bm = _mm512_reduce_max_ps(mv);
+            const float m_new = bm > m[j] ? bm : m[j];
+            const __m512 vm = _mm512_set1_ps(m_new);
+            __m512 tot = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m512 pj = exp512(_mm512_sub_ps(sc[j][b], vm));
+                if (b == nb - 1) pj = _mm512_maskz_mov_ps(keep, pj);
+                tot = _mm512_add_ps(tot, pj);
+                _mm512_storeu_ps(p[j] + 16 * b, pj);
+            }
+            if (m_new != m[j]) { /* the running max moved: rescale what was summed under the old one */
+                const float alpha = expf(m[j] - m_new);
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int c = 0; c < C; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], va);
+                l[j] *= alpha;
+            }
+            l[j] += _mm512_reduce_add_ps(tot);
+            m[j] = m_new;
+        }
+        for (int t = 0; t < nk; t++) {
+            const float *vr = vf + (base + t) * D;
+            for (int c = 0; c < C; c++) {
+                __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+                for (int j = 0; j < n; j++) acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t]), vv, acc[j][c]);
+            }
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[j]);
+        float o[MAX_D];
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[j][c], inv));
+        for (int d = 0; d < D; d++) {
+            if (is_bf16) ((uint16_t *)out)[qoff[j] + d] = f32_to_bf16(o[d]);
+            else ((float *)out)[qoff[j] + d] = o[d];
+        }
+    }
+}
+
 /* Causal extend (prefill) attention for one request and one KV head, flash-style on the CPU.
  *
  * K is first transposed into 16-key blocks [D][16] (float32), V converted to float32 rows, both
  * small enough to stay in L2 for a prompt of a few hundred tokens. Each query vector then walks the
  * key blocks up to its own position: scores for 16 keys come from D broadcast-FMAs (no horizontal
- * sums), an online softmax rescales the running output, and P.V adds 16 rows. */
+ * sums); every EXT_SB blocks an online softmax step takes one max over their scores and rescales the
+ * running output only if that max moved, and P.V adds their rows. */
 static void extend_one(const void *q, const void *k, const void *v, void *out, const int64_t *rows,
                        int64_t prefix, int64_t ext, int64_t q_start, int hk, int H, int Hkv, int D, float scale,
                        int is_bf16, float *kt, float *vf) {
@@ -634,67 +715,23 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
     for (int64_t t = 0; t < total; t++) load_row_f32(v, rows[t] * W + (int64_t)hk * D, D, is_bf16, vf + t * D);
     for (int64_t i = 0; i < ext; i++) {
         const int64_t pos = prefix + i; /* attends keys 0..pos */
-        const int64_t last = pos / 16;
         for (int g0 = 0; g0 < G; g0 += 4) { /* up to 4 query heads share each key block */
             const int n = G - g0 < 4 ? G - g0 : 4;
             float qv[4][MAX_D];
-            __m512 acc[4][MAX_D / 16];
-            float m[4], l[4];
+            int64_t qoff[4];
             for (int j = 0; j < n; j++) {
-                const int64_t qoff = ((q_start + i) * H + hk * G + g0 + j) * D;
+                qoff[j] = ((q_start + i) * H + hk * G + g0 + j) * D;
                 for (int d = 0; d < D; d++)
-                    qv[j][d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[qoff + d]) : ((const float *)q)[qoff + d]) * scale;
-                for (int c = 0; c < C; c++) acc[j][c] = _mm512_setzero_ps();
-                m[j] = -INFINITY;
-                l[j] = 0.0f;
+                    qv[j][d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[qoff[j] + d]) : ((const float *)q)[qoff[j] + d]) * scale;
             }
-            for (int64_t blk = 0; blk <= last; blk++) {
-                const float *kb = kt + blk * 16 * D;
-                __m512 s[4], s2[4];
-                for (int j = 0; j < n; j++) s[j] = s2[j] = _mm512_setzero_ps();
-                for (int d = 0; d < D; d += 2) { /* two chains per head hide FMA latency */
-                    __m512 k0 = _mm512_loadu_ps(kb + d * 16), k1 = _mm512_loadu_ps(kb + (d + 1) * 16);
-                    for (int j = 0; j < n; j++) {
-                        s[j] = _mm512_fmadd_ps(_mm512_set1_ps(qv[j][d]), k0, s[j]);
-                        s2[j] = _mm512_fmadd_ps(_mm512_set1_ps(qv[j][d + 1]), k1, s2[j]);
-                    }
-                }
-                const int64_t base = blk * 16;
-                const int nk = blk == last ? (int)(pos - base + 1) : 16;
-                const __mmask16 keep = (__mmask16)((1u << nk) - 1u);
-                for (int j = 0; j < n; j++) {
-                    __m512 sj = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), _mm512_add_ps(s[j], s2[j]));
-                    float bm = _mm512_reduce_max_ps(sj);
-                    float m_new = bm > m[j] ? bm : m[j];
-                    float alpha = expf(m[j] - m_new);
-                    __m512 pj = exp512(_mm512_sub_ps(sj, _mm512_set1_ps(m_new)));
-                    pj = _mm512_maskz_mov_ps(keep, pj);
-                    l[j] = l[j] * alpha + _mm512_reduce_add_ps(pj);
-                    m[j] = m_new;
-                    __m512 va = _mm512_set1_ps(alpha);
-                    for (int c = 0; c < C; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], va);
-                    s[j] = pj; /* reuse as the probabilities */
-                }
-                float p[4][16];
-                for (int j = 0; j < n; j++) _mm512_storeu_ps(p[j], s[j]);
-                for (int t = 0; t < nk; t++) {
-                    const float *vr = vf + (base + t) * D;
-                    for (int c = 0; c < C; c++) {
-                        __m512 vv = _mm512_loadu_ps(vr + 16 * c);
-                        for (int j = 0; j < n; j++) acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t]), vv, acc[j][c]);
-                    }
-                }
-            }
-            for (int j = 0; j < n; j++) {
-                const int64_t qoff = ((q_start + i) * H + hk * G + g0 + j) * D;
-                const __m512 inv = _mm512_set1_ps(1.0f / l[j]);
-                float o[MAX_D];
-                for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[j][c], inv));
-                for (int d = 0; d < D; d++) {
-                    if (is_bf16) ((uint16_t *)out)[qoff + d] = f32_to_bf16(o[d]);
-                    else ((float *)out)[qoff + d] = o[d];
-                }
-            }
+            if (n == 3 && C == 4) /* SmolLM2, Llama 3 8B's 4 query heads a KV head: head_dim 64 */
+                extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16);
+            else if (n == 4 && C == 4)
+                extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16);
+            else if (n == 4 && C == 8) /* head_dim 128 */
+                extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16);
+            else
+                extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16);
         }
     }
 }
