@@ -73,9 +73,9 @@ def test_kv_pool_takes_memory_only_as_tokens_are_written(dtype):
 
 
 FREED_HEAP_THEN_POOL = """
-import ctypes, torch
+import ctypes, os, torch
 from engine.memory.kv_pool import TokenKVPool
-def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 assert libc.mallopt(-4, 0) == 1  # M_MMAP_MAX 0: no block gets a mapping of its own

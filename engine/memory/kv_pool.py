@@ -20,7 +20,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch
     tensor is freed. Not calloc (numpy's zeros): calloc maps fresh pages only when malloc has no freed
     heap memory to reuse, and reused memory it clears byte by byte, making a whole pool resident (seen in
     a test process whose earlier tests had freed hundreds of MB); torch.zeros writes every byte always."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or not nbytes or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
