@@ -170,6 +170,54 @@ def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_
     assert bf16.rows_decoder() is None  # a bfloat16 pool: forward() converts, the fused path uses it
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b", [5, 1])
+def test_native_decode_from_qkv_views_stores_and_attends_in_one_call(b, dtype, monkeypatch):
+    """The model's decode hands forward() q, k, v as views of one fused qkv row per request: the native
+    backend stores K/V and attends in one C call (no index_put, no copy of q), with the general path's
+    pool and output bit for bit."""
+    if load_native() is None:
+        pytest.fail("no C compiler: the native kernel could not be built on this machine")
+    from kernels.attention.torch_backend import TorchAttentionBackend
+
+    torch.manual_seed(3)
+    h, hkv, d = 9, 3, 64
+    lens, slots = torch.tensor([61, 7, 80, 33, 50])[:b], torch.tensor([6, 0, 3, 1, 7])[:b]
+    table = torch.zeros(8, 80, dtype=torch.int64)
+    rows = torch.randperm(999)[: int(lens.sum())] + 1
+    start = 0
+    for s, n in zip(slots.tolist(), lens.tolist()):
+        table[s, :n] = rows[start : start + n]
+        start += n
+    loc = table[slots, lens - 1]
+    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.long), lens - 1, loc, slots, lens,
+                         int(lens.max()), torch.arange(b))  # fmt: skip
+    qkv = torch.randn(b, (h + 2 * hkv) * d).to(dtype)
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
+    general = TorchAttentionBackend.forward
+    calls = []
+    monkeypatch.setattr(TorchAttentionBackend, "forward", lambda self, *a: calls.append(1) or general(self, *a))
+    outs, pools = [], []
+    for fused in (False, True):
+        pool = Pool(1000, hkv, d, dtype)
+        torch.manual_seed(4)
+        pool.k_buffers[0].normal_(), pool.v_buffers[0].normal_()  # the same pool both ways
+        backend = create_backend("cpu_native", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
+                                 kv_pool=pool, req_to_token=table)  # fmt: skip
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, k, v, 0, batch) if fused else general(backend, q, k, v, 0, batch))
+        pools.append(pool)
+    assert not calls  # the views took the one call, not the general way
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0])
+    assert torch.equal(pools[1].v_buffers[0], pools[0].v_buffers[0]) and torch.equal(pools[1].k_buffers[0][loc], k)
+    for i in range(b):
+        idx = table[slots[i], : lens[i]]
+        expected = _reference(q[i], pools[1].k_buffers[0][idx], pools[1].v_buffers[0][idx], d**-0.5)
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(outs[1][i].double(), expected, atol=tol, rtol=tol), f"row {i}"
+
+
 @pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
                          ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"])  # fmt: skip
 @pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)

@@ -56,6 +56,25 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             self._ext = ext
             self._q_start = torch.cumsum(ext, 0) - ext
 
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Decode from the fused qkv rows as the model leaves them (q, k, v views of one row, rows of one
+        stride): the K/V store and the attention in one C call, where the torch path makes two index_put
+        and a copy of q a layer. Any other layout, and extend, goes the general way."""
+        if batch.mode is not ForwardMode.DECODE or not self._one_row_layout(q, k, v):
+            return super().forward(q, k, v, layer_id, batch)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self._store_and_decode(layer_id, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), out.data_ptr(),
+                               q.shape[0], int(q.dtype == torch.bfloat16))  # fmt: skip
+        return out
+
+    def _one_row_layout(self, q, k, v) -> bool:
+        pool = self.kv_pool.k_buffers[0].dtype
+        return (
+            q.dtype == k.dtype == v.dtype == pool
+            and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))  # one row: its stride is unused
+            and all(t.stride(-1) == 1 and t.stride(-2) == self.head_dim for t in (q, k, v))
+        )
+
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:
         if not self.native_extend:
             return super()._extend(q, k, v, k_buf, v_buf)
@@ -94,11 +113,15 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return self._decode_rows
 
     def _decode_rows(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int) -> None:
+        self._store_and_decode(layer_id, q, k, v, row_stride, out, rows, 0)
+
+    def _store_and_decode(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int,
+                          is_bf16: int) -> None:  # fmt: skip
         out_loc, table, stride, slots, lens = self._step_args
         rc = self.lib.decode_attention_store(
             q, k, v, row_stride, out_loc, self.kv_pool.k_buffers[layer_id].data_ptr(),
             self.kv_pool.v_buffers[layer_id].data_ptr(), out, table, stride, slots, lens, rows, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.scale, self.num_threads,
+            self.num_kv_heads, self.head_dim, self.scale, is_bf16, self.num_threads,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"native decode attention failed with code {rc}")

@@ -123,101 +123,145 @@ static inline void load_row64(const void *base, int64_t off, int is_bf16, __m512
     }
 }
 
+/* NH (1..4, a constant at each call, so the loops unroll and the accumulators stay in registers) query
+ * heads h0.. of KV head hk. fetch: this head's passes prefetch the whole row (span bytes: every KV head
+ * of the unit); the unit's later heads find the rows in L2 and prefetch nothing. */
+static inline __attribute__((always_inline)) void d64_heads(const int NH, const float *qf, const void *q_raw,
+                                                           float scale, const void *k, const void *v, float *acc_out,
+                                                           const int64_t *rows, int64_t len, int W, int hk, int h0,
+                                                           int is_bf16, float *scores, float *mx, float *sum,
+                                                           int fetch, int64_t span) {
+    const int D = 64;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    __m512 qv[4][4];
+    for (int j = 0; j < NH; j++)
+        for (int c = 0; c < 4; c++) qv[j][c] = _mm512_loadu_ps(qf + (h0 + j) * D + 16 * c);
+#if defined(__AVX512BF16__)
+    __m512bh qb[4][2]; /* the unscaled bf16 query (exact), as pairs; the scale comes after the sum */
+    if (is_bf16)
+        for (int j = 0; j < NH; j++)
+            for (int c = 0; c < 2; c++)
+                qb[j][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q_raw + (h0 + j) * D + 32 * c);
+#endif
+    __m512 vmax[4];
+    for (int j = 0; j < NH; j++) vmax[j] = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) { /* 16 keys a block: their scores as one vector */
+        const int nt = len - t0 < 16 ? (int)(len - t0) : 16;
+        const __mmask16 mk = (__mmask16)((1u << nt) - 1u);
+        int64_t off[16];
+        for (int t = 0; t < 16; t++) off[t] = rows[t0 + (t < nt ? t : 0)] * W + hk * D; /* tail: a real row, masked */
+        if (fetch)
+            for (int t = 0; t < nt; t++)
+                if (t0 + 16 + t < len) prefetch_row(k, (rows[t0 + 16 + t] * W + hk * D) * elem, span);
+#if defined(__AVX512BF16__)
+        if (is_bf16) { /* bf16 pairs straight from the pool: two dot-product instructions a row */
+            for (int j = 0; j < NH; j++) {
+                __m512 a[16];
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++) {
+                    const uint16_t *kr = (const uint16_t *)k + off[t];
+                    __m512 z = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr), qb[j][0]);
+                    a[t] = _mm512_dpbf16_ps(z, (__m512bh)_mm512_loadu_si512(kr + 32), qb[j][1]);
+                }
+                __m512 sc = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + (h0 + j) * len + t0, mk, sc);
+                vmax[j] = _mm512_mask_max_ps(vmax[j], mk, vmax[j], sc);
+            }
+            continue;
+        }
+#endif
+        float kb[16 * 64];
+        const float *kf[16];
+        for (int t = 0; t < 16; t++) {
+            if (is_bf16) {
+                __m512 r[4];
+                load_row64(k, off[t], 1, r);
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(kb + t * 64 + 16 * c, r[c]);
+                kf[t] = kb + t * 64;
+            } else {
+                kf[t] = (const float *)k + off[t];
+            }
+        }
+        for (int j = 0; j < NH; j++) {
+            __m512 a[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {
+                __m512 x = _mm512_mul_ps(qv[j][0], _mm512_loadu_ps(kf[t]));
+                x = _mm512_fmadd_ps(qv[j][1], _mm512_loadu_ps(kf[t] + 16), x);
+                x = _mm512_fmadd_ps(qv[j][2], _mm512_loadu_ps(kf[t] + 32), x);
+                a[t] = _mm512_fmadd_ps(qv[j][3], _mm512_loadu_ps(kf[t] + 48), x);
+            }
+            __m512 sc = reduce16(a);
+            _mm512_mask_storeu_ps(scores + (h0 + j) * len + t0, mk, sc);
+            vmax[j] = _mm512_mask_max_ps(vmax[j], mk, vmax[j], sc);
+        }
+    }
+    for (int j = 0; j < NH; j++) {
+        const float m = _mm512_reduce_max_ps(vmax[j]);
+        mx[h0 + j] = m;
+        sum[h0 + j] = exp_shifted_sum(scores + (h0 + j) * len, len, m);
+    }
+    __m512 acc[4][4];
+    for (int j = 0; j < NH; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
+    if (is_bf16) {
+        /* a V row as two 64-byte loads of 32 bf16: each 32-bit lane holds dims 2i (low half) and 2i + 1 (high
+         * half), so a shift makes the even dims float32 and a mask the odd ones, two instructions for 32
+         * dims. acc[j][0..1] collect the even dims of the two halves, acc[j][2..3] the odd; interleaved at
+         * the end, each dim's sum is the same as in dim order. */
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int64_t t = 0; t < len; t++) {
+            if (fetch && t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, span);
+            const uint16_t *p = (const uint16_t *)v + rows[t] * W + hk * D;
+            const __m512i r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+            const __m512 vr[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(r0, 16)),
+                                  _mm512_castsi512_ps(_mm512_slli_epi32(r1, 16)),
+                                  _mm512_castsi512_ps(_mm512_and_si512(r0, hi)),
+                                  _mm512_castsi512_ps(_mm512_and_si512(r1, hi))};
+            for (int j = 0; j < NH; j++) {
+                const __m512 pj = _mm512_set1_ps(scores[(h0 + j) * len + t]);
+                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
+            }
+        }
+        const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        for (int j = 0; j < NH; j++)
+            for (int c = 0; c < 2; c++) { /* dims 32c.. from evens acc[j][c] and odds acc[j][2 + c] */
+                float *o = acc_out + (h0 + j) * D + 32 * c;
+                _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[j][c], lo_idx, acc[j][2 + c]));
+                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(acc[j][c], hi_idx, acc[j][2 + c]));
+            }
+        return;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        if (fetch && t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, span);
+        __m512 vr[4];
+        load_row64(v, rows[t] * W + hk * D, 0, vr);
+        for (int j = 0; j < NH; j++) {
+            const __m512 pj = _mm512_set1_ps(scores[(h0 + j) * len + t]);
+            for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
+        }
+    }
+    for (int j = 0; j < NH; j++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_out + (h0 + j) * D + 16 * c, acc[j][c]);
+}
+
 static void attend_one_d64(const float *qf, const void *q_raw, float scale, const void *k, const void *v,
                            float *acc_out, const int64_t *rows, int64_t len, int H, int Hkv, int hk0, int hk1,
                            int is_bf16, float *scores, float *mx, float *sum) {
-    const int G = H / Hkv;
-    const int D = 64, W = Hkv * 64;
-    const int64_t elem = is_bf16 ? 2 : 4;
+    const int G = H / Hkv, W = Hkv * 64;
+    const int64_t span = (int64_t)(hk1 - hk0) * 64 * (is_bf16 ? 2 : 4);
     for (int hk = hk0; hk < hk1; hk++) {
-        /* rows hold every KV head contiguously: the first head's passes prefetch the rest of each row too
-         * (one stream of whole rows from memory instead of one per head), the later heads' find it cached */
-        const int64_t span = (hk == hk0 ? hk1 - hk0 : 1) * D * elem;
+        /* rows hold every KV head contiguously: the first head's passes prefetch the whole of each row (one
+         * stream of whole rows from memory instead of one per head), the later heads' find it in L2 */
         for (int g0 = 0; g0 < G; g0 += 4) {
-            const int n = G - g0 < 4 ? G - g0 : 4;
-            const int h0 = hk * G + g0;
-            __m512 qv[4][4];
-            float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-            for (int j = 0; j < n; j++)
-                for (int c = 0; c < 4; c++) qv[j][c] = _mm512_loadu_ps(qf + (h0 + j) * D + 16 * c);
-#if defined(__AVX512BF16__)
-            __m512bh qb[4][2]; /* the unscaled bf16 query (exact), as pairs; the scale comes after the sum */
-            if (is_bf16)
-                for (int j = 0; j < n; j++)
-                    for (int c = 0; c < 2; c++)
-                        qb[j][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q_raw + (h0 + j) * D + 32 * c);
-#endif
-            __m512 vmax[4];
-            for (int j = 0; j < n; j++) vmax[j] = _mm512_set1_ps(-INFINITY);
-            for (int64_t t0 = 0; t0 < len; t0 += 16) { /* 16 keys a block: their scores as one vector */
-                const int nt = len - t0 < 16 ? (int)(len - t0) : 16;
-                const __mmask16 mk = (__mmask16)((1u << nt) - 1u);
-                int64_t off[16];
-                for (int t = 0; t < 16; t++) off[t] = rows[t0 + (t < nt ? t : 0)] * W + hk * D; /* tail: a real row, masked */
-                for (int t = 0; t < nt; t++) /* the first head's pass fetches every head's part of the row */
-                    if (t0 + 16 + t < len) prefetch_row(k, (rows[t0 + 16 + t] * W + hk * D) * elem, span);
-#if defined(__AVX512BF16__)
-                if (is_bf16) { /* bf16 pairs straight from the pool: two dot-product instructions a row */
-                    for (int j = 0; j < n; j++) {
-                        __m512 a[16];
-#pragma GCC unroll 16
-                        for (int t = 0; t < 16; t++) {
-                            const uint16_t *kr = (const uint16_t *)k + off[t];
-                            __m512 z = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr), qb[j][0]);
-                            a[t] = _mm512_dpbf16_ps(z, (__m512bh)_mm512_loadu_si512(kr + 32), qb[j][1]);
-                        }
-                        __m512 sc = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
-                        _mm512_mask_storeu_ps(scores + (h0 + j) * len + t0, mk, sc);
-                        vmax[j] = _mm512_mask_max_ps(vmax[j], mk, vmax[j], sc);
-                    }
-                    continue;
-                }
-#endif
-                float kb[16 * 64];
-                const float *kf[16];
-                for (int t = 0; t < 16; t++) {
-                    if (is_bf16) {
-                        __m512 r[4];
-                        load_row64(k, off[t], 1, r);
-                        for (int c = 0; c < 4; c++) _mm512_storeu_ps(kb + t * 64 + 16 * c, r[c]);
-                        kf[t] = kb + t * 64;
-                    } else {
-                        kf[t] = (const float *)k + off[t];
-                    }
-                }
-                for (int j = 0; j < n; j++) {
-                    __m512 a[16];
-#pragma GCC unroll 16
-                    for (int t = 0; t < 16; t++) {
-                        __m512 x = _mm512_mul_ps(qv[j][0], _mm512_loadu_ps(kf[t]));
-                        x = _mm512_fmadd_ps(qv[j][1], _mm512_loadu_ps(kf[t] + 16), x);
-                        x = _mm512_fmadd_ps(qv[j][2], _mm512_loadu_ps(kf[t] + 32), x);
-                        a[t] = _mm512_fmadd_ps(qv[j][3], _mm512_loadu_ps(kf[t] + 48), x);
-                    }
-                    __m512 sc = reduce16(a);
-                    _mm512_mask_storeu_ps(scores + (h0 + j) * len + t0, mk, sc);
-                    vmax[j] = _mm512_mask_max_ps(vmax[j], mk, vmax[j], sc);
-                }
+            const int n = G - g0 < 4 ? G - g0 : 4, h0 = hk * G + g0, fetch = hk == hk0 && g0 == 0;
+            switch (n) {
+            case 4: d64_heads(4, qf, q_raw, scale, k, v, acc_out, rows, len, W, hk, h0, is_bf16, scores, mx, sum, fetch, span); break;
+            case 3: d64_heads(3, qf, q_raw, scale, k, v, acc_out, rows, len, W, hk, h0, is_bf16, scores, mx, sum, fetch, span); break;
+            case 2: d64_heads(2, qf, q_raw, scale, k, v, acc_out, rows, len, W, hk, h0, is_bf16, scores, mx, sum, fetch, span); break;
+            default: d64_heads(1, qf, q_raw, scale, k, v, acc_out, rows, len, W, hk, h0, is_bf16, scores, mx, sum, fetch, span);
             }
-            for (int j = 0; j < n; j++) m[j] = _mm512_reduce_max_ps(vmax[j]);
-            for (int j = 0; j < n; j++) {
-                mx[h0 + j] = m[j];
-                sum[h0 + j] = exp_shifted_sum(scores + (h0 + j) * len, len, m[j]);
-            }
-            __m512 acc[4][4];
-            for (int j = 0; j < 4; j++)
-                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < len; t++) {
-                if (t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * D) * elem, span);
-                __m512 vr[4];
-                load_row64(v, rows[t] * W + hk * D, is_bf16, vr);
-                for (int j = 0; j < n; j++) {
-                    __m512 p = _mm512_set1_ps(scores[(h0 + j) * len + t]);
-                    for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(p, vr[c], acc[j][c]);
-                }
-            }
-            for (int j = 0; j < n; j++)
-                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_out + (h0 + j) * D + 16 * c, acc[j][c]);
         }
     }
 }
@@ -579,28 +623,30 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
     return failed;
 }
 
-/* decode_attention for the quantized modes' fused decode steps (engine/model/fused_decode.py), on a float32
- * pool: each row's new K and V (float32, rows of row_stride elements, where the qkv projection wrote
- * them) stored at out_loc first, then its q (same row stride) attended. In torch that is two index_put
- * and a copy of q a layer, 90 small ops a step at batch 1. out: [B, H, D]. */
-int decode_attention_store(const float *q, const float *k_new, const float *v_new, int64_t row_stride,
-                           const int64_t *out_loc, float *k, float *v, float *out, const int64_t *req_to_token,
+/* decode_attention with the step's new K and V stored first: each row's K and V (rows of row_stride
+ * elements, where the qkv projection wrote them) copied to out_loc, then its q (same row stride)
+ * attended. In torch that is two index_put and a copy of q a layer (90 small ops a step at batch 1; at
+ * batch 64 in bfloat16 about 0.1 ms a layer). Float32 (the quantized modes' fused decode steps,
+ * engine/model/fused_decode.py) or bfloat16 (the exact mode, CpuNativeAttentionBackend.forward) rows and
+ * pool. out: [B, H, D]. */
+int decode_attention_store(const void *q, const void *k_new, const void *v_new, int64_t row_stride,
+                           const int64_t *out_loc, void *k, void *v, void *out, const int64_t *req_to_token,
                            int64_t stride, const int64_t *slots, const int64_t *lens, int B, int H, int Hkv, int D,
-                           float scale, int num_threads) {
+                           float scale, int is_bf16, int num_threads) {
     if (Hkv <= 0 || H % Hkv != 0 || H > MAX_H || D <= 0 || D > MAX_D) return 1;
-    const int64_t W = (int64_t)Hkv * D, Q = (int64_t)H * D;
+    const int64_t elem = is_bf16 ? 2 : 4, W = (int64_t)Hkv * D * elem, Q = (int64_t)H * D * elem, R = row_stride * elem;
     for (int b = 0; b < B; b++) {
-        memcpy(k + out_loc[b] * W, k_new + b * row_stride, sizeof(float) * W);
-        memcpy(v + out_loc[b] * W, v_new + b * row_stride, sizeof(float) * W);
+        memcpy((char *)k + out_loc[b] * W, (const char *)k_new + b * R, W);
+        memcpy((char *)v + out_loc[b] * W, (const char *)v_new + b * R, W);
     }
-    float *packed = NULL; /* the kernel reads q as [B, H, D]: rows of one row stride are, not of a wider one */
-    if (B > 1 && row_stride != Q) {
-        packed = (float *)malloc(sizeof(float) * Q * B);
+    char *packed = NULL; /* the kernel reads q as [B, H, D]: rows of one row stride are, not of a wider one */
+    if (B > 1 && R != Q) {
+        packed = (char *)malloc(Q * B);
         if (packed == NULL) return 2;
-        for (int b = 0; b < B; b++) memcpy(packed + b * Q, q + b * row_stride, sizeof(float) * Q);
+        for (int b = 0; b < B; b++) memcpy(packed + b * Q, (const char *)q + b * R, Q);
     }
     const int rc = decode_attention(packed != NULL ? packed : q, k, v, out, req_to_token, stride, slots, lens, B, H,
-                                    Hkv, D, scale, 0, num_threads);
+                                    Hkv, D, scale, is_bf16, num_threads);
     free(packed);
     return rc;
 }
