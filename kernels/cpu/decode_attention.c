@@ -659,7 +659,9 @@ int decode_attention_store(const void *q, const void *k_new, const void *v_new, 
  * accumulators (n * C vectors) and scores live in registers; with a run-time n they were kept on the stack. */
 static inline __attribute__((always_inline)) void extend_query(const float (*qv)[MAX_D], const int n, const int C,
                                                               const float *kt, const float *vf, int64_t pos,
-                                                              void *out, const int64_t *qoff, int is_bf16) {
+                                                              void *out, const int64_t *qoff, int is_bf16,
+                                                              const int BF, const uint32_t (*qp)[MAX_D / 2],
+                                                              float scale) {
     const int D = 16 * C;
     const int64_t last = pos / 16;
     __m512 acc[4][MAX_D / 16];
@@ -673,6 +675,23 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
         const int nb = last - sb + 1 < EXT_SB ? (int)(last - sb + 1) : EXT_SB;
         __m512 sc[4][EXT_SB];
         for (int b = 0; b < nb; b++) {
+#if defined(__AVX512BF16__)
+            if (BF) { /* bf16 pairs: one dot-product instruction per two dims of 16 keys, half the FMAs */
+                const uint16_t *kb = (const uint16_t *)kt + (sb + b) * 16 * D;
+                __m512 s[4], s2[4];
+                for (int j = 0; j < n; j++) s[j] = s2[j] = _mm512_setzero_ps();
+                for (int d2 = 0; d2 < D / 2; d2 += 2) {
+                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + d2 * 32);
+                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (d2 + 1) * 32);
+                    for (int j = 0; j < n; j++) {
+                        s[j] = _mm512_dpbf16_ps(s[j], k0, (__m512bh)_mm512_set1_epi32((int)qp[j][d2]));
+                        s2[j] = _mm512_dpbf16_ps(s2[j], k1, (__m512bh)_mm512_set1_epi32((int)qp[j][d2 + 1]));
+                    }
+                }
+                for (int j = 0; j < n; j++) sc[j][b] = _mm512_mul_ps(_mm512_add_ps(s[j], s2[j]), _mm512_set1_ps(scale));
+                continue;
+            }
+#endif
             const float *kb = kt + (sb + b) * 16 * D;
             __m512 s[4], s2[4];
             for (int j = 0; j < n; j++) s[j] = s2[j] = _mm512_setzero_ps();
@@ -744,7 +763,21 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
                        int is_bf16, float *kt, float *vf) {
     const int G = H / Hkv, W = Hkv * D, C = D / 16;
     const int64_t total = prefix + ext, nblocks = (total + 15) / 16;
-    for (int64_t blk = 0; blk < nblocks; blk++) {
+#if defined(__AVX512BF16__)
+    const int bf = is_bf16; /* bfloat16 K as pairs of dims: block [D / 2][16 keys][2], as stored, no widening */
+#else
+    const int bf = 0;
+#endif
+    if (bf) {
+        uint32_t *dst = (uint32_t *)kt;
+        for (int64_t blk = 0; blk < nblocks; blk++, dst += 8 * D)
+            for (int j = 0; j < 16; j++) {
+                const int64_t t = blk * 16 + j;
+                const uint32_t *row = t < total ? (const uint32_t *)((const uint16_t *)k + rows[t] * W + (int64_t)hk * D) : NULL;
+                for (int d2 = 0; d2 < D / 2; d2++) dst[d2 * 16 + j] = row != NULL ? row[d2] : 0u;
+            }
+    }
+    for (int64_t blk = 0; !bf && blk < nblocks; blk++) {
         float *dst = kt + blk * 16 * D;
         for (int j = 0; j < 16; j++) {
             int64_t t = blk * 16 + j;
@@ -764,20 +797,32 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
         for (int g0 = 0; g0 < G; g0 += 4) { /* up to 4 query heads share each key block */
             const int n = G - g0 < 4 ? G - g0 : 4;
             float qv[4][MAX_D];
+            uint32_t qp[4][MAX_D / 2]; /* bf: the unscaled bf16 query as pairs (exact); the scale after the sum */
             int64_t qoff[4];
             for (int j = 0; j < n; j++) {
                 qoff[j] = ((q_start + i) * H + hk * G + g0 + j) * D;
-                for (int d = 0; d < D; d++)
-                    qv[j][d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[qoff[j] + d]) : ((const float *)q)[qoff[j] + d]) * scale;
+                if (bf)
+                    memcpy(qp[j], (const uint16_t *)q + qoff[j], sizeof(uint16_t) * D);
+                else
+                    for (int d = 0; d < D; d++)
+                        qv[j][d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[qoff[j] + d]) : ((const float *)q)[qoff[j] + d]) * scale;
             }
-            if (n == 3 && C == 4) /* SmolLM2, Llama 3 8B's 4 query heads a KV head: head_dim 64 */
-                extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16);
+            if (bf && n == 3 && C == 4) /* SmolLM2, Llama 3 8B's 4 query heads a KV head: head_dim 64 */
+                extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
+            else if (bf && n == 4 && C == 4)
+                extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
+            else if (bf && n == 4 && C == 8) /* head_dim 128 */
+                extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
+            else if (bf)
+                extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
+            else if (n == 3 && C == 4)
+                extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
             else if (n == 4 && C == 4)
-                extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16);
-            else if (n == 4 && C == 8) /* head_dim 128 */
-                extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16);
+                extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
+            else if (n == 4 && C == 8)
+                extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
             else
-                extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16);
+                extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
         }
     }
 }
