@@ -709,6 +709,7 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
         const int tail = nk - 16 * (nb - 1); /* valid keys of its last block, 1..16 */
         const __mmask16 keep = (__mmask16)((1u << tail) - 1u);
         float p[4][16 * EXT_SB];
+        uint32_t pb[4][8 * EXT_SB]; /* BF: the weights as bf16 pairs of keys (2u, 2u + 1) */
         for (int j = 0; j < n; j++) {
             sc[j][nb - 1] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), sc[j][nb - 1]);
             __m512 mv = sc[j][0];
@@ -721,6 +722,12 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
                 __m512 pj = exp512(_mm512_sub_ps(sc[j][b], vm));
                 if (b == nb - 1) pj = _mm512_maskz_mov_ps(keep, pj);
                 tot = _mm512_add_ps(tot, pj);
+#if defined(__AVX512BF16__)
+                if (BF) { /* rounded to bfloat16 for P.V, as torch's flash kernel does; the sum stays float32 */
+                    _mm256_storeu_si256((__m256i *)(pb[j] + 8 * b), (__m256i)_mm512_cvtneps_pbh(pj));
+                    continue;
+                }
+#endif
                 _mm512_storeu_ps(p[j] + 16 * b, pj);
             }
             if (m_new != m[j]) { /* the running max moved: rescale what was summed under the old one */
@@ -732,6 +739,20 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
             l[j] += _mm512_reduce_add_ps(tot);
             m[j] = m_new;
         }
+#if defined(__AVX512BF16__)
+        if (BF) { /* V as pairs of keys ([D][2] a pair, zero past the last key): one dot-product
+                   * instruction per 16 dims of two keys, where the float32 path makes two FMAs */
+            for (int u = 0; u < (nk + 1) / 2; u++) {
+                const uint16_t *vp = (const uint16_t *)vf + (base + 2 * u) * D;
+                for (int c = 0; c < C; c++) {
+                    const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + 32 * c);
+                    for (int j = 0; j < n; j++)
+                        acc[j][c] = _mm512_dpbf16_ps(acc[j][c], vv, (__m512bh)_mm512_set1_epi32((int)pb[j][u]));
+                }
+            }
+            continue;
+        }
+#endif
         for (int t = 0; t < nk; t++) {
             const float *vr = vf + (base + t) * D;
             for (int c = 0; c < C; c++) {
@@ -791,7 +812,15 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
             }
         }
     }
-    for (int64_t t = 0; t < total; t++) load_row_f32(v, rows[t] * W + (int64_t)hk * D, D, is_bf16, vf + t * D);
+    if (bf) { /* V as pairs of keys: pair u is [D][2] (key 2u's dim d, then key 2u + 1's), zeros past the end */
+        uint16_t *dst = (uint16_t *)vf;
+        for (int64_t t = 0; t < nblocks * 16; t++) {
+            const uint16_t *row = t < total ? (const uint16_t *)v + rows[t] * W + (int64_t)hk * D : NULL;
+            uint16_t *pair = dst + (t / 2) * 2 * D + (t % 2);
+            for (int d = 0; d < D; d++) pair[2 * d] = row != NULL ? row[d] : 0;
+        }
+    }
+    for (int64_t t = 0; !bf && t < total; t++) load_row_f32(v, rows[t] * W + (int64_t)hk * D, D, is_bf16, vf + t * D);
     for (int64_t i = 0; i < ext; i++) {
         const int64_t pos = prefix + i; /* attends keys 0..pos */
         for (int g0 = 0; g0 < G; g0 += 4) { /* up to 4 query heads share each key block */
