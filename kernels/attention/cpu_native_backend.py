@@ -70,7 +70,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     def _one_row_layout(self, q, k, v) -> bool:
         pool = self.kv_pool.k_buffers[0].dtype
         return (
-            q.dtype == k.dtype == v.dtype == pool
+            pool in (torch.float32, torch.bfloat16)  # the kernel's two storage types
+            and q.dtype == k.dtype == v.dtype == pool
             and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))  # one row: its stride is unused
             and all(t.stride(-1) == 1 and t.stride(-2) == self.head_dim for t in (q, k, v))
         )
