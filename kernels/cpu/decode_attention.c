@@ -775,7 +775,9 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
 /* Causal extend (prefill) attention for one request and one KV head, flash-style on the CPU.
  *
  * K is first transposed into 16-key blocks [D][16] (float32), V converted to float32 rows, both
- * small enough to stay in L2 for a prompt of a few hundred tokens. Each query vector then walks the
+ * small enough to stay in L2 for a prompt of a few hundred tokens; in bfloat16 with AVX512_BF16 both
+ * stay bfloat16, as pairs for the dot-product instruction (K: [D / 2][16][2], V: two keys' rows
+ * interleaved, [D][2] a pair). Each query vector then walks the
  * key blocks up to its own position: scores for 16 keys come from D broadcast-FMAs (no horizontal
  * sums); every EXT_SB blocks an online softmax step takes one max over their scores and rescales the
  * running output only if that max moved, and P.V adds their rows. */
