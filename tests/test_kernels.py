@@ -128,14 +128,9 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
     assert backend.native_extend == (avx512 and head_dim % 16 == 0)
 
 
-@pytest.mark.parametrize("b", [5, 1])
-def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_them(b):
-    """The fused decode path's one call (rows_decoder): q, k, v are strided views of one qkv row per
-    request; the new K/V land in the pool at out_cache_loc and out equals forward()'s on the same batch."""
-    if load_native() is None:
-        pytest.fail("no C compiler: the native kernel could not be built on this machine")
-    torch.manual_seed(1)
-    h, hkv, d = 9, 3, 64
+def _scattered_decode_batch(b: int):
+    """A decode batch of b requests (contexts 61, 7, 80, 33, 50 in slots 6, 0, 3, 1, 7) whose rows lie
+    scattered through a 1,000-row pool: (table, slots, lens, out_cache_loc, batch)."""
     lens, slots = torch.tensor([61, 7, 80, 33, 50])[:b], torch.tensor([6, 0, 3, 1, 7])[:b]
     table = torch.zeros(8, 80, dtype=torch.int64)
     rows = torch.randperm(999)[: int(lens.sum())] + 1
@@ -146,6 +141,18 @@ def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_
     loc = table[slots, lens - 1]
     batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.long), lens - 1, loc, slots, lens,
                          int(lens.max()), torch.arange(b))  # fmt: skip
+    return table, slots, lens, loc, batch
+
+
+@pytest.mark.parametrize("b", [5, 1])
+def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_them(b):
+    """The fused decode path's one call (rows_decoder): q, k, v are strided views of one qkv row per
+    request; the new K/V land in the pool at out_cache_loc and out equals forward()'s on the same batch."""
+    if load_native() is None:
+        pytest.fail("no C compiler: the native kernel could not be built on this machine")
+    torch.manual_seed(1)
+    h, hkv, d = 9, 3, 64
+    table, slots, lens, loc, batch = _scattered_decode_batch(b)
     qkv = torch.randn(b, (h + 2 * hkv) * d)
     q, k, v = (x.view(b, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
     outs, pools = [], []
@@ -182,16 +189,7 @@ def test_native_decode_from_qkv_views_stores_and_attends_in_one_call(b, dtype, m
 
     torch.manual_seed(3)
     h, hkv, d = 9, 3, 64
-    lens, slots = torch.tensor([61, 7, 80, 33, 50])[:b], torch.tensor([6, 0, 3, 1, 7])[:b]
-    table = torch.zeros(8, 80, dtype=torch.int64)
-    rows = torch.randperm(999)[: int(lens.sum())] + 1
-    start = 0
-    for s, n in zip(slots.tolist(), lens.tolist()):
-        table[s, :n] = rows[start : start + n]
-        start += n
-    loc = table[slots, lens - 1]
-    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.long), lens - 1, loc, slots, lens,
-                         int(lens.max()), torch.arange(b))  # fmt: skip
+    table, slots, lens, loc, batch = _scattered_decode_batch(b)
     qkv = torch.randn(b, (h + 2 * hkv) * d).to(dtype)
     q, k, v = (x.view(b, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
     general = TorchAttentionBackend.forward
