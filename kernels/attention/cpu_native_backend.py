@@ -39,6 +39,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                 f"head_dim {self.head_dim}"
             )
         self.native_extend = bool(support & EXTEND)
+        pool = self.kv_pool.k_buffers[0].dtype  # the one-call decode's storage types: float32, bfloat16
+        self._one_call_dtype = pool if pool in (torch.float32, torch.bfloat16) else None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._slots = batch.req_slots.contiguous()
@@ -68,10 +70,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return out
 
     def _one_row_layout(self, q, k, v) -> bool:
-        pool = self.kv_pool.k_buffers[0].dtype
         return (
-            pool in (torch.float32, torch.bfloat16)  # the kernel's two storage types
-            and q.dtype == k.dtype == v.dtype == pool
+            q.dtype == k.dtype == v.dtype == self._one_call_dtype
             and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))  # one row: its stride is unused
             and all(t.stride(-1) == 1 and t.stride(-2) == self.head_dim for t in (q, k, v))
         )

@@ -772,6 +772,23 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
     }
 }
 
+/* extend_query with n and C as constants where a model needs them (BF a constant too): SmolLM2's and
+ * Llama 3 8B's 3 or 4 query heads a KV head at head_dim 64, 4 at 128; a general loop for the rest. */
+static inline __attribute__((always_inline)) void extend_heads(const int BF, const float (*qv)[MAX_D],
+                                                              const uint32_t (*qp)[MAX_D / 2], int n, int C,
+                                                              const float *kt, const float *vf, int64_t pos,
+                                                              void *out, const int64_t *qoff, int is_bf16,
+                                                              float scale) {
+    if (n == 3 && C == 4)
+        extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16, BF, qp, scale);
+    else if (n == 4 && C == 4)
+        extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16, BF, qp, scale);
+    else if (n == 4 && C == 8)
+        extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16, BF, qp, scale);
+    else
+        extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16, BF, qp, scale);
+}
+
 /* Causal extend (prefill) attention for one request and one KV head, flash-style on the CPU.
  *
  * K is first transposed into 16-key blocks [D][16] (float32), V converted to float32 rows, both
@@ -838,22 +855,10 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
                     for (int d = 0; d < D; d++)
                         qv[j][d] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[qoff[j] + d]) : ((const float *)q)[qoff[j] + d]) * scale;
             }
-            if (bf && n == 3 && C == 4) /* SmolLM2, Llama 3 8B's 4 query heads a KV head: head_dim 64 */
-                extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
-            else if (bf && n == 4 && C == 4)
-                extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
-            else if (bf && n == 4 && C == 8) /* head_dim 128 */
-                extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
-            else if (bf)
-                extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16, 1, qp, scale);
-            else if (n == 3 && C == 4)
-                extend_query(qv, 3, 4, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
-            else if (n == 4 && C == 4)
-                extend_query(qv, 4, 4, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
-            else if (n == 4 && C == 8)
-                extend_query(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
+            if (bf)
+                extend_heads(1, qv, qp, n, C, kt, vf, pos, out, qoff, is_bf16, scale);
             else
-                extend_query(qv, n, C, kt, vf, pos, out, qoff, is_bf16, 0, qp, scale);
+                extend_heads(0, qv, qp, n, C, kt, vf, pos, out, qoff, is_bf16, scale);
         }
     }
 }
