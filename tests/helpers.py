@@ -53,7 +53,7 @@ def engine_idle(stats: dict) -> bool:
 def build_narrower(tmp_path, source_name: str, flags: list[str]) -> ctypes.CDLL:
     """One kernel source compiled with the project's flags plus `flags` (-mno-avx512f, ...): the path a
     machine without those instructions builds. Skips where there is no C compiler on x86-64."""
-    from kernels.cpu import build
+    from engine.kernels.cpu import build
 
     command = build.compiler_command()
     if command is None or platform.machine() not in ("x86_64", "AMD64"):

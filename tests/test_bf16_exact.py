@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from kernels import ops
-from kernels.cpu import load_native
+from engine.kernels import ops
+from engine.kernels.cpu import load_native
 
 NEW_TOKENS = 64
 
@@ -57,7 +57,7 @@ def test_native_bf16_elementwise_matches_torch(rows):
 
 
 def test_float32_native_ops_match_transformers_order():
-    """float32 takes the native kernels too (kernels/cpu/elementwise.c): the same operations in
+    """float32 takes the native kernels too (engine/kernels/cpu/elementwise.c): the same operations in
     transformers' order, within a float32 rounding of it (the norm's summation order, SiLU's exp); the
     residual add is exact. Token parity with transformers is tested on them (test_parity_smollm2.py)."""
     if load_native() is None:

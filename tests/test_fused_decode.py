@@ -1,4 +1,4 @@
-"""The quantized modes' fused decode path (engine/model/fused_decode.py, kernels/cpu/elementwise.c): each
+"""The quantized modes' fused decode path (engine/model/fused_decode.py, engine/kernels/cpu/elementwise.c): each
 C op against the torch op it replaces, and a whole decode step against the model's plain forward."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from engine.ipc.messages import TokenizedRequest
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
-from kernels.attention import ForwardMode
-from kernels.cpu import load_native
-from kernels.ops import apply_rotary, rms_norm, silu_and_mul
+from engine.kernels.attention import ForwardMode
+from engine.kernels.cpu import load_native
+from engine.kernels.ops import apply_rotary, rms_norm, silu_and_mul
 from test_scheduler_steps import InProcess
 
 needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the fused ops cannot be built")

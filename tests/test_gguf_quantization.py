@@ -12,7 +12,7 @@ from conftest import PROMPTS
 from engine import Engine
 from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
 from engine.quantization.gguf import BLOCK_BYTES, DIRECT_MAX_ROWS, GGUFLinear, dequantize, unpermute_rows
-from kernels.cpu import load_native
+from engine.kernels.cpu import load_native
 
 needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the GGUF kernel cannot be built")
 

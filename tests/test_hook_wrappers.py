@@ -233,7 +233,7 @@ def test_hook_specs_are_typed_and_their_types_resolve():
     from engine.ipc.messages import BatchTextOut
     from engine.sampling_params import SamplingParams
     from engine.scheduler.request import Req
-    from kernels.attention.base import ForwardBatch
+    from engine.kernels.attention.base import ForwardBatch
 
     names = {"torch": torch, "PromptRequest": PromptRequest, "StepRecord": StepRecord, "BatchTextOut": BatchTextOut,
              "SamplingParams": SamplingParams, "Req": Req, "ForwardBatch": ForwardBatch}  # fmt: skip
@@ -260,7 +260,7 @@ def test_the_docs_table_of_environment_variables_is_the_registry():
     root = Path(__file__).resolve().parent.parent
     assert table() in (root / "docs" / "configuration.md").read_text()
     readers = re.compile(r"""environ(?:\.get)?\(\s*["'](ENGINE_[A-Z_]+)|environ\[\s*["'](ENGINE_[A-Z_]+)""")
-    for path in [*root.joinpath("engine").rglob("*.py"), *root.joinpath("kernels").rglob("*.py")]:
+    for path in root.joinpath("engine").rglob("*.py"):
         if path.name in ("envvars.py", "sitecustomize.py") or path.name.startswith("bench"):
             continue
         for found in readers.findall(path.read_text()):

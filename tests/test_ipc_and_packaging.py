@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -20,6 +21,8 @@ from engine.ipc.messages import (
     TokenizedRequest,
 )
 from engine.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_round_trip_and_type_checking():
@@ -46,16 +49,30 @@ def test_no_pickle_in_engine_sources():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    for path in list((root / "engine").rglob("*.py")) + list((root / "kernels").rglob("*.py")):
+    for path in (root / "engine").rglob("*.py"):
         text = path.read_text()
         for banned in ("send_pyobj", "recv_pyobj", "import pickle", "pickle.loads"):
             assert banned not in text, f"{path.name} uses {banned}"
 
 
-def test_transformers_does_not_take_our_kernels_package():
-    code = "from transformers.utils.import_utils import is_kernels_available; print(is_kernels_available())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+def test_our_top_level_names_belong_to_no_other_distribution():
+    """A top-level package of ours that another installed distribution also ships shadows it (or is
+    shadowed) for every importer: transformers 5.25 requires Hugging Face's `kernels` and imported our
+    old top-level `kernels` in its place, failing every model load. We ship one top-level name."""
+    import importlib.metadata
+
+    owners = importlib.metadata.packages_distributions()
+    ours = [name for name, dists in owners.items() if "engine" in dists]
+    assert ours == ["engine"], ours
+    assert set(owners["engine"]) == {"engine"}, owners["engine"]
+
+
+def test_transformers_imports_its_hub_kernels_beside_us():
+    """The import chain that broke (a llama config imports activations, which imports the hub
+    kernels integration) works from the project root, where our packages come first on sys.path."""
+    code = "import transformers.integrations.hub_kernels, transformers.activations; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_user_process_does_not_need_torch_to_import_engine():

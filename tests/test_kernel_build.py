@@ -28,7 +28,7 @@ def test_loading_the_kernels_keeps_denormals(tmp_path):
     """-ffast-math links crtfastmath, which sets flush-to-zero for the process that loads the library."""
     code = (
         "import torch\n"
-        "from kernels.cpu import load_native\n"
+        "from engine.kernels.cpu import load_native\n"
         "assert load_native() is not None, 'the kernels did not build'\n"
         "x = torch.tensor([1e-40], dtype=torch.float32)\n"
         "assert (x * 1.0).item() != 0.0, 'float32 denormal flushed to zero'\n"
@@ -44,7 +44,7 @@ def test_loading_the_kernels_keeps_denormals(tmp_path):
 @pytest.mark.parametrize("cc", ["env cc", "  cc  ", "no-such-compiler-xyz", "env false"])
 def test_cc_with_arguments_builds_or_falls_back_cleanly(tmp_path, cc):
     """CC is split as a shell would; a compiler that is missing or fails means torch, and leaves nothing."""
-    code = "from kernels.cpu import load_native\nprint(load_native() is not None)\n"
+    code = "from engine.kernels.cpu import load_native\nprint(load_native() is not None)\n"
     res = _python(code, tmp_path, CC=cc)
     assert res.returncode == 0, res.stderr
     works = cc.strip().split()[-1] == "cc"
@@ -59,8 +59,8 @@ def test_cc_with_arguments_builds_or_falls_back_cleanly(tmp_path, cc):
 @needs_cc
 def test_failed_builds_leave_no_temporary_files(tmp_path):
     code = (
-        "from kernels.cpu import load_native\n"
-        "from kernels.attention import create_backend\n"
+        "from engine.kernels.cpu import load_native\n"
+        "from engine.kernels.attention import create_backend\n"
         "print(load_native() is None)\n"
     )
     for _ in range(2):
@@ -70,7 +70,7 @@ def test_failed_builds_leave_no_temporary_files(tmp_path):
 
 PLANT = (
     "import ctypes, os, sys\n"
-    "from kernels.cpu import build\n"
+    "from engine.kernels.cpu import build\n"
     "lib = build.load_native()\n"
     "assert lib is not None\n"
     "print('planted' if hasattr(lib, 'planted') else 'built')\n"
@@ -80,14 +80,14 @@ PLANT = (
 def _plant(folder: Path, tmp_path: Path) -> Path:
     """A library with an extra symbol under the name the cache would use, as another user could plant it."""
     key_code = (
-        "from kernels.cpu import build\n"
+        "from engine.kernels.cpu import build\n"
         "print(build.cache_key())\n"
     )
     key = _python(key_code, tmp_path).stdout.strip()
     source = tmp_path / "planted.c"
     source.write_text("int planted(void) { return 1; }\n")  # beside every real kernel, so the library binds
     target = folder / f"cpu_kernels-{key}.so"
-    kernels = sorted(str(p) for p in (ROOT / "kernels/cpu").glob("*.c"))
+    kernels = sorted(str(p) for p in (ROOT / "engine/kernels/cpu").glob("*.c"))
     subprocess.run(["cc", "-O1", "-fopenmp", "-shared", "-fPIC", *kernels, str(source), "-o",
                     str(target), "-lm"], check=True)  # fmt: skip
     return target

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import ForwardBatch, ForwardMode, create_backend
-from kernels.cpu import load_native
+from engine.kernels.attention import ForwardBatch, ForwardMode, create_backend
+from engine.kernels.cpu import load_native
 
 
 class Pool:
@@ -103,7 +103,7 @@ def test_extend_with_prefix_matches_reference(backend_name, dtype, tol, head_dim
 
 
 def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle():
-    from kernels.attention.torch_backend import TorchAttentionBackend
+    from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
     shape = dict(num_heads=80, num_kv_heads=8, head_dim=64, scale=0.125, kv_pool=Pool(4, 8, 64, torch.float32),
                  req_to_token=torch.zeros(1, 4, dtype=torch.int64))
@@ -116,7 +116,7 @@ def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle()
 def test_native_backend_decides_its_prefill_path_at_start(head_dim):
     """Whether extend runs natively is known when the backend is made (AVX-512 and head_dim % 16 == 0),
     so no shape the kernel refuses reaches it in a step (issue 13, item 1)."""
-    from kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+    from engine.kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
 
     if load_native() is None:
         pytest.skip("no C compiler")
@@ -185,7 +185,7 @@ def test_native_decode_from_qkv_views_stores_and_attends_in_one_call(b, dtype, m
     pool and output bit for bit."""
     if load_native() is None:
         pytest.fail("no C compiler: the native kernel could not be built on this machine")
-    from kernels.attention.torch_backend import TorchAttentionBackend
+    from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(3)
     h, hkv, d = 9, 3, 64
@@ -224,7 +224,7 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
     first, 256-bit vectors without AVX-512, the plain loop without AVX2) against the float64 reference,
     over lengths around the 16- and 8-key blocks."""
     from helpers import build_narrower
-    from kernels.cpu.build import bind_attention
+    from engine.kernels.cpu.build import bind_attention
 
     lib = bind_attention(build_narrower(tmp_path, "decode_attention.c", narrower))
     h, hkv = heads

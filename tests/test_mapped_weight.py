@@ -14,7 +14,7 @@ from engine.model.config import load_hf_config
 from engine.model.loader import index_weights, load_model
 from engine.model.mapped_weight import MappedWeight, mappable
 from engine.model.packed_linear import PackedLinear, packing_available
-from kernels.cpu import load_native
+from engine.kernels.cpu import load_native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 

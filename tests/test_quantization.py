@@ -16,7 +16,7 @@ from engine import Engine
 from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
 from engine.hooks.loader import unload_plugins
 from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, quantize_rows
-from kernels.cpu import load_native
+from engine.kernels.cpu import load_native
 
 needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the int8 kernel cannot be built")
 
@@ -190,6 +190,6 @@ def test_quantization_checks_name_the_machine_problem(monkeypatch):
         check_quantization("int8", "cuda", torch.float32)
     with pytest.raises(ValueError, match="float32"):
         check_quantization("int8", "cpu", torch.bfloat16)
-    monkeypatch.setattr("kernels.cpu.load_native", lambda: None)
+    monkeypatch.setattr("engine.kernels.cpu.load_native", lambda: None)
     with pytest.raises(ValueError, match="C kernel"):
         check_quantization("int8", "cpu", torch.float32)

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
 from engine.ipc.messages import NO_TOKEN, BatchTokenOut, Codec, GenerateBatch, ToDetokenizer, ToScheduler, TokenizedRequest
 from engine.sampling_params import SamplingParams
-from kernels.attention import ForwardMode
+from engine.kernels.attention import ForwardMode
 
 
 def _drain(sock, codec) -> list[BatchTokenOut]:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # for the reader and type checkers only: importing them here 
     from engine.ipc.messages import BatchTextOut
     from engine.sampling_params import SamplingParams
     from engine.scheduler.request import Req
-    from kernels.attention.base import ForwardBatch
+    from engine.kernels.attention.base import ForwardBatch
 
 hookspec = pluggy.HookspecMarker("engine")
 
@@ -113,7 +113,7 @@ class EngineSpecs:
     @hookspec
     def engine_forward_before(self, batch: ForwardBatch, rids: list[str]) -> None:
         """Before the model's forward pass. Scheduler, once per step. `batch` is the ForwardBatch
-        (kernels/attention/base.py: mode, input_ids, positions, ...); `rids` the requests in the step.
+        (engine/kernels/attention/base.py: mode, input_ids, positions, ...); `rids` the requests in the step.
         Read-only."""
 
     @hookspec

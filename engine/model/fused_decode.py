@@ -1,4 +1,4 @@
-"""The quantized modes' decode steps with their elementwise work in C (kernels/cpu/elementwise.c).
+"""The quantized modes' decode steps with their elementwise work in C (engine/kernels/cpu/elementwise.c).
 
 Why: at batch 1 the norms, rotary, residual adds and SiLU of 30 layers are about a thousand torch calls
 per step, each a few microseconds of dispatch on a few hundred floats: 8 ms of a 25 ms step. Here each
@@ -15,7 +15,7 @@ import types
 import torch
 
 from engine.model.llama import LlamaForCausalLM
-from kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
 
 MAX_ROWS = 64
 

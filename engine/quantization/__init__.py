@@ -25,10 +25,10 @@ def check_quantization(mode: str, device: str, dtype: torch.dtype) -> None:
     if dtype != torch.float32:
         raise ValueError(f"quantization={mode!r} computes in float32 (only the weights are quantized); "
                          f"use dtype='float32' or 'auto', not {dtype}")  # fmt: skip
-    from kernels.cpu import load_native
+    from engine.kernels.cpu import load_native
 
     if load_native() is None:
-        raise ValueError(f"quantization={mode!r} needs its C kernel (kernels/cpu/{mode}_linear.c), which could not be "
+        raise ValueError(f"quantization={mode!r} needs its C kernel (engine/kernels/cpu/{mode}_linear.c), which could not be "
                          "built: no working C compiler (cc, gcc or $CC), or ENGINE_NATIVE_KERNELS=0")  # fmt: skip
 
 
@@ -82,7 +82,7 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     if mode == "none":
         return model
     from engine.model.fused_decode import install
-    from kernels.cpu import load_native
+    from engine.kernels.cpu import load_native
 
     lib, threads = load_native(), torch.get_num_threads()
     if mode == "gguf":

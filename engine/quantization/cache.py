@@ -40,8 +40,8 @@ def cache_file(model_dir: str, mode: str) -> Path:
 
 def trusted(path: Path) -> bool:
     """The cache holds weights the scheduler computes with (and sizes it trusts): used only where nobody
-    else can write it, as the kernel cache (kernels/cpu/build.py)."""
-    from kernels.cpu.build import unsafe_reason
+    else can write it, as the kernel cache (engine/kernels/cpu/build.py)."""
+    from engine.kernels.cpu.build import unsafe_reason
 
     folders = [path.parent, path.parent.parent]
     return all(not p.exists() or unsafe_reason(p) is None for p in folders) and (

@@ -2,7 +2,7 @@
 
 Why: the embedded model ships as a GGUF whose layers are Q4_1 and whose tied lm_head is Q8_0. The exact
 mode dequantizes them once to float32 (540 MB read per decoded token); this mode reads the blocks as
-they are (about 96 MB a token), through kernels/cpu/gguf_linear.c. Its weights are the exact mode's;
+they are (about 96 MB a token), through engine/kernels/cpu/gguf_linear.c. Its weights are the exact mode's;
 the activations are rounded per block of 32 to int16 for integer dot products (llama.cpp rounds them
 to int8, which cost this model 1.3% of perplexity; int16 costs nothing measurable, docs/quantization.md).
 Prefill (more than DIRECT_MAX_ROWS rows) multiplies the same rounded activations by dequantized float32

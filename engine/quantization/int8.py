@@ -4,7 +4,7 @@ Chosen by measurement on SmolLM2-135M (AMD EPYC, AVX2, 2 threads; docs/quantizat
 figures). torch's fbgemm dynamic int8 linear was fast (batch 1: 6.0 ms per step of all linear layers
 against float32's 18.4) but quantizes the activations too, per tensor, and this model's MLP
 activations have outlier channels: perplexity went from 7.0 to 21.4. Weight-only int8 loses almost
-nothing (8.88 against 8.90 on the same text). Its kernel is ours (kernels/cpu/int8_linear.c): at
+nothing (8.88 against 8.90 on the same text). Its kernel is ours (engine/kernels/cpu/int8_linear.c): at
 batch 1 5.3 ms per step, batch 8 20.2 against 50.0, batch 64 162 against 146. So up to
 DIRECT_MAX_ROWS input rows go through it; more rows (prefill) multiply float32 weights dequantized for
 the call, where the matmul's own work dwarfs the conversion (in tiles, engine/quantization/linear.py).

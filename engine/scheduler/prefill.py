@@ -21,7 +21,7 @@ from engine.scheduler.endings import abort_rids, finish_unstarted
 from engine.scheduler.policy import order_waiting
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
-from kernels.attention import ForwardBatch, ForwardMode
+from engine.kernels.attention import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

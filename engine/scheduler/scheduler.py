@@ -49,7 +49,7 @@ from engine.scheduler.batch import RunningBatch
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
-from kernels.attention import ForwardMode, create_backend
+from engine.kernels.attention import ForwardMode, create_backend
 
 
 class Scheduler:

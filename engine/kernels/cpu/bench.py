@@ -1,6 +1,6 @@
 """Time the native attention kernels of one or more compiled libraries, side by side, in one run.
 
-    python -m kernels.cpu.bench old.so new.so      # each library in its own subprocess, rounds alternate
+    python -m engine.kernels.cpu.bench old.so new.so      # each library in its own subprocess, rounds alternate
 
 Why subprocesses: a library built with -ffast-math turns on flush-to-zero for its whole process, which
 would change the other library's figures. Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim
@@ -23,7 +23,7 @@ def _time_library(path: str, repeats: int) -> dict:
 
     import torch
 
-    from kernels.cpu.build import bind
+    from engine.kernels.cpu.build import bind
 
     lib = bind(ctypes.CDLL(path))
     threads = torch.get_num_threads()
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> None:
     rounds: dict[str, list[dict]] = {p: [] for p in paths}
     for _ in range(5):
         for p in paths:
-            res = subprocess.run([sys.executable, "-m", "kernels.cpu.bench", "--one", p], capture_output=True, text=True)
+            res = subprocess.run([sys.executable, "-m", "engine.kernels.cpu.bench", "--one", p], capture_output=True, text=True)
             if res.returncode != 0:
                 raise SystemExit(res.stderr)
             rounds[p].append(json.loads(res.stdout))

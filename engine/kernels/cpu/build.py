@@ -1,4 +1,4 @@
-"""Compile kernels/cpu/*.c (attention, int8 and GGUF-block linear) into one shared library cached per source and machine, and load it with ctypes.
+"""Compile engine/kernels/cpu/*.c (attention, int8 and GGUF-block linear) into one shared library cached per source and machine, and load it with ctypes.
 
 No -ffast-math: with GCC it links crtfastmath.o, whose constructor turns on flush-to-zero for the
 whole process that loads the library (1e-40 * 1.0 == 0.0 in every thread of the scheduler after).

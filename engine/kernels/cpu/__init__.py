@@ -1,7 +1,7 @@
 """Native CPU kernels: small C files compiled once per machine with the system C compiler and loaded with
 ctypes (no torch headers, so the build takes about a second). Missing compiler -> callers fall back to torch."""
 
-from kernels.cpu.build import load_native
+from engine.kernels.cpu.build import load_native
 
 NATIVE_MAX_HEADS = 64  # MAX_H in decode_attention.c
 NATIVE_MAX_HEAD_DIM = 256  # MAX_D in decode_attention.c

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from kernels.attention.base import ForwardBatch, ForwardMode
-from kernels.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.attention.base import ForwardBatch, ForwardMode
+from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
 
 DECODE, EXTEND = 1, 2  # native_support() bits

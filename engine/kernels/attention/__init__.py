@@ -1,6 +1,6 @@
 """Attention backends: one interface, one implementation per kernel library."""
 
-from kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
 
 BACKENDS = ("auto", "torch", "cpu_native")
@@ -13,7 +13,7 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     if name in ("auto", "cpu_native") and device == "cpu":
-        from kernels.cpu import NATIVE_MAX_HEADS, NATIVE_MAX_HEAD_DIM, load_native
+        from engine.kernels.cpu import NATIVE_MAX_HEADS, NATIVE_MAX_HEAD_DIM, load_native
 
         heads, kv_heads, head_dim = kwargs["num_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
         fits = heads <= NATIVE_MAX_HEADS and head_dim <= NATIVE_MAX_HEAD_DIM and kv_heads > 0 and heads % kv_heads == 0
@@ -24,7 +24,7 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
             )
         lib = load_native() if fits else None
         if lib is not None:
-            from kernels.attention.cpu_native_backend import DECODE, CpuNativeAttentionBackend, native_support
+            from engine.kernels.attention.cpu_native_backend import DECODE, CpuNativeAttentionBackend, native_support
 
             if native_support(lib, heads, kv_heads, head_dim) & DECODE:  # asked once: no failures per request
                 return CpuNativeAttentionBackend(lib, **kwargs)
@@ -34,7 +34,7 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
             raise RuntimeError("attention_backend='cpu_native' needs a working C compiler (cc) with OpenMP")
     elif name == "cpu_native":
         raise ValueError(f"attention_backend='cpu_native' runs on the CPU only, not on {device!r}")
-    from kernels.attention.torch_backend import TorchAttentionBackend
+    from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend(**kwargs)
 

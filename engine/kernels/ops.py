@@ -1,6 +1,6 @@
 """Elementwise building blocks, written to match Hugging Face's Llama numerics exactly in float32.
 
-On the CPU both float32 and bfloat16 go to the native kernels (kernels/cpu/elementwise.c,
+On the CPU both float32 and bfloat16 go to the native kernels (engine/kernels/cpu/elementwise.c,
 elementwise_bf16.c) when they are built: one pass each instead of a torch call per operation, in
 transformers' order of operations (bfloat16: rounded where torch rounds; float32: summation order
 and exp aside, see elementwise.c). ENGINE_NATIVE_KERNELS=0 keeps torch's operations.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import load_native
+from engine.kernels.cpu import load_native
 
 
 def _native(*tensors: torch.Tensor):

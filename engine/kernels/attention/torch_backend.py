@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
 
 class TorchAttentionBackend(AttentionBackend):
