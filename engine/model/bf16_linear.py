@@ -1,0 +1,60 @@
+"""bfloat16 linear layers on our own kernel (engine/kernels/cpu/bf16_linear.c) where the CPU has
+AVX512_BF16 and no AMX, in place of oneDNN's packed linear (packed_linear.py).
+
+Why: at the 64 rows of a batched decode step every layer's weights stream from memory, and oneDNN's
+bf16 kernel waited on them (323 GFLOP/s on AMD Zen 4, against 420 for this one, which prefetches the
+next panel of weights while it computes on the current); at one row it was 1.8x slower, and it was no
+faster for prefill (512 rows: ours 1.08x, 2,048: 1.04x). The same instruction (vdpbf16ps), float32
+accumulation and one rounding to bfloat16: outputs differed from oneDNN's in 0.005% of values (the
+order of the float32 sums), and greedy parity with transformers in bfloat16 is tested as before.
+CPUs with AMX keep oneDNN, whose tile instructions this kernel does not use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def panel_columns(out_features: int) -> int:
+    """nr, the 16-column groups of one panel (3 where it divides: 24 accumulators of the 32 registers),
+    or 0 when the layer's width is not a multiple of 16."""
+    for nr in (3, 2, 1):
+        if out_features % (16 * nr) == 0:
+            return nr
+    return 0
+
+
+def takes(lib, linear: nn.Linear) -> bool:
+    """Whether the library runs bf16_linear here (AVX512_BF16 without AMX) and the layer's shape fits: no
+    bias, an even input width, an output width of a multiple of 16 (every SmolLM2 and Llama layer)."""
+    return (lib is not None and hasattr(lib, "bf16_linear") and lib.bf16_linear_support() == 1
+            and linear.weight.dtype == torch.bfloat16 and linear.bias is None
+            and linear.in_features % 2 == 0 and panel_columns(linear.out_features) > 0)  # fmt: skip
+
+
+class Bf16Linear(nn.Module):
+    """y = x W^T with W packed once into the kernel's panels (int32 pairs: only ever multiplied)."""
+
+    def __init__(self, linear: nn.Linear, lib) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.nr = panel_columns(self.out_features)
+        weight = linear.weight.detach().contiguous()
+        self.packed = torch.empty(self.out_features * self.in_features // 2, dtype=torch.int32)
+        if lib.bf16_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.nr, self.packed.data_ptr()):
+            raise ValueError(f"bf16_linear cannot pack a {self.out_features} x {self.in_features} weight")
+        self._lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise TypeError(f"Bf16Linear takes bfloat16 CPU rows, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if self._lib.bf16_linear(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                                 self.out_features, self.nr, out.data_ptr(), torch.get_num_threads()):  # fmt: skip
+            raise RuntimeError("bf16_linear refused a shape it packed")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, bf16_linear"
