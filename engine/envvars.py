@@ -34,7 +34,7 @@ VARIABLES: dict[str, EnvVar] = {
                "where the dequantized embedded model, the compiled C kernels and int8 weights are cached (default: the user cache dir)"),
         EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)"),
         EnvVar("ENGINE_PACK_WEIGHTS", "1", "1 or 0",
-               "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights instead of oneDNN's packed layout (A/B runs)"),
+               "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights: neither oneDNN's packed layout nor our bf16 kernel (A/B runs)"),
         EnvVar("ENGINE_BF16_LINEAR", "1", "1 or 0",
                "0: bfloat16 linear layers on CPUs with AVX512_BF16 and no AMX use oneDNN's packed kernel instead of ours (A/B runs)"),
         EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),

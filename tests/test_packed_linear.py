@@ -4,6 +4,8 @@ by the loader for float32 and bfloat16 on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -55,17 +57,27 @@ def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
 
 def _bf16_kernel_here() -> bool:
     lib = load_native()
-    return lib is not None and lib.bf16_linear_support() == 1
+    return lib is not None and bf16_linear.takes(lib, nn.Linear(64, 48, bias=False).bfloat16())
+
+
+def test_bf16_kernel_is_taken_exactly_where_the_cpu_has_avx512_bf16_and_no_amx():
+    """The build decides by #if on the compiler's -march=native: a broken condition would turn the kernel
+    off everywhere and let every test below pass without it."""
+    lib = load_native()
+    if lib is None:
+        pytest.fail("no C compiler: the native kernels could not be built on this machine")
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert _bf16_kernel_here() == ("avx512_bf16" in flags and "amx_bf16" not in flags)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 65, 300])
 def test_bf16_kernel_is_torch_linear_within_rounding(rows):
-    """Every panel width (3, 2 and 1 groups of 16 columns), row counts around the 8-row tiles; and the
-    same values as oneDNN's packed linear but for the order of float32 sums (a few in 10,000)."""
+    """Every panel width (3, 2 and 1 groups of 16 columns), row counts around the 8-row tiles, one and
+    two threads, an input starting at an odd element; and the same values as oneDNN's packed linear but
+    for the order of float32 sums (about 1 in 20,000)."""
     lib = load_native()
     if not _bf16_kernel_here():
-        assert lib is None or not bf16_linear.takes(lib, nn.Linear(64, 48, bias=False).bfloat16())
-        return
+        pytest.skip("this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (test above)")
     gen = torch.Generator().manual_seed(rows)
     differ = total = 0
     for k, n in [*SHAPES, (64, 32), (62, 16)]:
@@ -80,6 +92,15 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, None)
         assert torch.equal(ours(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
+        odd = torch.empty(rows * k + 1, dtype=torch.bfloat16)[1:].view(rows, k)  # 2 bytes past an alignment
+        odd.copy_(x)
+        assert torch.equal(ours(odd), got)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(ours(x), got)  # the panels' split among threads does not change a value
+        finally:
+            torch.set_num_threads(threads)
         if packing_available(torch.bfloat16, "cpu"):
             onednn = PackedLinear(lin)(x)
             differ, total = differ + int((onednn != got).sum()), total + got.numel()
@@ -89,7 +110,7 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
 def test_bf16_kernel_refuses_what_it_cannot_take():
     lib = load_native()
     if not _bf16_kernel_here():
-        pytest.skip("this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the loader test covers it)")
+        pytest.skip("this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the test above)")
     assert not bf16_linear.takes(lib, nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
     assert not bf16_linear.takes(lib, nn.Linear(63, 48, bias=False).bfloat16())  # odd K
     assert not bf16_linear.takes(lib, nn.Linear(64, 40, bias=False).bfloat16())  # N not a multiple of 16

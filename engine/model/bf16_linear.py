@@ -2,18 +2,30 @@
 AVX512_BF16 and no AMX, in place of oneDNN's packed linear (packed_linear.py).
 
 Why: at the 64 rows of a batched decode step every layer's weights stream from memory, and oneDNN's
-bf16 kernel waited on them (323 GFLOP/s on AMD Zen 4, against 420 for this one, which prefetches the
-next panel of weights while it computes on the current); at one row it was 1.8x slower, and it was no
-faster for prefill (512 rows: ours 1.08x, 2,048: 1.04x). The same instruction (vdpbf16ps), float32
-accumulation and one rounding to bfloat16: outputs differed from oneDNN's in 0.005% of values (the
-order of the float32 sums), and greedy parity with transformers in bfloat16 is tested as before.
-CPUs with AMX keep oneDNN, whose tile instructions this kernel does not use.
+bf16 kernel waited on them: on AMD Zen 4, 30 SmolLM2 layers' four matmuls took 42.1 ms there and 32.3
+here (323 -> 420 GFLOP/s); at one row 10.3 -> 5.7 ms, and prefill no slower (512 rows 1.08x, 2,048
+1.04x). The same instruction (vdpbf16ps), float32 sums and one rounding to bfloat16: about 1 value in
+20,000 differs from oneDNN's (0.003-0.02% by shape: the order of the sums). CPUs with AMX keep
+oneDNN, whose tile instructions this kernel does not use.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 from torch import nn
+
+
+@lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    """The build decides by its compiler's -march=native; a compiler too old to know AMX would not, so the
+    CPU's own flags are asked too."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 def panel_columns(out_features: int) -> int:
@@ -28,7 +40,7 @@ def panel_columns(out_features: int) -> int:
 def takes(lib, linear: nn.Linear) -> bool:
     """Whether the library runs bf16_linear here (AVX512_BF16 without AMX) and the layer's shape fits: no
     bias, an even input width, an output width of a multiple of 16 (every SmolLM2 and Llama layer)."""
-    return (lib is not None and hasattr(lib, "bf16_linear") and lib.bf16_linear_support() == 1
+    return (lib is not None and hasattr(lib, "bf16_linear") and lib.bf16_linear_support() == 1 and not cpu_has_amx()
             and linear.weight.dtype == torch.bfloat16 and linear.bias is None
             and linear.in_features % 2 == 0 and panel_columns(linear.out_features) > 0)  # fmt: skip
 

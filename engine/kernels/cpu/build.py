@@ -1,4 +1,5 @@
-"""Compile engine/kernels/cpu/*.c (attention, int8 and GGUF-block linear) into one shared library cached per source and machine, and load it with ctypes.
+"""Compile engine/kernels/cpu/*.c (attention, elementwise, bf16, int8 and GGUF-block linear) into one
+shared library cached per source and machine, and load it with ctypes.
 
 No -ffast-math: with GCC it links crtfastmath.o, whose constructor turns on flush-to-zero for the
 whole process that loads the library (1e-40 * 1.0 == 0.0 in every thread of the scheduler after).
@@ -188,15 +189,16 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
     lib.silu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.bf16_linear_support.restype = ctypes.c_int
-    lib.bf16_linear_support.argtypes = []
-    lib.bf16_linear_pack.restype = ctypes.c_int
-    lib.bf16_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-    lib.bf16_linear.restype = ctypes.c_int
-    lib.bf16_linear.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_int,
-    ]  # fmt: skip
+    if hasattr(lib, "bf16_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+        lib.bf16_linear_support.restype = ctypes.c_int
+        lib.bf16_linear_support.argtypes = []
+        lib.bf16_linear_pack.restype = ctypes.c_int
+        lib.bf16_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.bf16_linear.restype = ctypes.c_int
+        lib.bf16_linear.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int
         lib.native_support.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
