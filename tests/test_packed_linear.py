@@ -57,7 +57,7 @@ def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
 
 def _bf16_kernel_here() -> bool:
     lib = load_native()
-    return lib is not None and bf16_linear.takes(lib, nn.Linear(64, 48, bias=False).bfloat16())
+    return bf16_linear.runs_here(lib)
 
 
 def test_bf16_kernel_is_taken_exactly_where_the_cpu_has_avx512_bf16_and_no_amx():
@@ -85,7 +85,7 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        assert bf16_linear.takes(lib, lin)
+        assert bf16_linear.fits(lin)
         ours = Bf16Linear(lin, lib)
         assert ours.nr == bf16_linear.panel_columns(n) and n % (16 * ours.nr) == 0
         got = ours(x)
@@ -111,10 +111,11 @@ def test_bf16_kernel_refuses_what_it_cannot_take():
     lib = load_native()
     if not _bf16_kernel_here():
         pytest.skip("this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the test above)")
-    assert not bf16_linear.takes(lib, nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
-    assert not bf16_linear.takes(lib, nn.Linear(63, 48, bias=False).bfloat16())  # odd K
-    assert not bf16_linear.takes(lib, nn.Linear(64, 40, bias=False).bfloat16())  # N not a multiple of 16
-    assert not bf16_linear.takes(lib, nn.Linear(64, 48, bias=False))  # float32
+    assert bf16_linear.fits(nn.Linear(64, 48, bias=False).bfloat16())
+    assert not bf16_linear.fits(nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
+    assert not bf16_linear.fits(nn.Linear(63, 48, bias=False).bfloat16())  # odd K
+    assert not bf16_linear.fits(nn.Linear(64, 40, bias=False).bfloat16())  # N not a multiple of 16
+    assert not bf16_linear.fits(nn.Linear(64, 48, bias=False))  # float32
     ours = Bf16Linear(nn.Linear(64, 48, bias=False).bfloat16(), lib)
     with pytest.raises(TypeError, match="bfloat16"):
         ours(torch.randn(2, 64))
@@ -146,7 +147,7 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
     monkeypatch.setenv("ENGINE_BF16_LINEAR", "0")  # the A/B switch: oneDNN's
     assert linears(torch.bfloat16)[2] == {PackedLinear}
     monkeypatch.delenv("ENGINE_BF16_LINEAR")
-    monkeypatch.setattr("engine.model.packed_linear.native_bf16_library", lambda: None)  # no C kernels: oneDNN
+    monkeypatch.setattr("engine.kernels.cpu.load_native", lambda: None)  # no C kernels: oneDNN
     assert linears(torch.bfloat16)[2] == {PackedLinear}
     monkeypatch.undo()
     assert cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided  # gathered from: plain

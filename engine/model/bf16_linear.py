@@ -11,21 +11,10 @@ oneDNN, whose tile instructions this kernel does not use.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from pathlib import Path
-
 import torch
 from torch import nn
 
-
-@lru_cache(maxsize=1)
-def cpu_has_amx() -> bool:
-    """The build decides by its compiler's -march=native; a compiler too old to know AMX would not, so the
-    CPU's own flags are asked too."""
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+from engine.kernels.cpu.build import cpu_flags
 
 
 def panel_columns(out_features: int) -> int:
@@ -37,12 +26,17 @@ def panel_columns(out_features: int) -> int:
     return 0
 
 
-def takes(lib, linear: nn.Linear) -> bool:
-    """Whether the library runs bf16_linear here (AVX512_BF16 without AMX) and the layer's shape fits: no
-    bias, an even input width, an output width of a multiple of 16 (every SmolLM2 and Llama layer)."""
-    return (lib is not None and hasattr(lib, "bf16_linear") and lib.bf16_linear_support() == 1 and not cpu_has_amx()
-            and linear.weight.dtype == torch.bfloat16 and linear.bias is None
-            and linear.in_features % 2 == 0 and panel_columns(linear.out_features) > 0)  # fmt: skip
+def runs_here(lib) -> bool:
+    """Whether the library runs bf16_linear on this CPU: built with AVX512_BF16 and without AMX, asked of
+    /proc/cpuinfo too (a compiler too old to know AMX would build it for an AMX CPU). Asked once a load."""
+    return lib is not None and lib.bf16_linear_support() == 1 and "amx_bf16" not in cpu_flags()
+
+
+def fits(linear: nn.Linear) -> bool:
+    """Whether the layer's shape is one the kernel takes: bfloat16, no bias, an even input width, an output
+    width of a multiple of 16 (every SmolLM2 and Llama layer)."""
+    return (linear.weight.dtype == torch.bfloat16 and linear.bias is None and linear.in_features % 2 == 0
+            and panel_columns(linear.out_features) > 0)  # fmt: skip
 
 
 class Bf16Linear(nn.Module):

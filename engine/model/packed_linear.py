@@ -74,12 +74,17 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
 
-    lib = native_bf16_library() if dtype == torch.bfloat16 and envvars.read("ENGINE_BF16_LINEAR") != "0" else None
+    lib = None  # our bf16 kernel's library, where it runs (AVX512_BF16 without AMX: faster there, bf16_linear.py)
+    if dtype == torch.bfloat16 and envvars.read("ENGINE_BF16_LINEAR") != "0":
+        from engine.kernels.cpu import load_native
+
+        native = load_native()
+        lib = native if bf16_linear.runs_here(native) else None
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
-        if bf16_linear.takes(lib, linear):  # AVX512_BF16 without AMX: our kernel, faster there (bf16_linear.py)
+        if lib is not None and bf16_linear.fits(linear):
             return bf16_linear.Bf16Linear(linear, lib)
         return PackedLinear(linear)
 
@@ -87,9 +92,3 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
     return sum(isinstance(m, (PackedLinear, bf16_linear.Bf16Linear)) for m in model.modules())
 
-
-def native_bf16_library():
-    """The C kernels' library when built (None with ENGINE_NATIVE_KERNELS=0 or no compiler)."""
-    from engine.kernels.cpu import load_native
-
-    return load_native()

@@ -36,14 +36,22 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def _cpu_signature() -> str:
+def _cpuinfo_line(prefix: str) -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-        model = next((line for line in text.splitlines() if line.startswith("model name")), "")
     except OSError:
-        flags = model = ""
-    return f"{platform.machine()}|{model}|{flags}"
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(prefix)), "")
+
+
+def _cpu_signature() -> str:
+    return f"{platform.machine()}|{_cpuinfo_line('model name')}|{_cpuinfo_line('flags')}"
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    return frozenset(_cpuinfo_line("flags").partition(":")[2].split())
 
 
 def _cache_dir() -> Path:
