@@ -267,3 +267,34 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
             for i, n in enumerate(few):
                 expected = _reference(q1[i], k[table1[i, :n]], v[table1[i, :n]], d**-0.5)
                 assert torch.allclose(out1[i].double(), expected, atol=tol, rtol=tol), (dtype, threads, few, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
+    """The extend kernel scores a whole online-softmax step (4 blocks of 16 keys) in one pass over the query
+    and a partial last step block by block: a query's output must not depend on which of the two its keys
+    fall in. Keys 48..63 are made to weigh nothing (their scores sit about 2,000 below the others': exp gives
+    0 or float32's underflow floor, which no sum here can show), so a query at position 63 (one whole step)
+    and the same query at 47 (a partial step of 3 blocks) attend the same keys: bitwise equal outputs, for
+    64 random queries. (Both passes add each score's products in the same order, even and odd pairs of
+    dimensions apart: the kernel's outputs are bitwise those of its block-by-block version.)"""
+    lib = load_native()
+    if lib is None:
+        pytest.fail("no C compiler: the native kernel could not be built on this machine")
+    h, hkv, d, n = 9, 3, 64, 64
+    gen = torch.Generator().manual_seed(7)
+    q = (torch.rand(n, h, d, generator=gen) + 0.5).to(dtype).repeat(2, 1, 1)  # positive; each query twice
+    k = torch.randn(64, hkv, d, generator=gen)
+    k[48:] = -50.0
+    k, v = k.to(dtype), torch.randn(64, hkv, d, generator=gen).to(dtype)
+    table = torch.arange(64, dtype=torch.int64).repeat(2 * n, 1).contiguous()
+    out = torch.full_like(q, float("nan"))
+    prefix = torch.tensor([47] * n + [63] * n)  # one new token each: the query at 47, then at 63
+    ext, q_start, slots = torch.ones(2 * n, dtype=torch.int64), torch.arange(2 * n), torch.arange(2 * n)
+    rc = lib.extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), table.data_ptr(),
+                              table.stride(0), slots.data_ptr(), prefix.data_ptr(), ext.data_ptr(), q_start.data_ptr(),
+                              2 * n, h, hkv, d, d**-0.5, int(dtype == torch.bfloat16), 2)  # fmt: skip
+    assert rc == 0
+    for i in (0, n - 1):  # the keys past 47 really weigh nothing: the live keys' reference
+        assert torch.allclose(out[i].double(), _reference(q[i], k[:48], v[:48], d**-0.5), atol=3e-2, rtol=3e-2)
+    assert torch.equal(out[:n], out[n:])

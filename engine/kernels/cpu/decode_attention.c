@@ -674,6 +674,34 @@ static inline __attribute__((always_inline)) void extend_query(const float (*qv)
     for (int64_t sb = 0; sb <= last; sb += EXT_SB) { /* EXT_SB key blocks per online-softmax step */
         const int nb = last - sb + 1 < EXT_SB ? (int)(last - sb + 1) : EXT_SB;
         __m512 sc[4][EXT_SB];
+#if defined(__AVX512BF16__)
+        if (BF && nb == EXT_SB) { /* a whole step: the same sums as below (even and odd pairs apart, added at the
+                                   * end), each query pair broadcast once for the step's EXT_SB key blocks, and
+                                   * 2 n EXT_SB independent chains where the loop below has 2 n */
+            const uint16_t *kb = (const uint16_t *)kt + sb * 16 * D;
+            __m512 s2[4][EXT_SB];
+            for (int j = 0; j < n; j++)
+                for (int b = 0; b < EXT_SB; b++) sc[j][b] = s2[j][b] = _mm512_setzero_ps();
+            for (int d2 = 0; d2 < D / 2; d2 += 2) {
+                __m512bh q0[4], q1[4];
+                for (int j = 0; j < n; j++) {
+                    q0[j] = (__m512bh)_mm512_set1_epi32((int)qp[j][d2]);
+                    q1[j] = (__m512bh)_mm512_set1_epi32((int)qp[j][d2 + 1]);
+                }
+                for (int b = 0; b < EXT_SB; b++) {
+                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + b * 16 * D + d2 * 32);
+                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + b * 16 * D + (d2 + 1) * 32);
+                    for (int j = 0; j < n; j++) {
+                        sc[j][b] = _mm512_dpbf16_ps(sc[j][b], k0, q0[j]);
+                        s2[j][b] = _mm512_dpbf16_ps(s2[j][b], k1, q1[j]);
+                    }
+                }
+            }
+            for (int j = 0; j < n; j++)
+                for (int b = 0; b < EXT_SB; b++)
+                    sc[j][b] = _mm512_mul_ps(_mm512_add_ps(sc[j][b], s2[j][b]), _mm512_set1_ps(scale));
+        } else
+#endif
         for (int b = 0; b < nb; b++) {
 #if defined(__AVX512BF16__)
             if (BF) { /* bf16 pairs: one dot-product instruction per two dims of 16 keys, half the FMAs */
