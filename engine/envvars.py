@@ -37,6 +37,8 @@ VARIABLES: dict[str, EnvVar] = {
                "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights: neither oneDNN's packed layout nor our bf16 kernel (A/B runs)"),
         EnvVar("ENGINE_BF16_LINEAR", "1", "1 or 0",
                "0: bfloat16 linear layers on CPUs with AVX512_BF16 and no AMX use oneDNN's packed kernel instead of ours (A/B runs)"),
+        EnvVar("ENGINE_FUSED_DECODE", "1", "1 or 0",
+               "0: the exact mode's bfloat16 decode steps on our linear kernel go through llama.py's plain forward instead of fused_decode.py's direct kernel calls (the same logits; A/B runs)"),
         EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
         EnvVar("ENGINE_METRICS_PORT", "", "a TCP port",
                "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port"),

@@ -1,7 +1,10 @@
-"""The quantized modes' fused decode path (engine/model/fused_decode.py, engine/kernels/cpu/elementwise.c): each
-C op against the torch op it replaces, and a whole decode step against the model's plain forward."""
+"""The fused decode path (engine/model/fused_decode.py, engine/kernels/cpu/elementwise.c): each float32 C op
+against the torch op it replaces, and whole decode steps against the model's plain forward, in the quantized
+modes (close) and in the exact mode's bfloat16 on our linear kernel (bitwise)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -84,3 +87,41 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     for plain, got in seen:
         assert got.shape == plain.shape and close(got, plain, rel), float((got - plain).abs().max() / plain.abs().max())
         assert torch.equal(got.argmax(-1), plain.argmax(-1))
+
+
+def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
+    """The exact mode in bfloat16, where its linear layers run on our kernel (AVX512_BF16, no AMX): decode steps
+    go through fused_decode.py, and every step's logits are bitwise those of llama.py's forward (the same
+    kernels in the same order), at batch 4 and 3; its greedy tokens then cannot differ from the plain path's.
+    Elsewhere the plain forward stays."""
+    from engine.model import bf16_linear
+
+    run = InProcess(model_dir, dtype="bfloat16", max_total_tokens=2048)
+    try:
+        model, seen = run.sched.model, []
+        installed = "forward" in model.__dict__  # fused_decode.install sets the instance's forward
+        switched_off = os.environ.get("ENGINE_FUSED_DECODE") == "0"
+        assert installed == (bf16_linear.runs_here(load_native()) and run.sched.dtype == torch.bfloat16 and not switched_off)
+        if not installed:
+            return
+        fused = model.forward
+
+        def both(batch, backend):
+            if batch.mode is ForwardMode.DECODE:
+                plain = LlamaForCausalLM.forward(model, batch, backend)
+                seen.append((plain, fused(batch, backend)))
+                return seen[-1][1]
+            return fused(batch, backend)
+
+        model.forward = both
+        params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+        run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
+        run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+        done = run.finish_all()
+        assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.bfloat16
+    finally:
+        run.close()
+    assert len(done) == 4 and len(seen) >= 9
+    assert {got.shape[0] for _, got in seen} >= {3, 4}
+    for plain, got in seen:
+        assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain)

@@ -78,14 +78,14 @@ def test_failed_step_aborts_only_its_requests(tiny_llama_dir):
 class InProcess:
     """A Scheduler in this process with real sockets on both sides, driven one loop turn at a time."""
 
-    def __init__(self, model_dir: str, **options) -> None:
+    def __init__(self, model_dir: str, dtype: str = "float32", **options) -> None:
         from engine.scheduler.scheduler import Scheduler
 
         self.endpoints = Endpoints.create()
         self.ctx = zmq.Context()
         self.outputs = pull_socket(self.ctx, self.endpoints.detokenizer)
         self.requests = push_socket(self.ctx, self.endpoints.scheduler)
-        self.sched = Scheduler(EngineConfig(dtype="float32", **options), model_dir, self.endpoints.to_dict())
+        self.sched = Scheduler(EngineConfig(dtype=dtype, **options), model_dir, self.endpoints.to_dict())
         self.codec = Codec(ToScheduler)
 
     def submit(self, *reqs: TokenizedRequest) -> None:

@@ -11,6 +11,8 @@ oneDNN, whose tile instructions this kernel does not use.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -51,16 +53,29 @@ class Bf16Linear(nn.Module):
         if lib.bf16_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.nr, self.packed.data_ptr()):
             raise ValueError(f"bf16_linear cannot pack a {self.out_features} x {self.in_features} weight")
         self._lib = lib
+        self._bound: Callable[[int, int, int], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise TypeError(f"Bf16Linear takes bfloat16 CPU rows, got {x.dtype} on {x.device}")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if self._lib.bf16_linear(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
-                                 self.out_features, self.nr, out.data_ptr(), torch.get_num_threads()):  # fmt: skip
-            raise RuntimeError("bf16_linear refused a shape it packed")
+        self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
         return out.view(*x.shape[:-1], self.out_features)
+
+    def kernel_call(self) -> Callable[[int, int, int], None]:
+        """f(x_ptr, y_ptr, m): the kernel on m contiguous bfloat16 rows at x_ptr into y_ptr, the packed weights'
+        address bound (engine/model/fused_decode.py calls it directly, as QuantizedLinear.kernel_call). The
+        packed tensor is made once, here, and never replaced."""
+        if self._bound is None:
+            lib, k, packed, n, nr = self._lib, self.in_features, self.packed.data_ptr(), self.out_features, self.nr
+
+            def call(x: int, y: int, m: int) -> None:
+                if lib.bf16_linear(x, m, k, packed, n, nr, y, torch.get_num_threads()):
+                    raise RuntimeError("bf16_linear refused a shape it packed")
+
+            self._bound = call
+        return self._bound
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, bf16_linear"

@@ -1,11 +1,15 @@
-"""The quantized modes' decode steps with their elementwise work in C (engine/kernels/cpu/elementwise.c).
+"""Decode steps with their elementwise work in C and each linear layer's kernel called straight into reused
+rows: the quantized modes (float32, engine/kernels/cpu/elementwise.c) and the exact mode in bfloat16 where
+its linear layers run on our own kernel (Bf16Linear; elementwise_bf16.c).
 
 Why: at batch 1 the norms, rotary, residual adds and SiLU of 30 layers are about a thousand torch calls
 per step, each a few microseconds of dispatch on a few hundred floats: 8 ms of a 25 ms step. Here each
-layer makes four C calls for them, and each residual add is fused into the next norm. Only float32
-decode steps of up to MAX_ROWS rows take this path, and only in the quantized modes, which promise
-no token parity; the exact mode and every prefill keep llama.py's torch operations, so a prompt's
-logits do not depend on this path.
+layer makes four C calls for them, and each residual add is fused into the next norm. Only decode steps
+of up to MAX_ROWS rows take this path. In the quantized modes the elementwise kernels are float32 ones
+the plain forward does not use (those modes promise no token parity). In the exact mode they are the
+very kernels llama.py's operations call (engine/kernels/ops.py), in the same order on the same rows:
+the logits are bitwise the plain forward's, so token parity with transformers does not depend on this
+path; what it removes is the Python and the fresh tensors around them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ MAX_ROWS = 64
 
 
 def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:
-    """Route the model's small float32 decode steps through decode_forward; everything else as before."""
+    """Route the model's small decode steps through decode_forward; everything else as before. Every decoder
+    layer's linear layers must have a kernel_call (QuantizedLinear, GGUFLinear, Bf16Linear)."""
     plain = model.forward
 
     @torch.inference_mode()
@@ -70,8 +75,9 @@ def _plan(model: LlamaForCausalLM) -> list[_Layer]:
     return plan
 
 
-def _rows(model: LlamaForCausalLM, t: int) -> _Rows:
-    """Views for t rows; the buffers themselves exist once, for MAX_ROWS (about 1.8 MB for SmolLM2-135M)."""
+def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
+    """Views for t rows; the buffers themselves exist once, for MAX_ROWS (about 1.8 MB for SmolLM2-135M in
+    float32), in the hidden state's dtype."""
     cache = model.__dict__.setdefault("_fused_rows", {})
     if t not in cache:
         full = model.__dict__.get("_fused_buffers")
@@ -81,10 +87,19 @@ def _rows(model: LlamaForCausalLM, t: int) -> _Rows:
             widths = {"normed": cfg.hidden_size, "qkv": qkv, "attn": cfg.num_heads * cfg.head_dim,
                       "a": cfg.hidden_size, "gate_up": 2 * inter, "act": inter, "down": cfg.hidden_size}  # fmt: skip
             full = model.__dict__["_fused_buffers"] = {
-                name: torch.empty(MAX_ROWS, width, dtype=torch.float32) for name, width in widths.items()
+                name: torch.empty(MAX_ROWS, width, dtype=dtype) for name, width in widths.items()
             }
         cache[t] = _Rows(full, model.cfg, t)
     return cache[t]
+
+
+def _kernels(lib, dtype: torch.dtype) -> tuple:
+    """(add_rms_norm, rotary_qkv, silu_mul) of the library for float32 or bfloat16 rows."""
+    if dtype == torch.bfloat16:
+        return lib.add_rms_norm_bf16, lib.rotary_qkv_bf16, lib.silu_mul_bf16
+    if dtype == torch.float32:
+        return lib.add_rms_norm, lib.rotary_qkv, lib.silu_mul
+    raise TypeError(f"the fused decode step takes float32 or bfloat16 rows, not {dtype}")
 
 
 def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend, lib) -> torch.Tensor:
@@ -96,7 +111,8 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     sin = model.rope_sin[batch.positions]
     h = model.embed_tokens(batch.input_ids)
     t, hidden = h.shape
-    rows = _rows(model, t)
+    rows = _rows(model, t, h.dtype)
+    add_rms_norm, rotary_qkv, silu_mul = _kernels(lib, h.dtype)
     p = rows.ptr
     h_ptr, cos_ptr, sin_ptr, qkv_stride = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.qkv.stride(0)
     pending = None  # the last block's output, added to h by the next norm
@@ -105,9 +121,9 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     attend = rows_decoder() if rows_decoder is not None else None  # K/V store and attention in one C call
     for layer in _plan(model):
         norm = layer.in_norm
-        lib.add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
+        add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
         layer.qkv()(p["normed"], p["qkv"], t)
-        lib.rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr, threads)
+        rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr, threads)
         if attend is not None:
             attend(layer.layer_id, p["qkv"], p["k"], p["v"], qkv_stride, p["attn"], t)
             layer.o()(p["attn"], p["a"], t)
@@ -115,10 +131,10 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
             out = backend.forward(rows.q, rows.k, rows.v, layer.layer_id, batch).contiguous()  # [t, heads, head_dim]
             layer.o()(out.data_ptr(), p["a"], t)
         norm = layer.post_norm
-        lib.add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
+        add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
         layer.gate_up()(p["normed"], p["gate_up"], t)
-        lib.silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1], threads)
+        silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1], threads)
         layer.down()(p["act"], p["down"], t)
         pending = p["down"]
-    lib.add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps, threads)
+    add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps, threads)
     return model.lm_head(rows.normed).float()

@@ -107,14 +107,16 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     def rows_decoder(self) -> Callable[[int, int, int, int, int, int, int], None] | None:
         """For engine/model/fused_decode.py: f(layer_id, q, k, v, row_stride, out, rows) on the addresses of
-        float32 rows (the new K and V stored into the pool, q attended, [rows, H, D] written at out), one
-        C call where forward() makes two index_put and a copy of q; None unless the pool is float32."""
-        if self.kv_pool.k_buffers[0].dtype != torch.float32:
+        rows in the pool's dtype (the new K and V stored into the pool, q attended, [rows, H, D] written at
+        out), one C call; None unless the pool is float32 or bfloat16."""
+        if self._one_call_dtype is None:
             return None
-        return self._decode_rows
+        is_bf16 = int(self._one_call_dtype == torch.bfloat16)
 
-    def _decode_rows(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int) -> None:
-        self._store_and_decode(layer_id, q, k, v, row_stride, out, rows, 0)
+        def decode_rows(layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int) -> None:
+            self._store_and_decode(layer_id, q, k, v, row_stride, out, rows, is_bf16)
+
+        return decode_rows
 
     def _store_and_decode(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int,
                           is_bf16: int) -> None:  # fmt: skip
