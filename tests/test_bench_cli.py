@@ -16,3 +16,25 @@ def test_out_that_is_a_directory_is_refused_at_once(tmp_path, capsys):
 
 def test_out_that_is_a_file_path_is_taken(tmp_path):
     assert parse_args(["--out", str(tmp_path / "cpu.json")]).out == str(tmp_path / "cpu.json")
+
+
+def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys):
+    """A, B, A: the first engine mode runs again after transformers and llama.cpp (the machine's speed moves
+    between runs a quarter of an hour apart), and each ratio is printed against both engine runs."""
+    from engine.bench.cpu_speed import print_cpu
+
+    assert parse_args(["--workload", "cpu"]).cpu_engine_again is True
+    assert parse_args(["--workload", "cpu", "--no-cpu-engine-again"]).cpu_engine_again is False
+
+    def figures(tok_s: float) -> dict:
+        return {"startup": {"import_s": 0.1, "load_s": 1.0, "total_s": 1.1}, "memory": {"rss_mb": 600.0, "pss_mb": 500.0},
+                "single": {"ttft_s": 0.1, "decode_tokens_per_s": 50.0, "new_tokens": 256},
+                "batch": {"tokens_per_s": tok_s, "wall_s": 8192 / tok_s, "setting": "one call"}}  # fmt: skip
+
+    backends = {"engine none": figures(330.0), "transformers bfloat16": figures(100.0), "engine none again": figures(300.0)}
+    settings = {"prompt_len": 128, "new_tokens": 256, "num_prompts": 64, "min_len": 32, "max_len": 512, "max_new_tokens": 128}
+    print_cpu({"machine": "test", "backends": backends, "settings": settings})
+    out = capsys.readouterr().out
+    assert "engine none / transformers bfloat16" in out and "engine none again / transformers bfloat16" in out
+    batch = out[out.index("batch (generated tokens / wall)") :]
+    assert "3.30x" in batch and "3.00x" in batch

@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-hf-batch-sizes", default="64,16",
                    help="cpu workload: transformers batch sizes to try on the batch workload (the best is kept)")
     p.add_argument("--cpu-skip-hf", action="store_true", help="cpu workload: skip transformers")
+    p.add_argument("--cpu-engine-again", action=argparse.BooleanOptionalAction, default=True,
+                   help="cpu workload: the first engine mode again after the baselines (A, B, A: how far this "
+                        "machine's speed moved between the runs each ratio compares)")  # fmt: skip
     p.add_argument("--quality-new-tokens", type=int, default=64, help="quality workload: greedy tokens per parity prompt")
     p.add_argument("--quality-windows", type=int, default=8, help="quality workload: held-out windows for perplexity")
     p.add_argument("--quality-window-len", type=int, default=512, help="quality workload: tokens per held-out window")
