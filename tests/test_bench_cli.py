@@ -18,9 +18,10 @@ def test_out_that_is_a_file_path_is_taken(tmp_path):
     assert parse_args(["--out", str(tmp_path / "cpu.json")]).out == str(tmp_path / "cpu.json")
 
 
-def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys):
+def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys, monkeypatch):
     """A, B, A: the first engine mode runs again after transformers and llama.cpp (the machine's speed moves
-    between runs a quarter of an hour apart), and each ratio is printed against both engine runs."""
+    between runs a quarter of an hour apart), and each ratio is printed against both engine runs. The
+    children are stubbed here (a real run takes half an hour): what is checked is the order of the runs."""
     from engine.bench.cpu_speed import print_cpu
 
     assert parse_args(["--workload", "cpu"]).cpu_engine_again is True
@@ -30,6 +31,19 @@ def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys):
         return {"startup": {"import_s": 0.1, "load_s": 1.0, "total_s": 1.1}, "memory": {"rss_mb": 600.0, "pss_mb": 500.0},
                 "single": {"ttft_s": 0.1, "decode_tokens_per_s": 50.0, "new_tokens": 256},
                 "batch": {"tokens_per_s": tok_s, "wall_s": 8192 / tok_s, "setting": "one call"}}  # fmt: skip
+
+    from engine.bench import cpu_speed
+
+    order = []
+    monkeypatch.setattr(cpu_speed, "_child", lambda backend, fn, cfg: order.append((backend, cfg.get("mode"))) or figures(1.0))
+    monkeypatch.setattr(cpu_speed, "hf_dtypes", lambda: ["float32"])
+    for again in (True, False):
+        order.clear()
+        args = parse_args(["--workload", "cpu", "--cpu-quantizations", "none,int8", "--cpu-skip-llama"]
+                          + ([] if again else ["--no-cpu-engine-again"]))  # fmt: skip
+        result = cpu_speed.run_cpu(args)
+        runs = [("engine", "none"), ("engine", "int8"), ("transformers", None)] + ([("engine", "none")] if again else [])
+        assert order == runs and ("engine none again" in result["backends"]) == again
 
     backends = {"engine none": figures(330.0), "transformers bfloat16": figures(100.0), "engine none again": figures(300.0)}
     settings = {"prompt_len": 128, "new_tokens": 256, "num_prompts": 64, "min_len": 32, "max_len": 512, "max_new_tokens": 128}

@@ -144,8 +144,9 @@ def _scattered_decode_batch(b: int):
     return table, slots, lens, loc, batch
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the quantized modes' pool; the exact mode's
 @pytest.mark.parametrize("b", [5, 1])
-def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_them(b):
+def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_them(b, dtype):
     """The fused decode path's one call (rows_decoder): q, k, v are strided views of one qkv row per
     request; the new K/V land in the pool at out_cache_loc and out equals forward()'s on the same batch."""
     if load_native() is None:
@@ -153,18 +154,18 @@ def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_
     torch.manual_seed(1)
     h, hkv, d = 9, 3, 64
     table, slots, lens, loc, batch = _scattered_decode_batch(b)
-    qkv = torch.randn(b, (h + 2 * hkv) * d)
+    qkv = torch.randn(b, (h + 2 * hkv) * d).to(dtype)
     q, k, v = (x.view(b, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
     outs, pools = [], []
     for fused in (False, True):
-        pool = Pool(1000, hkv, d, torch.float32)
+        pool = Pool(1000, hkv, d, dtype)
         torch.manual_seed(2)
         pool.k_buffers[0].normal_(), pool.v_buffers[0].normal_()  # the same pool both ways
         backend = create_backend("cpu_native", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
                                  kv_pool=pool, req_to_token=table)  # fmt: skip
         backend.init_forward_metadata(batch)
         if fused:
-            out = torch.full((b, h, d), float("nan"))
+            out = torch.full((b, h, d), float("nan"), dtype=dtype)
             backend.rows_decoder()(0, q.data_ptr(), k.data_ptr(), v.data_ptr(), qkv.stride(0), out.data_ptr(), b)
         else:
             out = backend.forward(q, k, v, 0, batch)
@@ -172,9 +173,9 @@ def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_
         pools.append(pool)
     assert torch.equal(outs[1], outs[0])
     assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0]) and torch.equal(pools[1].v_buffers[0][loc], v)
-    bf16 = create_backend("cpu_native", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
-                          kv_pool=Pool(10, hkv, d, torch.bfloat16), req_to_token=table)  # fmt: skip
-    assert bf16.rows_decoder() is None  # a bfloat16 pool: forward() converts, the fused path uses it
+    half = create_backend("cpu_native", "cpu", num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d**-0.5,
+                          kv_pool=Pool(10, hkv, d, torch.float16), req_to_token=table)  # fmt: skip
+    assert half.rows_decoder() is None  # the kernel reads float32 or bfloat16 pools only
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -269,18 +270,20 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
                 assert torch.allclose(out1[i].double(), expected, atol=tol, rtol=tol), (dtype, threads, few, i)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # bfloat16: the whole-step pass (AVX512_BF16)
 def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
     """The extend kernel scores a whole online-softmax step (4 blocks of 16 keys) in one pass over the query
     and a partial last step block by block: a query's output must not depend on which of the two its keys
-    fall in. Keys 48..63 are made to weigh nothing (their scores sit about 2,000 below the others': exp gives
-    0 or float32's underflow floor, which no sum here can show), so a query at position 63 (one whole step)
+    fall in. Keys 48..63 are made to weigh nothing (their scores sit hundreds below the others': exp gives 0
+    or float32's underflow floor, which no sum here can show), so a query at position 63 (one whole step)
     and the same query at 47 (a partial step of 3 blocks) attend the same keys: bitwise equal outputs, for
     64 random queries. (Both passes add each score's products in the same order, even and odd pairs of
     dimensions apart: the kernel's outputs are bitwise those of its block-by-block version.)"""
     lib = load_native()
     if lib is None:
         pytest.fail("no C compiler: the native kernel could not be built on this machine")
+    if not lib.native_support(9, 3, 64) & 2:
+        pytest.skip("this build has no native extend (it needs AVX-512): torch's prefill runs instead")
     h, hkv, d, n = 9, 3, 64, 64
     gen = torch.Generator().manual_seed(7)
     q = (torch.rand(n, h, d, generator=gen) + 0.5).to(dtype).repeat(2, 1, 1)  # positive; each query twice

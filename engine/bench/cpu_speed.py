@@ -285,7 +285,8 @@ def run_cpu(args: argparse.Namespace) -> dict:
             print("[cpu] llama.cpp failed; again without its extra buffer types (AMX repack) ...", flush=True)
             backends[name] = {**_child(name, fn, {**cfg, "llama_extra_bufts": False}),
                               "setting": "use_extra_bufts=False (the default crashed: " + backends[name]["error"] + ")"}
-    if getattr(args, "cpu_engine_again", False) and modes and any("startup" in backends[n] for n, *_ in hf_runs):
+    baselines_ran = any("startup" in b for name, b in backends.items() if not name.startswith("engine"))
+    if getattr(args, "cpu_engine_again", False) and modes and baselines_ran:
         # A, B, A: a noisy machine's speed moves between runs a quarter of an hour apart (10-20% on a 2-core
         # cloud guest), and each ratio compares two of them; the engine's first run against its second says
         # how far, and each ratio is printed against both

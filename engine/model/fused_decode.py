@@ -90,6 +90,8 @@ def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
                 name: torch.empty(MAX_ROWS, width, dtype=dtype) for name, width in widths.items()
             }
         cache[t] = _Rows(full, model.cfg, t)
+    if cache[t].qkv.dtype != dtype:  # one model, one dtype: buffers made for another would be misread
+        raise TypeError(f"fused decode buffers are {cache[t].qkv.dtype}, the step's rows {dtype}")
     return cache[t]
 
 

@@ -71,14 +71,19 @@ static inline void prefetch_ahead(Lookahead *next, const void *k, const void *v,
 }
 
 /* The L2 bytes a thread may fill with the current request's rows and the next one's: 7/8 of L2 (512 KB
- * where the system does not say). Read once. */
+ * where the C library does not say). Asked once; callers on other threads may ask at the same time. */
 static int64_t l2_budget(void) {
     static int64_t budget = 0;
-    if (budget == 0) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        budget = (l2 > 0 ? (int64_t)l2 : 512 * 1024) * 7 / 8;
+    int64_t b = __atomic_load_n(&budget, __ATOMIC_RELAXED);
+    if (b == 0) {
+        long l2 = 0;
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        b = (l2 > 0 ? (int64_t)l2 : 512 * 1024) * 7 / 8;
+        __atomic_store_n(&budget, b, __ATOMIC_RELAXED);
     }
-    return budget;
+    return b;
 }
 
 #if defined(__AVX512F__)
@@ -631,23 +636,24 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
         }
         /* every thread must reach the worksharing loops, even one whose allocation failed */
         if (parts == 1) {
-            /* units handed out one at a time (requests of unequal lengths), each thread claiming its next before
-             * it starts the current: with whole requests as units (split == 1) the next one's first rows are
-             * prefetched while the current one runs, as many as fit in L2 beside the current one's */
-            const int n_units = B * split;
+            /* units handed out one at a time (requests of unequal lengths). With whole requests as units (split
+             * == 1) a thread claims its next one before it starts the current one and prefetches the next
+             * one's first rows meanwhile, as many as fit in L2 beside the current one's; KV heads as units
+             * (fewer requests than threads) are claimed one at a time, so an idle thread takes the last */
+            const int n_units = B * split, ahead_ok = split == 1;
             int u = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);
             while (u < n_units) {
-                const int nu = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);
+                const int nu = ahead_ok ? __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED) : n_units;
                 const int b = u / split, hk0 = (u % split) * per;
                 Lookahead ahead = {NULL, 0, row_bytes, 1, 0, 0};
                 const int64_t room = budget / (2 * row_bytes) - lens[b]; /* rows of K and V that fit beside b's */
-                if (split == 1 && nu < n_units && room > 0 && lens[nu] > 0 && lens[b] > 0)
+                if (nu < n_units && room > 0 && lens[nu] > 0 && lens[b] > 0)
                     ahead = (Lookahead){req_to_token + slots[nu] * stride, lens[nu] < room ? lens[nu] : room, row_bytes,
                                         lens[b] * 2 * Hkv * ((G + 3) / 4), 0, 0}; /* keys: 2 passes a group of 4 heads */
                 if (scores != NULL)
                     attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, hk0, hk0 + per, D,
                                scale, is_bf16, scores, ahead.rows != NULL ? &ahead : NULL);
-                u = nu;
+                u = ahead_ok ? nu : __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);
             }
         } else {
             static __thread float acc[MAX_H * MAX_D];
