@@ -52,6 +52,26 @@ def test_elementwise_ops_match_torch(rows):
     assert close(act, silu_and_mul(gate_up))
 
 
+def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Three requests and a short one to the end, every decode step computed by the plain forward and then
+    by the installed fused one (which the step goes on with): (finished requests, [(plain, fused) logits])."""
+    model, seen = run.sched.model, []
+    fused = model.forward
+
+    def both(batch, backend):
+        if batch.mode is ForwardMode.DECODE:
+            plain = LlamaForCausalLM.forward(model, batch, backend)
+            seen.append((plain, fused(batch, backend)))
+            return seen[-1][1]
+        return fused(batch, backend)
+
+    model.forward = both
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
+    run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    return run.finish_all(), seen
+
+
 @needs_kernel
 @pytest.mark.parametrize("mode,rel", [("int8", 1e-4), ("gguf", 1e-3)])
 def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
@@ -61,22 +81,9 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     30 layers carry it on, hence its looser bound. The greedy tokens are the same."""
     run = InProcess(model_dir, max_total_tokens=2048, quantization=mode)
     try:
-        model, seen = run.sched.model, []
-        fused = model.forward
+        model = run.sched.model
         assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one C call
-
-        def both(batch, backend):
-            if batch.mode is ForwardMode.DECODE:
-                plain = LlamaForCausalLM.forward(model, batch, backend)
-                seen.append((plain, fused(batch, backend)))
-                return seen[-1][1]
-            return fused(batch, backend)
-
-        model.forward = both
-        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-        run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
-        run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
-        done = run.finish_all()
+        done, seen = _both_ways(run, 12)
         buffers, rows = model.__dict__["_fused_buffers"], model.__dict__["_fused_rows"]
     finally:
         run.close()
@@ -98,7 +105,7 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
 
     run = InProcess(model_dir, dtype="bfloat16", max_total_tokens=2048)
     try:
-        model, seen = run.sched.model, []
+        model = run.sched.model
         installed = "forward" in model.__dict__  # fused_decode.install sets the instance's forward
         switches = ("ENGINE_FUSED_DECODE", "ENGINE_BF16_LINEAR", "ENGINE_PACK_WEIGHTS")  # any of them 0: plain
         switched_off = any(os.environ.get(name) == "0" for name in switches)
@@ -106,20 +113,7 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
         if not installed:
             pytest.skip("no fused bfloat16 decode here (no AVX512_BF16, AMX, or switched off): checked it is not installed")
         assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one bfloat16 call
-        fused = model.forward
-
-        def both(batch, backend):
-            if batch.mode is ForwardMode.DECODE:
-                plain = LlamaForCausalLM.forward(model, batch, backend)
-                seen.append((plain, fused(batch, backend)))
-                return seen[-1][1]
-            return fused(batch, backend)
-
-        model.forward = both
-        params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-        run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
-        run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
-        done = run.finish_all()
+        done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.bfloat16
     finally:
         run.close()
