@@ -18,10 +18,29 @@ import types
 
 import torch
 
+from engine import envvars
+from engine.model.bf16_linear import Bf16Linear
 from engine.model.llama import LlamaForCausalLM
 from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
 
 MAX_ROWS = 64
+
+
+def install_bf16(model: LlamaForCausalLM) -> bool:
+    """Where every decoder layer's linear layers run on our bfloat16 kernel (pack_linears chose Bf16Linear),
+    the exact mode's decode steps take this path: bitwise the plain forward's logits (the same kernels in the
+    same order), without the Python and fresh tensors of each op (ENGINE_FUSED_DECODE=0: the plain forward).
+    Whether it did."""
+    if envvars.read("ENGINE_FUSED_DECODE") == "0":
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(isinstance(m, Bf16Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return False
+    from engine.kernels.cpu import load_native
+
+    install(model, load_native())  # the library the Bf16Linear layers were made with (loaded once, cached)
+    return True
 
 
 def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:

@@ -19,7 +19,8 @@ import torch
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.model.packed_linear import fuse_bf16_decode, pack_linears, packing_available
+from engine.model.fused_decode import install_bf16
+from engine.model.packed_linear import pack_linears, packing_available
 from engine.model.rope import rotary_tables
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
@@ -167,7 +168,7 @@ def load_model(
         # on the CPU: oneDNN's layout, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
         # the mapped embedding, and without it would be 113 MB more
         pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None)
-        fuse_bf16_decode(model)
+        install_bf16(model)  # bf16 decode steps on our linear kernel: fused_decode.py's direct calls
     if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
         mapped.drop_pages()
     return model, cfg

@@ -91,22 +91,3 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
     return sum(isinstance(m, (PackedLinear, bf16_linear.Bf16Linear)) for m in model.modules())
-
-
-
-def fuse_bf16_decode(model: nn.Module) -> bool:
-    """Where every decoder layer's linear layers run on our bfloat16 kernel (pack_linears chose Bf16Linear),
-    the exact mode's decode steps take fused_decode.py's direct calls: bitwise the same logits (the same
-    kernels in the same order), without the Python and fresh tensors of each op (ENGINE_FUSED_DECODE=0:
-    the plain forward). Whether it did."""
-    layers = getattr(model, "layers", None)
-    if not layers or envvars.read("ENGINE_FUSED_DECODE") == "0":
-        return False
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(isinstance(m, bf16_linear.Bf16Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return False
-    from engine.model.fused_decode import install
-
-    install(model, layers[0].self_attn.qkv_proj._lib)
-    return True

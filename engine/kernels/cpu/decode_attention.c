@@ -52,7 +52,6 @@ static inline void prefetch_row(const void *base, int64_t byte_off, int64_t byte
 typedef struct {
     const int64_t *rows; /* the next request's token rows */
     int64_t len;         /* how many of them to prefetch: all, or the first ones that fit in L2 beside the current */
-    int64_t span;        /* bytes a row (every KV head) */
     int64_t total;       /* keys the current request's passes will process */
     int64_t credit;      /* 2 * len per key processed, less total per row prefetched (no division a key) */
     int64_t done;        /* rows prefetched so far, of 2 * len (K rows, then V rows) */
@@ -65,7 +64,7 @@ static inline void prefetch_ahead(Lookahead *next, const void *k, const void *v,
     for (; next->credit >= next->total && next->done < 2 * next->len; next->done++) {
         const int is_k = next->done < next->len;
         const int64_t r = is_k ? next->done : next->done - next->len;
-        prefetch_row(is_k ? k : v, next->rows[r] * W * elem, next->span);
+        prefetch_row(is_k ? k : v, next->rows[r] * W * elem, W * elem); /* the whole row: every KV head */
         next->credit -= next->total;
     }
 }
@@ -645,14 +644,16 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, con
             while (u < n_units) {
                 const int nu = ahead_ok ? __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED) : n_units;
                 const int b = u / split, hk0 = (u % split) * per;
-                Lookahead ahead = {NULL, 0, row_bytes, 1, 0, 0};
+                Lookahead ahead, *next = NULL;
                 const int64_t room = budget / (2 * row_bytes) - lens[b]; /* rows of K and V that fit beside b's */
-                if (nu < n_units && room > 0 && lens[nu] > 0 && lens[b] > 0)
-                    ahead = (Lookahead){req_to_token + slots[nu] * stride, lens[nu] < room ? lens[nu] : room, row_bytes,
+                if (nu < n_units && room > 0 && lens[nu] > 0 && lens[b] > 0) {
+                    ahead = (Lookahead){req_to_token + slots[nu] * stride, lens[nu] < room ? lens[nu] : room,
                                         lens[b] * 2 * Hkv * ((G + 3) / 4), 0, 0}; /* keys: 2 passes a group of 4 heads */
+                    next = &ahead;
+                }
                 if (scores != NULL)
                     attend_one(q, k, v, out, req_to_token + slots[b] * stride, lens[b], b, H, Hkv, hk0, hk0 + per, D,
-                               scale, is_bf16, scores, ahead.rows != NULL ? &ahead : NULL);
+                               scale, is_bf16, scores, next);
                 u = ahead_ok ? nu : __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);
             }
         } else {
