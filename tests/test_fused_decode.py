@@ -1,6 +1,7 @@
 """The fused decode path (engine/model/fused_decode.py, engine/kernels/cpu/elementwise.c): each float32 C op
 against the torch op it replaces, and whole decode steps against the model's plain forward, in the quantized
-modes (close) and in the exact mode's bfloat16 on our linear kernel (bitwise)."""
+modes (close; their layers in one C call, decode_layers.c, bitwise the Python loop's) and in the exact
+mode's bfloat16 on our linear kernel (bitwise)."""
 
 from __future__ import annotations
 
@@ -52,17 +53,29 @@ def test_elementwise_ops_match_torch(rows):
     assert close(act, silu_and_mul(gate_up))
 
 
-def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Three requests and a short one to the end, every decode step computed by the plain forward and then
-    by the installed fused one (which the step goes on with): (finished requests, [(plain, fused) logits])."""
+def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Three requests and a short one to the end, every decode step computed by the plain forward, by the
+    fused one's Python loop (decode_layers.py's one C call switched off for the step) and then by the
+    installed fused one (which the step goes on with): (finished requests, [(plain, loop, fused) logits])."""
     model, seen = run.sched.model, []
     fused = model.forward
+
+    def loop(batch, backend):
+        saved = model.__dict__.get("_decode_layers")
+        model.__dict__["_decode_layers"] = (backend, None)  # what _native caches where the C step cannot run
+        try:
+            return fused(batch, backend)
+        finally:
+            if saved is None:
+                del model.__dict__["_decode_layers"]
+            else:
+                model.__dict__["_decode_layers"] = saved
 
     def both(batch, backend):
         if batch.mode is ForwardMode.DECODE:
             plain = LlamaForCausalLM.forward(model, batch, backend)
-            seen.append((plain, fused(batch, backend)))
-            return seen[-1][1]
+            seen.append((plain, loop(batch, backend), fused(batch, backend)))
+            return seen[-1][2]
         return fused(batch, backend)
 
     model.forward = both
@@ -70,6 +83,11 @@ def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[to
     run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
     run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
     return run.finish_all(), seen
+
+
+def _ran_in_one_call(model) -> None:
+    """The quantized fused steps ran as decode_layers.c's one call, unless ENGINE_DECODE_LAYERS=0 kept the loop."""
+    assert (model.__dict__["_decode_layers"][1] is not None) == (os.environ.get("ENGINE_DECODE_LAYERS") != "0")
 
 
 @needs_kernel
@@ -85,15 +103,23 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
         assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one C call
         done, seen = _both_ways(run, 12)
         buffers, rows = model.__dict__["_fused_buffers"], model.__dict__["_fused_rows"]
+        _ran_in_one_call(model)
+        native = model.__dict__["_decode_layers"][1]
+        if native is not None:  # a kernel's failure names the layer and stage (it fails before any K/V store)
+            native._layers[0].qkv.kind = 99
+            h, cs = torch.zeros(1, model.cfg.hidden_size), torch.zeros(1, model.cfg.head_dim)
+            with pytest.raises(RuntimeError, match="layer 0's qkv_proj failed with code -100"):
+                native.run(h, cs, cs, run.sched.backend.step_args(), 2)
     finally:
         run.close()
     assert len(done) == 4 and len(seen) >= 10
     assert len(rows) >= 2  # steps of several sizes, and one set of buffers under all of them
     for t, r in rows.items():
         assert all(r.ptr[name] == buf.data_ptr() and getattr(r, name).shape[0] == t for name, buf in buffers.items())
-    for plain, got in seen:
+    for plain, loop, got in seen:
         assert got.shape == plain.shape and close(got, plain, rel), float((got - plain).abs().max() / plain.abs().max())
         assert torch.equal(got.argmax(-1), plain.argmax(-1))
+        assert torch.equal(got, loop)  # the one C call: the loop's kernels in its order on its rows
 
 
 def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
@@ -115,9 +141,10 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
         assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one bfloat16 call
         done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.bfloat16
+        assert model.__dict__["_decode_layers"][1] is None  # bfloat16 keeps the loop (decode_layers.py says why)
     finally:
         run.close()
     assert len(done) == 4 and len(seen) >= 9
     assert {got.shape[0] for _, got in seen} >= {3, 4}
-    for plain, got in seen:
-        assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain)
+    for plain, loop, got in seen:
+        assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain) and torch.equal(got, loop)

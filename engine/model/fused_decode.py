@@ -20,6 +20,8 @@ import torch
 
 from engine import envvars
 from engine.model.bf16_linear import Bf16Linear
+from engine.model.decode_layers import DecodeLayers
+from engine.model.decode_layers import build as build_decode_layers
 from engine.model.llama import LlamaForCausalLM
 from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
 
@@ -114,6 +116,16 @@ def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
     return cache[t]
 
 
+def _native(model: LlamaForCausalLM, backend: AttentionBackend, lib) -> DecodeLayers | None:
+    """The one-call C step for this model and backend (decode_layers.py), described once; None where it
+    cannot run, and the loop of decode_forward does the step."""
+    cached = model.__dict__.get("_decode_layers")
+    if cached is None or cached[0] is not backend:
+        native = build_decode_layers(lib, model, backend, model.__dict__["_fused_buffers"])
+        cached = model.__dict__["_decode_layers"] = (backend, native)
+    return cached[1]
+
+
 def _kernels(lib, dtype: torch.dtype) -> tuple:
     """(add_rms_norm, rotary_qkv, silu_mul) of the library for float32 or bfloat16 rows."""
     if dtype == torch.bfloat16:
@@ -133,11 +145,15 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     h = model.embed_tokens(batch.input_ids)
     t, hidden = h.shape
     rows = _rows(model, t, h.dtype)
+    threads = torch.get_num_threads()
+    native = _native(model, backend, lib)
+    if native is not None:  # every layer in one C call: the same kernels, order and rows as the loop below
+        native.run(h, cos, sin, backend.step_args(), threads)
+        return model.lm_head(rows.normed).float()
     add_rms_norm, rotary_qkv, silu_mul = _kernels(lib, h.dtype)
     p = rows.ptr
     h_ptr, cos_ptr, sin_ptr, qkv_stride = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.qkv.stride(0)
     pending = None  # the last block's output, added to h by the next norm
-    threads = torch.get_num_threads()
     rows_decoder = getattr(backend, "rows_decoder", None)
     attend = rows_decoder() if rows_decoder is not None else None  # K/V store and attention in one C call
     for layer in _plan(model):

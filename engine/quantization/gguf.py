@@ -178,6 +178,11 @@ class GGUFLinear(QuantizedLinear):
         bias = None if self.bias is None else self.bias.data_ptr()
         return self._lib.gguf_linear, (self.kind,), (self.blocks.data_ptr(), bias)
 
+    def decode_linear(self) -> dict:
+        """The layer as engine/model/decode_layers.py hands it to the C step (the addresses _kernel_args passes)."""
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return {"kind": "gguf", "arg": self.kind, "threads": self._threads, "w": self.blocks.data_ptr(), "bias": bias}
+
     def _activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tiles multiply x rounded as the kernel rounds it, and the offsets m multiply the float sums
         of x (the residue corrects for the rounded ones): a prompt's logits do not depend on how its rows

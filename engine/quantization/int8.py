@@ -55,5 +55,11 @@ class Int8Linear(QuantizedLinear):
         bias = None if self.bias is None else self.bias.data_ptr()
         return self._lib.int8_linear, (), (self.qweight.data_ptr(), self.scale.data_ptr(), bias)
 
+    def decode_linear(self) -> dict:
+        """The layer as engine/model/decode_layers.py hands it to the C step (the addresses _kernel_args passes)."""
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return {"kind": "int8", "threads": self._threads, "w": self.qweight.data_ptr(), "scale": self.scale.data_ptr(),
+                "bias": bias}  # fmt: skip
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-row scales"

@@ -118,6 +118,20 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
         return decode_rows
 
+    def layers_decoder_args(self) -> dict | None:
+        """For engine/model/decode_layers.py (a quantized decode step's layers in one C call,
+        decode_attention_store among them): each layer's K and V buffer addresses (the pool's, fixed for its
+        life), the threads and scale every layer's call passes; None unless the pool is float32."""
+        if self._one_call_dtype != torch.float32:
+            return None
+        return {"k": [b.data_ptr() for b in self.kv_pool.k_buffers], "v": [b.data_ptr() for b in self.kv_pool.v_buffers],
+                "threads": self.num_threads, "scale": self.scale}  # fmt: skip
+
+    def step_args(self) -> tuple[int, int, int, int, int]:
+        """(out_loc, req_to_token, its row stride, slots, lens) of the decode step init_forward_metadata
+        prepared, as the addresses decode_attention_store takes."""
+        return self._step_args
+
     def _store_and_decode(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int,
                           is_bf16: int) -> None:  # fmt: skip
         out_loc, table, stride, slots, lens = self._step_args

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, elementwise.c, elementwise_bf16.c, gguf_linear.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, decode_layers.c, elementwise.c, elementwise_bf16.c, gguf_linear.c, int8_linear.c
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # exp_poly.h: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
@@ -206,6 +206,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.bf16_linear.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+    if hasattr(lib, "decode_layers"):  # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
+        lib.decode_layers.restype = ctypes.c_int
+        lib.decode_layers.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p,
         ]  # fmt: skip
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int
