@@ -5,8 +5,8 @@ Why: fused_decode.py's loop calls nine kernels a layer through ctypes, about 270
 microseconds of Python and ctypes around a kernel that at batch 1 runs for tens of them. The C loop calls
 the same kernels in the same order on the same rows with the same threads, so the rows it leaves are
 bitwise those of the Python loop (tests/test_fused_decode.py runs both). ENGINE_DECODE_LAYERS=0 keeps the
-Python loop (A/B runs). float32 rows only: the quantized modes, where it was measured (one stream 10-20%
-faster on an AMD EPYC Zen 1); the exact mode's bfloat16 decode keeps the loop, since no machine with
+Python loop (A/B runs). float32 rows only: the quantized modes, where it was measured (one stream's steps
+11-16% shorter on an AMD EPYC Zen 1); the exact mode's bfloat16 decode keeps the loop, since no machine with
 AVX512_BF16 was at hand to measure and test it on.
 
 The layers are described once, at the first decode step: the weights' addresses (the linear layers'

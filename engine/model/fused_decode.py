@@ -9,7 +9,9 @@ of up to MAX_ROWS rows take this path. In the quantized modes the elementwise ke
 the plain forward does not use (those modes promise no token parity). In the exact mode they are the
 very kernels llama.py's operations call (engine/kernels/ops.py), in the same order on the same rows:
 the logits are bitwise the plain forward's, so token parity with transformers does not depend on this
-path; what it removes is the Python and the fresh tensors around them.
+path; what it removes is the Python and the fresh tensors around them. In the quantized modes the loop
+of decode_forward runs as one C call a step (engine/model/decode_layers.py), the same kernels in the same
+order; the loop stays for bfloat16 and ENGINE_DECODE_LAYERS=0.
 """
 
 from __future__ import annotations
