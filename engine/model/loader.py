@@ -22,6 +22,7 @@ from engine.model.mapped_weight import MappedWeight, mappable
 from engine.model.fused_decode import install_bf16
 from engine.model.packed_linear import pack_linears, packing_available
 from engine.model.rope import rotary_tables
+from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
 SAFETENSORS_DTYPES = {
@@ -97,6 +98,7 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
     """Each planned weight as one tensor of `dtype`, its parts read into consecutive rows."""
     out: dict[str, torch.Tensor] = {}
     files: dict[Path, object] = {}
+    views = WeightViews()
     try:
         for i, (name, parts) in enumerate(plan.items(), 1):
             shapes = [entries[p].shape for p in parts]
@@ -111,10 +113,8 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
                 dest = target[start : start + n] if target.dim() else target
                 if entry.dtype == dtype:
                     _read_into(f, entry, dest)
-                else:  # another dtype on disk: read it as it is, convert into place
-                    raw = torch.empty(entry.shape, dtype=entry.dtype)
-                    _read_into(f, entry, raw)
-                    dest.copy_(raw.reshape(dest.shape))
+                else:  # another dtype on disk: converted into place from the file's mapping, not read first
+                    dest.copy_(views.view(entry).reshape(dest.shape))
                 start += n
             out[name] = target
             if progress is not None:
@@ -122,6 +122,7 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
     finally:
         for f in files.values():
             f.close()
+        views.close()
     return out
 
 
@@ -148,14 +149,23 @@ def load_model(
     if head_own and mappable(entry.dtype, dtype, len(embed_parts), device):
         mapped = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
         plan = {k: v for k, v in plan.items() if k != "embed_tokens.weight"}
-    state = read_planned(plan, entries, dtype, progress)
+    # packed layers (none, on CPUs where packing pays) are packed from views of the file: their float
+    # weights are never read into memory (weight_views.py)
+    packed_from_file = set()
+    if quantization == "none" and packing_available(dtype, device):
+        packed_from_file = {f"{n}.weight" for n in shapes if not (cfg.tie_word_embeddings and n == "lm_head")}
+    total = len(plan)
+    plan, deferred = ({k: v for k, v in plan.items() if k not in packed_from_file},
+                      {k: v for k, v in plan.items() if k in packed_from_file})  # fmt: skip
+    state = read_planned(plan, entries, dtype, progress and (lambda i, n: progress(i, total)))
     if mapped is not None:
         state["embed_tokens.weight"] = mapped.tensor
     if device != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left_to_quantized = {f"{n}.weight" for n in shapes} if stored is not None else set()
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight") and m not in left_to_quantized]
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")
+               and m not in left_to_quantized and m not in deferred]  # fmt: skip
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     if cfg.tie_word_embeddings:
@@ -167,7 +177,22 @@ def load_model(
     if quantization == "none":
         # on the CPU: oneDNN's layout, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
         # the mapped embedding, and without it would be 113 MB more
-        pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None)
+        views, done = WeightViews(), [len(plan)]
+
+        def weights(name: str) -> torch.Tensor:
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+            return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
+
+        try:
+            pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None,
+                         weights=weights if deferred else None)  # fmt: skip
+        finally:
+            views.close()
+        unread = [n for n, p in model.named_parameters() if p.is_meta]
+        if unread:
+            raise ValueError(f"weights left unloaded: {unread[:8]}")
         install_bf16(model)  # bf16 decode steps on our linear kernel: fused_decode.py's direct calls
     if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
         mapped.drop_pages()

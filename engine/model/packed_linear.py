@@ -16,6 +16,8 @@ kernel (bf16_linear.py) takes the layers it fits instead: faster there, above al
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -61,14 +63,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True) -> int:
+def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
+                 weights: Callable[[str], torch.Tensor] | None = None) -> int:  # fmt: skip
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available (in bfloat16
     on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits); the count.
     A tied lm_head gets its own packed copy unless copy_tied_head is false (the embedding is gathered
     from, row by row, and stays plain): 1.5x faster logits in bfloat16, 2.3x in float32 at 64 rows (AMD
     Zen 2: 81 -> 35 ms), for vocab x hidden more memory (57 MB, 113 MB for SmolLM2-135M), which a
     float32 embedding mapped from the file (mapped_weight.py) gives back: only its gathered rows stay
-    resident. The loader asks for no copy in float32 where the embedding could not be mapped."""
+    resident. The loader asks for no copy in float32 where the embedding could not be mapped.
+    weights(name): the weight of a layer left on the meta device (the loader packs those from views of
+    the file, weight_views.py), valid until the next call: every layer copies it into its own layout."""
     if not packing_available(dtype, device):
         return 0
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
@@ -82,6 +87,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
         lib = native if bf16_linear.runs_here(native) else None
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
+        if weights is not None and linear.weight.is_meta:
+            linear.weight = nn.Parameter(weights(name), requires_grad=False)
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
         if lib is not None and bf16_linear.fits(linear):

@@ -1,0 +1,96 @@
+"""Weights packed or converted at load from views of their file (engine/model/weight_views.py): the same
+values as a plain read, one scratch buffer for stacked parts, the file's pages given back as it goes,
+and a model packed from the file computing exactly what one packed from read weights computes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from engine.model.config import load_hf_config, model_config_from_hf
+from engine.model.llama import weight_plan
+from engine.model.loader import index_weights, load_model, read_planned
+from engine.model.packed_linear import PackedLinear, packing_available
+from engine.model.weight_views import WeightViews
+
+
+def _plan(model_dir: str):
+    entries = index_weights(model_dir)
+    return entries, weight_plan(model_config_from_hf(load_hf_config(model_dir), model_dir), set(entries))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_weights_equal_the_read_ones(tiny_llama_dir, dtype):
+    entries, plan = _plan(tiny_llama_dir)
+    views = WeightViews()
+    try:
+        for name in ("layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight",
+                     "layers.1.self_attn.o_proj.weight", "norm.weight"):  # fmt: skip
+            got = views.stacked([entries[p] for p in plan[name]], dtype)
+            want = read_planned({name: plan[name]}, entries, dtype)[name]
+            assert got.dtype == dtype and torch.equal(got, want), name
+    finally:
+        views.close()
+
+
+def test_one_scratch_buffer_serves_every_stacked_weight(tiny_llama_dir):
+    """Parts are stacked into one buffer, reused (touched once); a one-part weight of the dtype is the file."""
+    entries, plan = _plan(tiny_llama_dir)
+    views = WeightViews()
+    try:
+        first = views.stacked([entries[p] for p in plan["layers.0.mlp.gate_up_proj.weight"]], torch.float32)
+        second = views.stacked([entries[p] for p in plan["layers.1.mlp.gate_up_proj.weight"]], torch.float32)
+        assert first.data_ptr() == second.data_ptr()
+        plain = views.stacked([entries[p] for p in plan["layers.1.mlp.down_proj.weight"]], torch.float32)
+        assert plain.data_ptr() != second.data_ptr()
+    finally:
+        views.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_pages_of_a_handed_out_weight_go_back_on_the_next_call(tmp_path):
+    def resident_kb(path) -> int:
+        total, inside = 0, False
+        for line in open("/proc/self/smaps"):
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+        return total
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(1024, 1024), "b": torch.randn(16, 16)}, str(path))
+    entries = index_weights(str(tmp_path))
+    views = WeightViews()
+    try:
+        a = views.stacked([entries["a"]], torch.float32)
+        assert float(a.sum()) == float(a.sum())  # every page of a read
+        assert resident_kb(path) >= 4000  # 4 MB mapped in
+        views.stacked([entries["b"]], torch.float32)
+        assert resident_kb(path) < 100
+    finally:
+        views.close()
+
+
+def test_a_model_packed_from_its_file_computes_what_read_weights_packed_compute(tiny_llama_dir):
+    if not packing_available(torch.float32, "cpu"):
+        pytest.skip("float32 is not packed on this CPU (AVX-512 keeps MKL): the loader reads every weight")
+    model, cfg = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64)
+    entries, plan = _plan(tiny_llama_dir)
+    read = read_planned(plan, entries, torch.float32)
+    x = torch.randn(5, cfg.hidden_size)
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * cfg.num_layers + 1  # every layer and the lm_head's own copy
+    for name, layer in packed:
+        weight = read["embed_tokens.weight" if name == "lm_head" and cfg.tie_word_embeddings else f"{name}.weight"]
+        plain = nn.Linear(weight.shape[1], weight.shape[0], bias=layer.bias is not None)
+        plain.weight = nn.Parameter(weight, requires_grad=False)
+        if layer.bias is not None:
+            plain.bias = nn.Parameter(layer.bias.clone(), requires_grad=False)
+        inputs = x if weight.shape[1] == cfg.hidden_size else torch.randn(5, weight.shape[1])
+        assert torch.equal(layer(inputs), PackedLinear(plain)(inputs)), name
+    assert not any(p.is_meta for p in model.parameters())
