@@ -7,6 +7,7 @@ parent is gone (even after SIGKILL) and the child exits at once. Messages on it 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -93,6 +94,8 @@ def run_child(
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role=role, pid=os.getpid())
         server = build(progress)
+        gc.collect()  # the build's own garbage, then what it built (it lives as long as the process) out of
+        gc.freeze()  # sight of every later full collection
         if hooks.has("engine_process_ready"):
             hooks.call("engine_process_ready", role=role, pid=os.getpid(), info=server.info)
     except BaseException as exc:  # report anything, even MemoryError, then exit non-zero

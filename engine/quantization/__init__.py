@@ -91,7 +91,7 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
         replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads))
     else:
         _swap_int8(model, mode, model_dir, stored, lib, threads)
-    release_freed_memory()  # the float32 weights of the swapped layers
+    release_freed_memory(collect=False)  # the float32 weights of the swapped layers (plain nn.Linear: no cycles)
     return install(model, lib)  # float32 decode steps with fused elementwise ops
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from engine.processes.child import run_child
 
 
@@ -10,6 +12,10 @@ def run_scheduler_process(config_json: bytes, model_dir: str, endpoints: dict, p
         from engine.config import EngineConfig
         from engine.scheduler.scheduler import Scheduler
 
+        # torch's import leaves ~170k objects that live as long as the process: out of the collector's
+        # sight, the full collection that building the model's modules set off (0.08 s on an AMD EPYC Zen 1)
+        # looks at none of them
+        gc.freeze()
         return Scheduler(EngineConfig.from_json(config_json), model_dir, endpoints, progress)
 
     run_child("scheduler", conn, parent_pid, build, endpoints["runtime_dir"])
