@@ -130,13 +130,15 @@ class Engine:
             res.children.append(
                 spawn_child("scheduler", run_scheduler_process, (self.config.to_json(), self.model_dir, ends, parent), child_env)
             )
+            # While the scheduler imports torch and loads the model: the tokenizer, and the sockets (a child
+            # connecting before they are bound is fine: ZeroMQ connects when the other side appears). The
+            # detokenizer (ready in a second) starts after them: on two cores, three processes starting at
+            # once slowed the scheduler, the one that takes longest.
+            tokenizer = PromptTokenizer(self.model_dir)
+            res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             res.children.append(
                 spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent), child_env)
             )
-            # While the children import torch and load the model: the tokenizer, and the sockets (a child
-            # connecting before they are bound is fine: ZeroMQ connects when the other side appears).
-            tokenizer = PromptTokenizer(self.model_dir)
-            res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             with _LoadProgress(self.config.show_progress) as bar:
                 wait_ready(res.children, self.config.startup_timeout, bar.update)
         except BaseException:
