@@ -52,6 +52,11 @@ class _Cursor:
             inner, count = self.take("IQ")
             if inner in SCALAR_SIZES:
                 self.pos += SCALAR_SIZES[inner] * count
+            elif inner == STRING:  # a vocabulary: 49k strings here, one length each to step over
+                data, pos, unpack = self.data, self.pos, struct.unpack_from
+                for _ in range(count):
+                    pos += 8 + unpack("<Q", data, pos)[0]
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.skip_value(inner)
