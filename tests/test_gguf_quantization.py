@@ -154,7 +154,7 @@ def test_embedded_gguf_blocks_are_the_converted_weights(model_dir):
 
 @pytest.fixture(scope="module")
 def gguf_engine():
-    eng = Engine(quantization="gguf", max_total_tokens=8192)
+    eng = Engine(quantization="gguf", max_total_tokens=8192, chunked_prefill_size=512)  # a chunked prompt of 964 tokens
     try:
         yield eng
     finally:

@@ -108,9 +108,10 @@ class InProcess:
 
 
 def test_long_prompt_is_chunked_between_decode_steps(model_dir):
-    """A 4,000-token prompt arriving while 16 requests decode does not stall them for its whole prefill:
-    decode steps alternate with its chunks."""
-    run = InProcess(model_dir, max_total_tokens=12000, max_running_requests=32, chunked_prefill_size=512)
+    """A 1,024-token prompt arriving while 16 requests decode does not stall them for its whole prefill:
+    decode steps alternate with its chunks. (Eight chunks of 128: the same steps as 4,000 tokens in
+    chunks of 512, at a quarter of the compute or less.)"""
+    run = InProcess(model_dir, max_total_tokens=12000, max_running_requests=32, chunked_prefill_size=128)
     try:
         params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
         run.submit(*(TokenizedRequest(f"short{i}", [1, 100 + i, 200 + i, 300 + i], params) for i in range(16)))
@@ -124,12 +125,12 @@ def test_long_prompt_is_chunked_between_decode_steps(model_dir):
             return real_forward(step)
 
         run.sched.forward = recording_forward
-        long_ids = [(i * 37) % 5000 + 10 for i in range(4000)]
+        long_ids = [(i * 37) % 5000 + 10 for i in range(1024)]
         run.submit(TokenizedRequest("long", long_ids, SamplingParams(max_new_tokens=2, temperature=0.0)))
         while run.sched.chunked_req is not None or any(r.rid == "long" for r in run.sched.waiting) or not steps:
             run.sched.run_once(block=False)
         chunks = [n for mode, n in steps if mode == "extend"]
-        assert sum(chunks) == 4000 and max(chunks) <= 512 and len(chunks) == 8, steps
+        assert sum(chunks) == 1024 and max(chunks) <= 128 and len(chunks) == 8, steps
         modes = [mode for mode, _ in steps]
         assert all(a != b for a, b in zip(modes, modes[1:])), modes  # never two prefill chunks in a row
         assert all(n == 16 for mode, n in steps if mode == "decode"), steps  # every short request kept decoding

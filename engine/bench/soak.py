@@ -63,13 +63,17 @@ def run_soak(args) -> dict:
     return result
 
 
-def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log: bool = True) -> dict:
-    """rounds crowds of per_round requests on engine; samples, failures and slopes after warmup rounds."""
+def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log: bool = True,
+         touch: bool = True) -> dict:  # fmt: skip
+    """rounds crowds of per_round requests on engine; samples, failures and slopes after warmup rounds.
+    touch=False skips touch_pool: for runs whose memory slope nobody reads (the suite's short form; the
+    pool's prefill was 30-40 s of it on a 2-core AMD EPYC Zen 1)."""
     from engine.bench.prompts import build_corpus
 
     corpus = engine.tokenizer(build_corpus()[:60_000])["input_ids"]
     vocab = len(engine.tokenizer)
-    touch_pool(engine, vocab)
+    if touch:
+        touch_pool(engine, vocab)
     samples: list[dict] = []
     failures: list[str] = []
     start = time.perf_counter()

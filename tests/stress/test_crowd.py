@@ -40,7 +40,7 @@ def check_crowd(engine, tokenizer, corpus_ids, n: int, seed: int) -> None:
 
 
 def test_a_crowd_ends_every_request_once_and_leaves_nothing_behind(engine, tokenizer, corpus_ids):
-    check_crowd(engine, tokenizer, corpus_ids, n=120, seed=1)
+    check_crowd(engine, tokenizer, corpus_ids, n=80, seed=1)
 
 
 @pytest.mark.stress

@@ -23,7 +23,8 @@ def check(result: dict, rss_mb_per_1000: float | None) -> None:
 
 
 def test_a_short_soak_leaves_nothing_behind(engine):
-    check(soak(engine, rounds=4, per_round=40, warmup=1, seed=50, log=False), rss_mb_per_1000=None)
+    # no touch_pool: it only steadies resident memory for the slope, which a run this short cannot have
+    check(soak(engine, rounds=3, per_round=40, warmup=1, seed=50, log=False, touch=False), rss_mb_per_1000=None)
 
 
 @pytest.mark.stress
