@@ -4,8 +4,9 @@ Weights are read with plain file reads straight into the tensors the model keeps
 (qkv, gate_up) get their parts read into their rows, nothing is concatenated afterwards. Only the token
 embedding stays memory-mapped on the CPU (mapped_weight.py: it is gathered from, a few rows a token);
 reading every weight through a mapping left every page of the file resident in the scheduler beside
-the fused copies (1.1 GB for this 540 MB model). Weights packed or converted at load come from views of
-the mapping instead, one at a time, their pages given back once used (weight_views.py).
+the fused copies (1.1 GB for this 540 MB model). Weights packed at load come from mappings of the
+file instead, one at a time, their pages given back once used (weight_views.py); weights converted to
+another dtype are converted from a mapping too.
 """
 
 from __future__ import annotations
@@ -99,7 +100,6 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
     """Each planned weight as one tensor of `dtype`, its parts read into consecutive rows."""
     out: dict[str, torch.Tensor] = {}
     files: dict[Path, object] = {}
-    views = WeightViews()
     try:
         for i, (name, parts) in enumerate(plan.items(), 1):
             shapes = [entries[p].shape for p in parts]
@@ -115,7 +115,8 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
                 if entry.dtype == dtype:
                     _read_into(f, entry, dest)
                 else:  # another dtype on disk: converted into place from the file's mapping, not read first
-                    dest.copy_(views.view(entry).reshape(dest.shape))
+                    dest.copy_(MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape).tensor
+                               .reshape(dest.shape))  # fmt: skip
                 start += n
             out[name] = target
             if progress is not None:
@@ -123,7 +124,6 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
     finally:
         for f in files.values():
             f.close()
-        views.close()
     return out
 
 
@@ -178,12 +178,13 @@ def load_model(
     if quantization == "none":
         # on the CPU: oneDNN's layout, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
         # the mapped embedding, and without it would be 113 MB more
-        views, done = WeightViews(), [len(plan)]
+        views, done = WeightViews(), len(plan)
 
         def weights(name: str) -> torch.Tensor:
-            done[0] += 1
+            nonlocal done
+            done += 1
             if progress is not None:
-                progress(done[0], total)
+                progress(done, total)
             return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
 
         try:
