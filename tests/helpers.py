@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,15 +51,17 @@ def engine_idle(stats: dict) -> bool:
     )
 
 
-def build_narrower(tmp_path, source_name: str, flags: list[str]) -> ctypes.CDLL:
-    """One kernel source compiled with the project's flags plus `flags` (-mno-avx512f, ...): the path a
-    machine without those instructions builds. Skips where there is no C compiler on x86-64."""
+def build_narrower(tmp_path, source_names: str | list[str], flags: list[str]) -> ctypes.CDLL:
+    """Kernel sources (one, or several that call each other) compiled with the project's flags plus `flags`
+    (-mno-avx512f, ...): the path a machine without those instructions builds. Skips where there is no C
+    compiler on x86-64."""
     from engine.kernels.cpu import build
 
     command = build.compiler_command()
     if command is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C compiler on x86-64 to build the narrower paths")
-    source = next(p for p in build.SOURCES if p.name == source_name)
-    out = tmp_path / (source.stem + "_narrow.so")
-    subprocess.run([*command, *build.FLAGS, *flags, str(source), "-o", str(out), "-lm"], check=True)
+    names = [source_names] if isinstance(source_names, str) else source_names
+    sources = [str(next(p for p in build.SOURCES if p.name == name)) for name in names]
+    out = tmp_path / (Path(sources[0]).stem + "_narrow.so")
+    subprocess.run([*command, *build.FLAGS, *flags, *sources, "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))

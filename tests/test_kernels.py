@@ -114,18 +114,22 @@ def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle()
 
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 72])
 def test_native_backend_decides_its_prefill_path_at_start(head_dim):
-    """Whether extend runs natively is known when the backend is made (AVX-512 and head_dim % 16 == 0),
-    so no shape the kernel refuses reaches it in a step (issue 13, item 1)."""
+    """Whether extend runs natively is known when the backend is made (AVX-512 and head_dim % 16 == 0, or
+    AVX2 with FMA and head_dim % 8 == 0), so no shape the kernel refuses reaches it in a step (issue 13,
+    item 1)."""
     from engine.kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+    from engine.kernels.cpu.build import cpu_flags
 
     if load_native() is None:
         pytest.skip("no C compiler")
-    with open("/proc/cpuinfo") as f:
-        avx512 = "avx512f" in f.read()
+    flags = cpu_flags()
     backend = create_backend("auto", "cpu", num_heads=8, num_kv_heads=2, head_dim=head_dim, scale=1.0,
                              kv_pool=Pool(4, 2, head_dim, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
     assert type(backend) is CpuNativeAttentionBackend
-    assert backend.native_extend == (avx512 and head_dim % 16 == 0)
+    if "avx512f" in flags:
+        assert backend.native_extend == (head_dim % 16 == 0)
+    else:
+        assert backend.native_extend == ("avx2" in flags and "fma" in flags and head_dim % 8 == 0)
 
 
 def _scattered_decode_batch(b: int):
@@ -227,7 +231,7 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
     from helpers import build_narrower
     from engine.kernels.cpu.build import bind_attention
 
-    lib = bind_attention(build_narrower(tmp_path, "decode_attention.c", narrower))
+    lib = bind_attention(build_narrower(tmp_path, ["decode_attention.c", "extend_avx2.c"], narrower))
     h, hkv = heads
     d, lens = 64, torch.tensor([1, 7, 15, 16, 17, 33, 80, 131])
     gen = torch.Generator().manual_seed(3)
@@ -270,6 +274,49 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
                 assert torch.allclose(out1[i].double(), expected, atol=tol, rtol=tol), (dtype, threads, few, i)
 
 
+@pytest.mark.parametrize("narrower", [[], ["-mno-avx512f"]], ids=["native", "no-avx512"])
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (64, (12, 2)), (40, (6, 2)), (128, (8, 2))])
+def test_extend_kernel_builds_match_reference(tmp_path, narrower, head_dim, heads):
+    """Each extend path a machine may build (512-bit; 256-bit without AVX-512, extend_avx2.c) against the
+    float64 reference: prefixes and new tokens around the 8- and 16-key blocks and the 32- and 64-key
+    softmax steps; a batch of one long prompt, whose queries the AVX2 kernel cuts in ranges across threads;
+    head counts of 3, 6 (4 then 2) and 4 a KV head; float32 and bfloat16 storage."""
+    from helpers import build_narrower
+    from engine.kernels.cpu.build import bind_attention
+
+    lib = bind_attention(build_narrower(tmp_path, ["decode_attention.c", "extend_avx2.c"], narrower))
+    (h, hkv), d = heads, head_dim
+    if not lib.native_support(h, hkv, d) & 2:
+        pytest.skip(f"this build has no native extend for head_dim {d}")
+    gen = torch.Generator().manual_seed(5)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        k = torch.randn(1500, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(1500, hkv, d, generator=gen).to(dtype)
+        for prefix_lens, ext_lens in (([0, 3, 0, 31, 8, 40], [1, 5, 8, 2, 9, 33]), ([0], [300]), ([37], [250])):
+            b = len(ext_lens)
+            totals = [p + e for p, e in zip(prefix_lens, ext_lens)]
+            table = torch.zeros(b, max(totals), dtype=torch.int64)
+            rows = torch.randperm(1499, generator=gen)[: sum(totals)] + 1
+            start = 0
+            for i, n in enumerate(totals):
+                table[i, :n] = rows[start : start + n]
+                start += n
+            ext = torch.tensor(ext_lens)
+            q = torch.randn(int(ext.sum()), h, d, generator=gen).to(dtype)
+            out = torch.full_like(q, float("nan"))
+            q_start, slots, prefix = torch.cumsum(ext, 0) - ext, torch.arange(b), torch.tensor(prefix_lens)
+            rc = lib.extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), table.data_ptr(),
+                                      table.stride(0), slots.data_ptr(), prefix.data_ptr(), ext.data_ptr(),
+                                      q_start.data_ptr(), b, h, hkv, d, d**-0.5, int(dtype == torch.bfloat16), 2)  # fmt: skip
+            assert rc == 0
+            for r in range(b):
+                for i in range(ext_lens[r]):
+                    idx = table[r, : prefix_lens[r] + i + 1]
+                    expected = _reference(q[int(q_start[r]) + i], k[idx], v[idx], d**-0.5)
+                    got = out[int(q_start[r]) + i].double()
+                    assert torch.allclose(got, expected, atol=tol, rtol=tol), (dtype, prefix_lens, r, i)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # bfloat16: the whole-step pass (AVX512_BF16)
 def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
     """The extend kernel scores a whole online-softmax step (4 blocks of 16 keys) in one pass over the query
@@ -283,7 +330,7 @@ def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
     if lib is None:
         pytest.fail("no C compiler: the native kernel could not be built on this machine")
     if not lib.native_support(9, 3, 64) & 2:
-        pytest.skip("this build has no native extend (it needs AVX-512): torch's prefill runs instead")
+        pytest.skip("this build has no native extend (it needs AVX-512, or AVX2 with FMA): torch's prefill runs instead")
     h, hkv, d, n = 9, 3, 64, 64
     gen = torch.Generator().manual_seed(7)
     q = (torch.rand(n, h, d, generator=gen) + 0.5).to(dtype).repeat(2, 1, 1)  # positive; each query twice

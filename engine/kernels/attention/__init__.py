@@ -9,7 +9,8 @@ BACKENDS = ("auto", "torch", "cpu_native")
 def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
     """`auto`: cpu_native on the CPU when its C kernel builds here and handles the model's heads, else
     torch. `torch` works everywhere. cpu_native runs prefill natively only where its build and head_dim
-    allow (AVX-512, head_dim a multiple of 16), in torch otherwise: decided here, at start."""
+    allow (AVX-512 and head_dim a multiple of 16, or AVX2 with FMA and a multiple of 8), in torch otherwise:
+    decided here, at start."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     if name in ("auto", "cpu_native") and device == "cpu":

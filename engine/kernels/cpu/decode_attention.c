@@ -316,6 +316,7 @@ static void attend_one_d64(const float *qf, const void *q_raw, float scale, cons
 /* The same D == 64 decode with 256-bit vectors, for CPUs without AVX-512 (AMD Zen 2, older Intel): the
  * plain loop below takes one horizontal sum and one scalar expf per score, half of a step's attention. */
 #include <immintrin.h>
+#include "avx2_math.h"
 #define HAVE_AVX2_D64 1
 
 static inline __m256 load8(const void *base, int64_t off, int is_bf16) {
@@ -324,38 +325,6 @@ static inline __m256 load8(const void *base, int64_t off, int is_bf16) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)base + off);
-}
-
-/* exp512's polynomial for 8 lanes; 2^n built in the exponent bits (n >= -126 after the clamp). */
-static inline __m256 exp256(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-static inline float hmax256(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
 /* out[i] = the sum of a[i]'s 8 lanes (three levels of adds instead of eight horizontal sums) */
@@ -596,13 +565,15 @@ static void merge_parts(const float *parts, int n, int64_t part_size, void *out,
 }
 
 /* What this build computes for a model's shape: bit 0 decode, bit 1 extend (extend needs AVX-512 and
- * D a multiple of 16). The backend asks once, at start, and sends the rest to torch; a kernel's non-zero
+ * D a multiple of 16, or AVX2 with FMA and D a multiple of 8). The backend asks once, at start, and sends the rest to torch; a kernel's non-zero
  * return at run time is then an error (2: out of memory), never a shape it quietly refuses. */
 int native_support(int H, int Hkv, int D) {
     int ok = 0;
     if (Hkv > 0 && H % Hkv == 0 && H <= MAX_H && D > 0 && D <= MAX_D) ok |= 1;
 #if defined(__AVX512F__)
     if (Hkv > 0 && H % Hkv == 0 && D > 0 && D % 16 == 0 && D <= MAX_D) ok |= 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (Hkv > 0 && H % Hkv == 0 && D > 0 && D % 8 == 0 && D <= MAX_D) ok |= 2; /* extend_avx2.c */
 #endif
     return ok;
 }
@@ -953,6 +924,11 @@ static void extend_one(const void *q, const void *k, const void *v, void *out, c
 }
 #endif
 
+int extend_attention_avx2(const void *q, const void *k, const void *v, void *out, const int64_t *req_to_token,
+                          int64_t stride, const int64_t *slots, const int64_t *prefix, const int64_t *ext,
+                          const int64_t *q_start, int B, int H, int Hkv, int D, float scale, int is_bf16,
+                          int num_threads); /* extend_avx2.c: the same, with 256-bit vectors */
+
 /* Extend attention for a batch: request b's ext[b] new queries (rows q_start[b].. of q/out, [T, H, D])
  * attend its prefix[b] cached tokens plus themselves, causally, through req_to_token. K/V of the new
  * tokens must already be in the pool. Returns 0, or non-zero when this build or shape is unsupported. */
@@ -984,6 +960,9 @@ int extend_attention(const void *q, const void *k, const void *v, void *out, con
         free(vf);
     }
     return failed;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return extend_attention_avx2(q, k, v, out, req_to_token, stride, slots, prefix, ext, q_start, B, H, Hkv, D, scale,
+                                 is_bf16, num_threads);
 #else
     (void)q; (void)k; (void)v; (void)out; (void)req_to_token; (void)stride; (void)slots; (void)prefix;
     (void)ext; (void)q_start; (void)B; (void)H; (void)Hkv; (void)D; (void)scale; (void)is_bf16; (void)num_threads;

@@ -1,0 +1,229 @@
+/* Causal extend (prefill) attention for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel before
+ * Skylake-X): decode_attention.c's extend_attention calls this where its 512-bit kernel is not built.
+ * Why: torch's SDPA was 48% of a 2,500-token prefill on a Zen 1 (as much as all its matmuls).
+ *
+ * The same flash-style walk as the 512-bit kernel, in 8-key blocks: K of one request and KV head is first
+ * transposed into blocks [D][8] (float32), V widened to float32 rows; each query row's heads (up to 4
+ * of a KV head at once) walk the key blocks up to their own position, scores of 8 keys from D
+ * broadcast-FMAs, an online softmax every X2_SB blocks. With 16 vector registers the output
+ * accumulators (heads x D / 8 vectors) cannot stay in registers across the walk: P.V adds a step's keys
+ * into them two vectors of D at a time (at most 8 accumulators live), kept in L1 between steps.
+ * A request's queries may be split in ranges across threads (one long prompt on a few cores), each
+ * range over the keys it needs. Float32 math for float32 or bfloat16 storage. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "avx2_math.h"
+
+#define X2_MAX_D 256 /* as decode_attention.c's MAX_D */
+#define X2_SB 4      /* 8-key blocks per online-softmax step: one max, one rescale per 32 keys */
+#define X2_PARTS 4   /* query ranges a (request, KV head) unit is cut into when units are fewer than 2 a thread */
+
+static inline float x2_widen(const void *base, int64_t off, int is_bf16) {
+    if (!is_bf16) return ((const float *)base)[off];
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)((const uint16_t *)base)[off] << 16;
+    return x.f;
+}
+
+static inline uint16_t x2_narrow(float f) { /* round to nearest even, NaN kept a NaN */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0u;
+    return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* One query row's n heads (n <= 4; qv pre-scaled) against keys 0..pos of kt (blocks [D][8]) and vf (rows),
+ * written at out + qoff[j]. Always inlined, with n and C (D / 8) constants where extend_heads8 can: the
+ * score chains and P.V accumulators are then registers, not stack. */
+static inline __attribute__((always_inline)) void query_heads(const float (*qv)[X2_MAX_D], const int n, const int C,
+                                                             const float *kt, const float *vf, int64_t pos,
+                                                             void *out, const int64_t *qoff, int is_bf16) {
+    const int D = 8 * C;
+    const int64_t last = pos / 8; /* the last key block */
+    float acc[4][X2_MAX_D] __attribute__((aligned(32)));
+    float p[4][8 * X2_SB] __attribute__((aligned(32)));
+    float m[4], l[4];
+    for (int j = 0; j < n; j++) {
+        memset(acc[j], 0, sizeof(float) * D);
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t sb = 0; sb <= last; sb += X2_SB) {
+        const int nb = last - sb + 1 < X2_SB ? (int)(last - sb + 1) : X2_SB;
+        const int64_t base = sb * 8;
+        const int nk = (int)((sb + nb - 1 == last ? pos + 1 : base + 8 * nb) - base); /* keys in the step */
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nk - 8 * (nb - 1)), lane));
+        __m256 mv[4];
+        for (int j = 0; j < n; j++) mv[j] = _mm256_set1_ps(-INFINITY);
+        for (int b = 0; b < nb; b++) {
+            const float *kb = kt + (sb + b) * 8 * D;
+            __m256 s[4], s2[4];
+            for (int j = 0; j < n; j++) s[j] = s2[j] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 2) { /* two chains a head hide the FMA latency */
+                const __m256 k0 = _mm256_load_ps(kb + d * 8), k1 = _mm256_load_ps(kb + (d + 1) * 8);
+                for (int j = 0; j < n; j++) {
+                    s[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qv[j][d]), k0, s[j]);
+                    s2[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qv[j][d + 1]), k1, s2[j]);
+                }
+            }
+            for (int j = 0; j < n; j++) {
+                __m256 sc = _mm256_add_ps(s[j], s2[j]);
+                if (b == nb - 1) sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, keep); /* keys past pos */
+                _mm256_store_ps(p[j] + 8 * b, sc);
+                mv[j] = _mm256_max_ps(mv[j], sc);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const float bm = hmax256(mv[j]);
+            const float m_new = bm > m[j] ? bm : m[j];
+            const __m256 vm = _mm256_set1_ps(m_new);
+            __m256 tot = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) { /* -inf (masked) lanes give 0 */
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(p[j] + 8 * b), vm));
+                _mm256_store_ps(p[j] + 8 * b, e);
+                tot = _mm256_add_ps(tot, e);
+            }
+            if (m_new != m[j]) { /* the running max moved: rescale what was summed under the old one */
+                const float alpha = expf(m[j] - m_new);
+                const __m256 va = _mm256_set1_ps(alpha);
+                for (int c = 0; c < C; c++) _mm256_store_ps(acc[j] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[j] + 8 * c), va));
+                l[j] *= alpha;
+            }
+            l[j] += hsum256(tot);
+            m[j] = m_new;
+        }
+        const float *vs = vf + base * D;
+        int c0 = 0;
+        for (; c0 + 2 <= C; c0 += 2) { /* two vectors of D at a time: n * 2 accumulators, 2 V vectors */
+            __m256 a[4][2];
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < 2; c++) a[j][c] = _mm256_load_ps(acc[j] + 8 * (c0 + c));
+            for (int t = 0; t < nk; t++) {
+                const __m256 v0 = _mm256_load_ps(vs + t * D + 8 * c0), v1 = _mm256_load_ps(vs + t * D + 8 * c0 + 8);
+                for (int j = 0; j < n; j++) {
+                    const __m256 pj = _mm256_broadcast_ss(&p[j][t]);
+                    a[j][0] = _mm256_fmadd_ps(pj, v0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(pj, v1, a[j][1]);
+                }
+            }
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < 2; c++) _mm256_store_ps(acc[j] + 8 * (c0 + c), a[j][c]);
+        }
+        if (c0 < C) { /* D / 8 odd: the last vector alone */
+            __m256 a[4];
+            for (int j = 0; j < n; j++) a[j] = _mm256_load_ps(acc[j] + 8 * c0);
+            for (int t = 0; t < nk; t++) {
+                const __m256 v0 = _mm256_load_ps(vs + t * D + 8 * c0);
+                for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[j][t]), v0, a[j]);
+            }
+            for (int j = 0; j < n; j++) _mm256_store_ps(acc[j] + 8 * c0, a[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        const float inv = 1.0f / l[j];
+        for (int d = 0; d < D; d++) {
+            if (is_bf16) ((uint16_t *)out)[qoff[j] + d] = x2_narrow(acc[j][d] * inv);
+            else ((float *)out)[qoff[j] + d] = acc[j][d] * inv;
+        }
+    }
+}
+
+/* query_heads with n and C as constants where a model needs them: SmolLM2's 3 query heads a KV head at
+ * head_dim 64, Llama's 4 at 64 and 128; a general loop for the rest. */
+static void extend_heads8(const float (*qv)[X2_MAX_D], int n, int C, const float *kt, const float *vf, int64_t pos,
+                          void *out, const int64_t *qoff, int is_bf16) {
+    if (n == 3 && C == 8)
+        query_heads(qv, 3, 8, kt, vf, pos, out, qoff, is_bf16);
+    else if (n == 4 && C == 8)
+        query_heads(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16);
+    else if (n == 4 && C == 16)
+        query_heads(qv, 4, 16, kt, vf, pos, out, qoff, is_bf16);
+    else
+        query_heads(qv, n, C, kt, vf, pos, out, qoff, is_bf16);
+}
+
+/* Queries i0..i1 of one request's extend (ext new tokens after prefix cached ones) for KV head hk: its keys
+ * 0..prefix + i1 - 1 transposed into kt and widened into vf (per-thread buffers), then each query's heads. */
+static void extend_range(const void *q, const void *k, const void *v, void *out, const int64_t *rows, int64_t prefix,
+                         int64_t i0, int64_t i1, int64_t q_start, int hk, int H, int Hkv, int D, float scale,
+                         int is_bf16, float *kt, float *vf) {
+    const int G = H / Hkv, W = Hkv * D, C = D / 8;
+    const int64_t total = prefix + i1, nblocks = (total + 7) / 8;
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        float *dst = kt + blk * 8 * D;
+        for (int j = 0; j < 8; j++) {
+            const int64_t t = blk * 8 + j;
+            const int64_t off = t < total ? rows[t] * W + (int64_t)hk * D : -1;
+            for (int d = 0; d < D; d++) dst[d * 8 + j] = off >= 0 ? x2_widen(k, off + d, is_bf16) : 0.0f;
+        }
+    }
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t off = rows[t] * W + (int64_t)hk * D;
+        if (is_bf16)
+            for (int d = 0; d < D; d++) vf[t * D + d] = x2_widen(v, off + d, 1);
+        else
+            memcpy(vf + t * D, (const float *)v + off, sizeof(float) * D);
+    }
+    for (int64_t i = i0; i < i1; i++) {
+        for (int g0 = 0; g0 < G; g0 += 4) { /* up to 4 query heads share each key block */
+            const int n = G - g0 < 4 ? G - g0 : 4;
+            float qv[4][X2_MAX_D] __attribute__((aligned(32)));
+            int64_t qoff[4];
+            for (int j = 0; j < n; j++) {
+                qoff[j] = ((q_start + i) * H + hk * G + g0 + j) * D;
+                for (int d = 0; d < D; d++) qv[j][d] = x2_widen(q, qoff[j] + d, is_bf16) * scale;
+            }
+            extend_heads8(qv, n, C, kt, vf, prefix + i, out, qoff, is_bf16);
+        }
+    }
+}
+
+/* Where a range of queries starts so that each of `parts` ranges has about the same work: query i attends
+ * prefix + i + 1 keys, so the work up to x is prefix x + x^2 / 2. */
+static int64_t range_start(int64_t prefix, int64_t ext, int part, int parts) {
+    if (part >= parts) return ext;
+    const double p = (double)prefix, e = (double)ext;
+    const double x = -p + sqrt(p * p + 2.0 * ((double)part / parts) * (p * e + e * e / 2.0));
+    const int64_t i = (int64_t)x;
+    return i < 0 ? 0 : (i > ext ? ext : i);
+}
+
+int extend_attention_avx2(const void *q, const void *k, const void *v, void *out, const int64_t *req_to_token,
+                          int64_t stride, const int64_t *slots, const int64_t *prefix, const int64_t *ext,
+                          const int64_t *q_start, int B, int H, int Hkv, int D, float scale, int is_bf16,
+                          int num_threads) {
+    if (Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 8 != 0 || D > X2_MAX_D) return 1;
+    int64_t max_total = 1;
+    for (int b = 0; b < B; b++) if (prefix[b] + ext[b] > max_total) max_total = prefix[b] + ext[b];
+    const int64_t padded = (max_total + 7) / 8 * 8;
+    const int parts = B * Hkv < 2 * num_threads ? X2_PARTS : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *kt = (float *)aligned_alloc(32, sizeof(float) * padded * D);
+        float *vf = (float *)aligned_alloc(32, sizeof(float) * padded * D);
+        if (kt == NULL || vf == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int u = 0; u < B * Hkv * parts; u++) { /* the last ranges (the most keys) first: they take longest */
+            const int r = parts - 1 - u % parts, hk = (u / parts) % Hkv, b = u / (parts * Hkv);
+            const int64_t i0 = range_start(prefix[b], ext[b], r, parts), i1 = range_start(prefix[b], ext[b], r + 1, parts);
+            if (kt != NULL && vf != NULL && i1 > i0)
+                extend_range(q, k, v, out, req_to_token + slots[b] * stride, prefix[b], i0, i1, q_start[b], hk, H, Hkv,
+                             D, scale, is_bf16, kt, vf);
+        }
+        free(kt);
+        free(vf);
+    }
+    return failed;
+}
+#endif
