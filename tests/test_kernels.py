@@ -221,17 +221,33 @@ def test_native_decode_from_qkv_views_stores_and_attends_in_one_call(b, dtype, m
         assert torch.allclose(outs[1][i].double(), expected, atol=tol, rtol=tol), f"row {i}"
 
 
-@pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
-                         ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"])  # fmt: skip
-@pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)
-def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
-    """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
-    first, 256-bit vectors without AVX-512, the plain loop without AVX2) against the float64 reference,
-    over lengths around the 16- and 8-key blocks."""
+@pytest.fixture(scope="module")
+def attention_build(tmp_path_factory):
+    """The attention kernels (decode_attention.c, and extend_avx2.c which it calls) built with the project's
+    flags plus narrower ones (-mno-avx512f, ...): the paths a machine without those instructions takes.
+    Each flag set compiled once for the module."""
     from helpers import build_narrower
     from engine.kernels.cpu.build import bind_attention
 
-    lib = bind_attention(build_narrower(tmp_path, ["decode_attention.c", "extend_avx2.c"], narrower))
+    built = {}
+
+    def get(flags: list[str]):
+        if tuple(flags) not in built:
+            lib = build_narrower(tmp_path_factory.mktemp("narrow"), ["decode_attention.c", "extend_avx2.c"], flags)
+            built[tuple(flags)] = bind_attention(lib)
+        return built[tuple(flags)]
+
+    return get
+
+
+@pytest.mark.parametrize("narrower", [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
+                         ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"])  # fmt: skip
+@pytest.mark.parametrize("heads", [(9, 3), (12, 2)])  # 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)
+def test_decode_kernel_builds_match_reference(attention_build, narrower, heads):
+    """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
+    first, 256-bit vectors without AVX-512, the plain loop without AVX2) against the float64 reference,
+    over lengths around the 16- and 8-key blocks."""
+    lib = attention_build(narrower)
     h, hkv = heads
     d, lens = 64, torch.tensor([1, 7, 15, 16, 17, 33, 80, 131])
     gen = torch.Generator().manual_seed(3)
@@ -276,15 +292,12 @@ def test_decode_kernel_builds_match_reference(tmp_path, narrower, heads):
 
 @pytest.mark.parametrize("narrower", [[], ["-mno-avx512f"]], ids=["native", "no-avx512"])
 @pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (64, (12, 2)), (40, (6, 2)), (128, (8, 2))])
-def test_extend_kernel_builds_match_reference(tmp_path, narrower, head_dim, heads):
+def test_extend_kernel_builds_match_reference(attention_build, narrower, head_dim, heads):
     """Each extend path a machine may build (512-bit; 256-bit without AVX-512, extend_avx2.c) against the
     float64 reference: prefixes and new tokens around the 8- and 16-key blocks and the 32- and 64-key
     softmax steps; a batch of one long prompt, whose queries the AVX2 kernel cuts in ranges across threads;
     head counts of 3, 6 (4 then 2) and 4 a KV head; float32 and bfloat16 storage."""
-    from helpers import build_narrower
-    from engine.kernels.cpu.build import bind_attention
-
-    lib = bind_attention(build_narrower(tmp_path, ["decode_attention.c", "extend_avx2.c"], narrower))
+    lib = attention_build(narrower)
     (h, hkv), d = heads, head_dim
     if not lib.native_support(h, hkv, d) & 2:
         pytest.skip(f"this build has no native extend for head_dim {d}")
@@ -315,6 +328,36 @@ def test_extend_kernel_builds_match_reference(tmp_path, narrower, head_dim, head
                     expected = _reference(q[int(q_start[r]) + i], k[idx], v[idx], d**-0.5)
                     got = out[int(q_start[r]) + i].double()
                     assert torch.allclose(got, expected, atol=tol, rtol=tol), (dtype, prefix_lens, r, i)
+
+
+@pytest.mark.parametrize("narrower", [[], ["-mno-avx512f"]], ids=["native", "no-avx512"])
+def test_extend_query_output_does_not_depend_on_its_batch(attention_build, narrower):
+    """The AVX2 kernel takes two query rows at a time (a range's last one alone when odd): a query's output
+    must be bitwise the same whether it was paired or alone, i.e. whatever the batch, chunking or thread
+    ranges around it. Rows at positions before a block's end (pos % 8 == 7: the paired second row reads a
+    block more) and a softmax step's end (pos % 32 == 31: a step more), once paired (one request, two new
+    tokens) and once alone (two requests over the same rows, one new token each)."""
+    lib = attention_build(narrower)
+    h, hkv, d = 9, 3, 64
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(100, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(100, hkv, d, generator=gen).to(dtype)
+        for pos in (0, 10, 15, 31, 63, 70):
+            q = torch.randn(2, h, d, generator=gen).to(dtype)
+            rows = torch.randperm(99, generator=gen)[: pos + 2] + 1
+            table = rows.repeat(2, 1).contiguous()
+            outs = []
+            for prefix, ext, q_start in (([pos], [2], [0]), ([pos, pos + 1], [1, 1], [0, 1])):
+                out = torch.full_like(q, float("nan"))
+                n = len(ext)
+                slots, prefix, ext, q_start = torch.arange(n), torch.tensor(prefix), torch.tensor(ext), torch.tensor(q_start)
+                rc = lib.extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), table.data_ptr(),
+                                          table.stride(0), slots.data_ptr(), prefix.data_ptr(), ext.data_ptr(),
+                                          q_start.data_ptr(), n, h, hkv, d, d**-0.5, int(dtype == torch.bfloat16), 2)  # fmt: skip
+                assert rc == 0
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (dtype, pos)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # bfloat16: the whole-step pass (AVX512_BF16)

@@ -3,11 +3,11 @@
  * Why: torch's SDPA was 48% of a 2,500-token prefill on a Zen 1 (as much as all its matmuls).
  *
  * The same flash-style walk as the 512-bit kernel, in 8-key blocks: K of one request and KV head is first
- * transposed into blocks [D][8] (float32), V widened to float32 rows; each query row's heads (up to 4
- * of a KV head at once) walk the key blocks up to their own position, scores of 8 keys from D
+ * transposed into blocks [D][8] (float32), V widened to float32 rows; two query rows at a time, each with
+ * its heads of a KV head (up to 4), walk the key blocks up to their own positions, scores of 8 keys from D
  * broadcast-FMAs, an online softmax every X2_SB blocks. With 16 vector registers the output
- * accumulators (heads x D / 8 vectors) cannot stay in registers across the walk: P.V adds a step's keys
- * into them two vectors of D at a time (at most 8 accumulators live), kept in L1 between steps.
+ * accumulators (rows x heads x D / 8 vectors) cannot stay in registers across the walk: P.V adds a step's
+ * keys into them two vectors of D at a time (at most 12 accumulators live), kept in L1 between steps.
  * A request's queries may be split in ranges across threads (one long prompt on a few cores), each
  * range over the keys it needs. Float32 math for float32 or bfloat16 storage. */
 #include <math.h>
@@ -38,115 +38,126 @@ static inline uint16_t x2_narrow(float f) { /* round to nearest even, NaN kept a
     return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
 }
 
-/* One query row's n heads (n <= 4; qv pre-scaled) against keys 0..pos of kt (blocks [D][8]) and vf (rows),
- * written at out + qoff[j]. Always inlined, with n and C (D / 8) constants where extend_heads8 can: the
- * score chains and P.V accumulators are then registers, not stack. */
-static inline __attribute__((always_inline)) void query_heads(const float (*qv)[X2_MAX_D], const int n, const int C,
-                                                             const float *kt, const float *vf, int64_t pos,
-                                                             void *out, const int64_t *qoff, int is_bf16) {
-    const int D = 8 * C;
-    const int64_t last = pos / 8; /* the last key block */
-    float acc[4][X2_MAX_D] __attribute__((aligned(32)));
-    float p[4][8 * X2_SB] __attribute__((aligned(32)));
-    float m[4], l[4];
-    for (int j = 0; j < n; j++) {
-        memset(acc[j], 0, sizeof(float) * D);
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
+/* R consecutive query rows (R = 1 or 2, at positions pos and pos + 1) of n heads each (n <= 4; qv[r * n + j]
+ * pre-scaled) against keys 0..pos + R - 1 of kt (blocks [D][8]) and vf (rows), row r's head j written at
+ * out + qoff[r * n + j]. Two rows share each K block and V row they read (half the L2 traffic where a long
+ * prompt's keys do not fit L1). Each row's sums are the same, bitwise, whether it runs alone or paired:
+ * one chain a (row, head) in the same order; a paired first row's key past its position (and a whole block
+ * or step past it) scores -inf, adds 0 to its softmax sum and 0 x V to its output. Always inlined, with R,
+ * n and C (D / 8) constants where extend_rows8 can: the chains and accumulators are then registers. */
+static inline __attribute__((always_inline)) void query_rows(const int R, const float (*qv)[X2_MAX_D], const int n,
+                                                            const int C, const float *kt, const float *vf,
+                                                            int64_t pos, void *out, const int64_t *qoff, int is_bf16) {
+    const int D = 8 * C, S = R * n;
+    const int W = S * 2 <= 12 ? 2 : 1; /* P.V: vectors of D a pass, so that S * W accumulators fit the registers */
+    const int64_t last = (pos + R - 1) / 8; /* the last key block of the last row */
+    float acc[8][X2_MAX_D] __attribute__((aligned(32)));
+    float p[8][8 * X2_SB] __attribute__((aligned(32)));
+    float m[8], l[8];
+    for (int s = 0; s < S; s++) {
+        memset(acc[s], 0, sizeof(float) * D);
+        m[s] = -INFINITY;
+        l[s] = 0.0f;
     }
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t sb = 0; sb <= last; sb += X2_SB) {
         const int nb = last - sb + 1 < X2_SB ? (int)(last - sb + 1) : X2_SB;
-        const int64_t base = sb * 8;
-        const int nk = (int)((sb + nb - 1 == last ? pos + 1 : base + 8 * nb) - base); /* keys in the step */
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nk - 8 * (nb - 1)), lane));
-        __m256 mv[4];
-        for (int j = 0; j < n; j++) mv[j] = _mm256_set1_ps(-INFINITY);
+        const int64_t base = sb * 8, tail = base + 8 * (nb - 1); /* the step's first key, its last block's */
+        const int nk = (int)((sb + nb - 1 == last ? pos + R : base + 8 * nb) - base); /* keys in the step */
+        __m256 keep[2]; /* per row, which keys of the step's last block it attends */
+        for (int r = 0; r < R; r++) {
+            const int64_t cnt = pos + r + 1 - tail;
+            keep[r] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cnt < 0 ? 0 : cnt > 8 ? 8 : cnt)), lane));
+        }
+        __m256 mv[8];
+        for (int s = 0; s < S; s++) mv[s] = _mm256_set1_ps(-INFINITY);
         for (int b = 0; b < nb; b++) {
             const float *kb = kt + (sb + b) * 8 * D;
-            __m256 s[4], s2[4];
-            for (int j = 0; j < n; j++) s[j] = s2[j] = _mm256_setzero_ps();
-            for (int d = 0; d < D; d += 2) { /* two chains a head hide the FMA latency */
-                const __m256 k0 = _mm256_load_ps(kb + d * 8), k1 = _mm256_load_ps(kb + (d + 1) * 8);
-                for (int j = 0; j < n; j++) {
-                    s[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qv[j][d]), k0, s[j]);
-                    s2[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qv[j][d + 1]), k1, s2[j]);
-                }
+            __m256 sc[8];
+            for (int s = 0; s < S; s++) sc[s] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d++) {
+                const __m256 kd = _mm256_load_ps(kb + d * 8);
+                for (int s = 0; s < S; s++) sc[s] = _mm256_fmadd_ps(_mm256_broadcast_ss(&qv[s][d]), kd, sc[s]);
             }
-            for (int j = 0; j < n; j++) {
-                __m256 sc = _mm256_add_ps(s[j], s2[j]);
-                if (b == nb - 1) sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, keep); /* keys past pos */
-                _mm256_store_ps(p[j] + 8 * b, sc);
-                mv[j] = _mm256_max_ps(mv[j], sc);
+            for (int s = 0; s < S; s++) {
+                if (b == nb - 1) sc[s] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc[s], keep[s / n]);
+                _mm256_store_ps(p[s] + 8 * b, sc[s]);
+                mv[s] = _mm256_max_ps(mv[s], sc[s]);
             }
         }
-        for (int j = 0; j < n; j++) {
-            const float bm = hmax256(mv[j]);
-            const float m_new = bm > m[j] ? bm : m[j];
+        for (int s = 0; s < S; s++) {
+            const float bm = hmax256(mv[s]);
+            const float m_new = bm > m[s] ? bm : m[s];
             const __m256 vm = _mm256_set1_ps(m_new);
             __m256 tot = _mm256_setzero_ps();
             for (int b = 0; b < nb; b++) { /* -inf (masked) lanes give 0 */
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(p[j] + 8 * b), vm));
-                _mm256_store_ps(p[j] + 8 * b, e);
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(p[s] + 8 * b), vm));
+                _mm256_store_ps(p[s] + 8 * b, e);
                 tot = _mm256_add_ps(tot, e);
             }
-            if (m_new != m[j]) { /* the running max moved: rescale what was summed under the old one */
-                const float alpha = expf(m[j] - m_new);
+            if (m_new != m[s]) { /* the running max moved: rescale what was summed under the old one */
+                const float alpha = expf(m[s] - m_new);
                 const __m256 va = _mm256_set1_ps(alpha);
-                for (int c = 0; c < C; c++) _mm256_store_ps(acc[j] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[j] + 8 * c), va));
-                l[j] *= alpha;
+                for (int c = 0; c < C; c++) _mm256_store_ps(acc[s] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[s] + 8 * c), va));
+                l[s] *= alpha;
             }
-            l[j] += hsum256(tot);
-            m[j] = m_new;
+            l[s] += hsum256(tot);
+            m[s] = m_new;
         }
         const float *vs = vf + base * D;
         int c0 = 0;
-        for (; c0 + 2 <= C; c0 += 2) { /* two vectors of D at a time: n * 2 accumulators, 2 V vectors */
-            __m256 a[4][2];
-            for (int j = 0; j < n; j++)
-                for (int c = 0; c < 2; c++) a[j][c] = _mm256_load_ps(acc[j] + 8 * (c0 + c));
+        for (; c0 + W <= C; c0 += W) { /* W vectors of D at a time: S * W accumulators, W V vectors */
+            __m256 a[8][2];
+            for (int s = 0; s < S; s++)
+                for (int w = 0; w < W; w++) a[s][w] = _mm256_load_ps(acc[s] + 8 * (c0 + w));
             for (int t = 0; t < nk; t++) {
-                const __m256 v0 = _mm256_load_ps(vs + t * D + 8 * c0), v1 = _mm256_load_ps(vs + t * D + 8 * c0 + 8);
-                for (int j = 0; j < n; j++) {
-                    const __m256 pj = _mm256_broadcast_ss(&p[j][t]);
-                    a[j][0] = _mm256_fmadd_ps(pj, v0, a[j][0]);
-                    a[j][1] = _mm256_fmadd_ps(pj, v1, a[j][1]);
+                __m256 vv[2];
+                for (int w = 0; w < W; w++) vv[w] = _mm256_load_ps(vs + t * D + 8 * (c0 + w));
+                for (int s = 0; s < S; s++) {
+                    const __m256 ps = _mm256_broadcast_ss(&p[s][t]);
+                    for (int w = 0; w < W; w++) a[s][w] = _mm256_fmadd_ps(ps, vv[w], a[s][w]);
                 }
             }
-            for (int j = 0; j < n; j++)
-                for (int c = 0; c < 2; c++) _mm256_store_ps(acc[j] + 8 * (c0 + c), a[j][c]);
+            for (int s = 0; s < S; s++)
+                for (int w = 0; w < W; w++) _mm256_store_ps(acc[s] + 8 * (c0 + w), a[s][w]);
         }
-        if (c0 < C) { /* D / 8 odd: the last vector alone */
-            __m256 a[4];
-            for (int j = 0; j < n; j++) a[j] = _mm256_load_ps(acc[j] + 8 * c0);
+        if (c0 < C) { /* D / 8 odd and W 2: the last vector alone */
+            __m256 a[8];
+            for (int s = 0; s < S; s++) a[s] = _mm256_load_ps(acc[s] + 8 * c0);
             for (int t = 0; t < nk; t++) {
                 const __m256 v0 = _mm256_load_ps(vs + t * D + 8 * c0);
-                for (int j = 0; j < n; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[j][t]), v0, a[j]);
+                for (int s = 0; s < S; s++) a[s] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[s][t]), v0, a[s]);
             }
-            for (int j = 0; j < n; j++) _mm256_store_ps(acc[j] + 8 * c0, a[j]);
+            for (int s = 0; s < S; s++) _mm256_store_ps(acc[s] + 8 * c0, a[s]);
         }
     }
-    for (int j = 0; j < n; j++) {
-        const float inv = 1.0f / l[j];
+    for (int s = 0; s < S; s++) {
+        const float inv = 1.0f / l[s];
         for (int d = 0; d < D; d++) {
-            if (is_bf16) ((uint16_t *)out)[qoff[j] + d] = x2_narrow(acc[j][d] * inv);
-            else ((float *)out)[qoff[j] + d] = acc[j][d] * inv;
+            if (is_bf16) ((uint16_t *)out)[qoff[s] + d] = x2_narrow(acc[s][d] * inv);
+            else ((float *)out)[qoff[s] + d] = acc[s][d] * inv;
         }
     }
 }
 
-/* query_heads with n and C as constants where a model needs them: SmolLM2's 3 query heads a KV head at
+/* query_rows with R, n and C as constants where a model needs them: SmolLM2's 3 query heads a KV head at
  * head_dim 64, Llama's 4 at 64 and 128; a general loop for the rest. */
-static void extend_heads8(const float (*qv)[X2_MAX_D], int n, int C, const float *kt, const float *vf, int64_t pos,
-                          void *out, const int64_t *qoff, int is_bf16) {
-    if (n == 3 && C == 8)
-        query_heads(qv, 3, 8, kt, vf, pos, out, qoff, is_bf16);
-    else if (n == 4 && C == 8)
-        query_heads(qv, 4, 8, kt, vf, pos, out, qoff, is_bf16);
-    else if (n == 4 && C == 16)
-        query_heads(qv, 4, 16, kt, vf, pos, out, qoff, is_bf16);
-    else
-        query_heads(qv, n, C, kt, vf, pos, out, qoff, is_bf16);
+static void extend_rows8(int R, const float (*qv)[X2_MAX_D], int n, int C, const float *kt, const float *vf,
+                         int64_t pos, void *out, const int64_t *qoff, int is_bf16) {
+#define ROWS(r, nn, cc) \
+    if (R == r && n == nn && C == cc) {                                                      \
+        query_rows(r, qv, nn, cc, kt, vf, pos, out, qoff, is_bf16);                          \
+        return;                                                                              \
+    }
+    ROWS(2, 3, 8)
+    ROWS(1, 3, 8)
+    ROWS(2, 4, 8)
+    ROWS(1, 4, 8)
+    ROWS(2, 4, 16)
+    ROWS(1, 4, 16)
+#undef ROWS
+    if (R == 2) query_rows(2, qv, n, C, kt, vf, pos, out, qoff, is_bf16);
+    else query_rows(1, qv, n, C, kt, vf, pos, out, qoff, is_bf16);
 }
 
 /* Queries i0..i1 of one request's extend (ext new tokens after prefix cached ones) for KV head hk: its keys
@@ -171,16 +182,19 @@ static void extend_range(const void *q, const void *k, const void *v, void *out,
         else
             memcpy(vf + t * D, (const float *)v + off, sizeof(float) * D);
     }
-    for (int64_t i = i0; i < i1; i++) {
+    for (int64_t i = i0; i < i1; i += 2) { /* two query rows at a time, the range's last one alone if odd */
+        const int R = i + 1 < i1 ? 2 : 1;
         for (int g0 = 0; g0 < G; g0 += 4) { /* up to 4 query heads share each key block */
             const int n = G - g0 < 4 ? G - g0 : 4;
-            float qv[4][X2_MAX_D] __attribute__((aligned(32)));
-            int64_t qoff[4];
-            for (int j = 0; j < n; j++) {
-                qoff[j] = ((q_start + i) * H + hk * G + g0 + j) * D;
-                for (int d = 0; d < D; d++) qv[j][d] = x2_widen(q, qoff[j] + d, is_bf16) * scale;
-            }
-            extend_heads8(qv, n, C, kt, vf, prefix + i, out, qoff, is_bf16);
+            float qv[8][X2_MAX_D] __attribute__((aligned(32)));
+            int64_t qoff[8];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < n; j++) {
+                    const int s = r * n + j;
+                    qoff[s] = ((q_start + i + r) * H + hk * G + g0 + j) * D;
+                    for (int d = 0; d < D; d++) qv[s][d] = x2_widen(q, qoff[s] + d, is_bf16) * scale;
+                }
+            extend_rows8(R, qv, n, C, kt, vf, prefix + i, out, qoff, is_bf16);
         }
     }
 }
