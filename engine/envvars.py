@@ -41,6 +41,8 @@ VARIABLES: dict[str, EnvVar] = {
                "0: the exact mode's bfloat16 decode steps on our linear kernel go through llama.py's plain forward instead of fused_decode.py's direct kernel calls (the same logits; A/B runs)"),
         EnvVar("ENGINE_DECODE_LAYERS", "1", "1 or 0",
                "0: the quantized modes' decode steps call each layer's kernels from Python (fused_decode.py's loop) instead of all layers in one C call (decode_layers.c; the same logits; A/B runs)"),
+        EnvVar("ENGINE_NATIVE_EXTEND", "1", "1 or 0",
+               "0: prefill attention on the CPU runs torch's SDPA even where the native extend kernel is built (A/B runs)"),
         EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
         EnvVar("ENGINE_METRICS_PORT", "", "a TCP port",
                "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port"),

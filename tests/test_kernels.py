@@ -132,6 +132,18 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
         assert backend.native_extend == ("avx2" in flags and "fma" in flags and head_dim % 8 == 0)
 
 
+def test_native_extend_can_be_switched_off_for_ab_runs(monkeypatch):
+    """ENGINE_NATIVE_EXTEND=0: the native backend keeps its decode and sends prefill to torch's SDPA."""
+    if load_native() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("ENGINE_NATIVE_EXTEND", "0")
+    backend = create_backend("auto", "cpu", num_heads=9, num_kv_heads=3, head_dim=64, scale=1.0,
+                             kv_pool=Pool(4, 3, 64, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
+    from engine.kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+
+    assert type(backend) is CpuNativeAttentionBackend and backend.native_extend is False
+
+
 def _scattered_decode_batch(b: int):
     """A decode batch of b requests (contexts 61, 7, 80, 33, 50 in slots 6, 0, 3, 1, 7) whose rows lie
     scattered through a 1,000-row pool: (table, slots, lens, out_cache_loc, batch)."""

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from engine import envvars
 from engine.kernels.attention.base import ForwardBatch, ForwardMode
 from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
@@ -38,7 +39,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                 f"the native kernels do not handle {self.num_heads} heads ({self.num_kv_heads} KV heads) of "
                 f"head_dim {self.head_dim}"
             )
-        self.native_extend = bool(support & EXTEND)
+        self.native_extend = bool(support & EXTEND) and envvars.read("ENGINE_NATIVE_EXTEND") != "0"
         pool = self.kv_pool.k_buffers[0].dtype  # the one-call decode's storage types: float32, bfloat16
         self._one_call_dtype = pool if pool in (torch.float32, torch.bfloat16) else None
 
