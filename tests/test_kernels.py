@@ -113,7 +113,7 @@ def test_auto_falls_back_to_torch_for_shapes_the_native_kernel_does_not_handle()
 
 
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 72])
-def test_native_backend_decides_its_prefill_path_at_start(head_dim):
+def test_native_backend_decides_its_prefill_path_at_start(head_dim, monkeypatch):
     """Whether extend runs natively is known when the backend is made (AVX-512 and head_dim % 16 == 0, or
     AVX2 with FMA and head_dim % 8 == 0), so no shape the kernel refuses reaches it in a step (issue 13,
     item 1)."""
@@ -122,6 +122,7 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim):
 
     if load_native() is None:
         pytest.skip("no C compiler")
+    monkeypatch.delenv("ENGINE_NATIVE_EXTEND", raising=False)
     flags = cpu_flags()
     backend = create_backend("auto", "cpu", num_heads=8, num_kv_heads=2, head_dim=head_dim, scale=1.0,
                              kv_pool=Pool(4, 2, head_dim, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
@@ -136,12 +137,17 @@ def test_native_extend_can_be_switched_off_for_ab_runs(monkeypatch):
     """ENGINE_NATIVE_EXTEND=0: the native backend keeps its decode and sends prefill to torch's SDPA."""
     if load_native() is None:
         pytest.skip("no C compiler")
-    monkeypatch.setenv("ENGINE_NATIVE_EXTEND", "0")
-    backend = create_backend("auto", "cpu", num_heads=9, num_kv_heads=3, head_dim=64, scale=1.0,
-                             kv_pool=Pool(4, 3, 64, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
-    from engine.kernels.attention.cpu_native_backend import CpuNativeAttentionBackend
+    from engine.kernels.attention.cpu_native_backend import EXTEND, CpuNativeAttentionBackend, native_support
 
-    assert type(backend) is CpuNativeAttentionBackend and backend.native_extend is False
+    def backend():
+        return create_backend("auto", "cpu", num_heads=9, num_kv_heads=3, head_dim=64, scale=1.0,
+                              kv_pool=Pool(4, 3, 64, torch.float32), req_to_token=torch.zeros(1, 4, dtype=torch.int64))
+
+    monkeypatch.delenv("ENGINE_NATIVE_EXTEND", raising=False)
+    assert backend().native_extend == bool(native_support(load_native(), 9, 3, 64) & EXTEND)  # the build decides
+    monkeypatch.setenv("ENGINE_NATIVE_EXTEND", "0")
+    off = backend()
+    assert type(off) is CpuNativeAttentionBackend and off.native_extend is False
 
 
 def _scattered_decode_batch(b: int):
@@ -348,7 +354,8 @@ def test_extend_query_output_does_not_depend_on_its_batch(attention_build, narro
     must be bitwise the same whether it was paired or alone, i.e. whatever the batch, chunking or thread
     ranges around it. Rows at positions before a block's end (pos % 8 == 7: the paired second row reads a
     block more) and a softmax step's end (pos % 32 == 31: a step more), once paired (one request, two new
-    tokens) and once alone (two requests over the same rows, one new token each)."""
+    tokens, one thread: its 3 KV heads are then not cut in query ranges, which would part the two rows) and
+    once alone (two requests over the same rows, one new token each)."""
     lib = attention_build(narrower)
     h, hkv, d = 9, 3, 64
     gen = torch.Generator().manual_seed(11)
@@ -366,7 +373,7 @@ def test_extend_query_output_does_not_depend_on_its_batch(attention_build, narro
                 slots, prefix, ext, q_start = torch.arange(n), torch.tensor(prefix), torch.tensor(ext), torch.tensor(q_start)
                 rc = lib.extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), table.data_ptr(),
                                           table.stride(0), slots.data_ptr(), prefix.data_ptr(), ext.data_ptr(),
-                                          q_start.data_ptr(), n, h, hkv, d, d**-0.5, int(dtype == torch.bfloat16), 2)  # fmt: skip
+                                          q_start.data_ptr(), n, h, hkv, d, d**-0.5, int(dtype == torch.bfloat16), 1)  # fmt: skip
                 assert rc == 0
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), (dtype, pos)

@@ -144,7 +144,8 @@ def library_path() -> tuple[Path, bool] | None:
 
 
 def bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the attention kernels' C signatures (a library built from decode_attention.c alone has only these)."""
+    """Declare the attention kernels' C signatures (a library built from decode_attention.c and extend_avx2.c,
+    which it calls on AVX2 builds, has only these)."""
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

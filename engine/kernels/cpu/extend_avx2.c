@@ -1,13 +1,15 @@
-/* Causal extend (prefill) attention for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel before
- * Skylake-X): decode_attention.c's extend_attention calls this where its 512-bit kernel is not built.
+/* Causal extend (prefill) attention for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3; Intel from
+ * Haswell on where AVX-512 is absent, as in most client CPUs): decode_attention.c's extend_attention calls
+ * this where its 512-bit kernel is not built.
  * Why: torch's SDPA was 48% of a 2,500-token prefill on a Zen 1 (as much as all its matmuls).
  *
  * The same flash-style walk as the 512-bit kernel, in 8-key blocks: K of one request and KV head is first
  * transposed into blocks [D][8] (float32), V widened to float32 rows; two query rows at a time, each with
- * its heads of a KV head (up to 4), walk the key blocks up to their own positions, scores of 8 keys from D
- * broadcast-FMAs, an online softmax every X2_SB blocks. With 16 vector registers the output
- * accumulators (rows x heads x D / 8 vectors) cannot stay in registers across the walk: P.V adds a step's
- * keys into them two vectors of D at a time (at most 12 accumulators live), kept in L1 between steps.
+ * its heads of a KV head (up to 4), walk the key blocks up to the second row's position (the first row's
+ * key past its own scores -inf), scores of 8 keys from D broadcast-FMAs, an online softmax every X2_SB
+ * blocks. With 16 vector registers the output accumulators (rows x heads x D / 8 vectors) cannot stay in
+ * registers across the walk: P.V adds a step's keys into them two vectors of D at a time (one with two
+ * rows of 4 heads; at most 12 accumulators live), kept in L1 between steps.
  * A request's queries may be split in ranges across threads (one long prompt on a few cores), each
  * range over the keys it needs. Float32 math for float32 or bfloat16 storage. */
 #include <math.h>
@@ -95,13 +97,16 @@ static inline __attribute__((always_inline)) void query_rows(const int R, const 
                 _mm256_store_ps(p[s] + 8 * b, e);
                 tot = _mm256_add_ps(tot, e);
             }
+            float alpha = 1.0f;
             if (m_new != m[s]) { /* the running max moved: rescale what was summed under the old one */
-                const float alpha = expf(m[s] - m_new);
+                alpha = expf(m[s] - m_new);
                 const __m256 va = _mm256_set1_ps(alpha);
                 for (int c = 0; c < C; c++) _mm256_store_ps(acc[s] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[s] + 8 * c), va));
-                l[s] *= alpha;
             }
-            l[s] += hsum256(tot);
+            /* one explicit fused multiply-add (l x 1 + sum is exact where the max stayed): a multiply then an
+             * add could be contracted in one inlined copy of this function and not in another, and a row's
+             * sums must not depend on which copy ran it */
+            l[s] = fmaf(l[s], alpha, hsum256(tot));
             m[s] = m_new;
         }
         const float *vs = vf + base * D;
@@ -217,7 +222,7 @@ int extend_attention_avx2(const void *q, const void *k, const void *v, void *out
     int64_t max_total = 1;
     for (int b = 0; b < B; b++) if (prefix[b] + ext[b] > max_total) max_total = prefix[b] + ext[b];
     const int64_t padded = (max_total + 7) / 8 * 8;
-    const int parts = B * Hkv < 2 * num_threads ? X2_PARTS : 1;
+    const int parts = num_threads > 1 && B * Hkv < 2 * num_threads ? X2_PARTS : 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
