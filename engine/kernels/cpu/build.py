@@ -28,7 +28,7 @@ from pathlib import Path
 from engine import envvars
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, decode_layers.c, elementwise.c, elementwise_bf16.c, extend_avx2.c, gguf_linear.c, int8_linear.c
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # avx2_math.h, exp_poly.h: part of the cache key, as the sources
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # avx2_math.h, bf16_scalar.h, exp_poly.h: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",

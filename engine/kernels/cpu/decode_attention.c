@@ -12,20 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)h) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    uint32_t u = x.u;
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0u; /* NaN: the carry below would make it 0 or inf */
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#include "bf16_scalar.h"
 
 /* n elements from base[off..] (float32 or bfloat16 storage) into float32 dst */
 static inline void load_row_f32(const void *base, int64_t off, int n, int is_bf16, float *dst) {

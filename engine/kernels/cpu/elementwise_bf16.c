@@ -14,22 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16_scalar.h" /* bf16_to_f32, f32_to_bf16 */
 
-static inline uint16_t f32_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded; /* NaN stays a NaN (torch's
-    scalar conversion's 0x7FC0; its vectorized one writes 0xFFFF: the same value, other bits) */
-}
-
-static inline float round_bf16(float f) { return bf16_f32(f32_bf16(f)); }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #include "exp_poly.h"
 
@@ -46,21 +33,21 @@ void add_rms_norm_bf16(uint16_t *h, const uint16_t *a, const uint16_t *w, uint16
             const uint16_t *y = a + r * n;
 #pragma omp simd reduction(+ : ss)
             for (int64_t i = 0; i < n; i++) {
-                const uint16_t s = f32_bf16(bf16_f32(x[i]) + bf16_f32(y[i]));
+                const uint16_t s = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
                 x[i] = s;
-                const float f = bf16_f32(s);
+                const float f = bf16_to_f32(s);
                 ss += f * f;
             }
         } else {
 #pragma omp simd reduction(+ : ss)
             for (int64_t i = 0; i < n; i++) {
-                const float f = bf16_f32(x[i]);
+                const float f = bf16_to_f32(x[i]);
                 ss += f * f;
             }
         }
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = f32_bf16(bf16_f32(x[i]) * inv * bf16_f32(w[i]));
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(x[i]) * inv * bf16_to_f32(w[i]));
     }
 }
 
@@ -77,9 +64,9 @@ void rotary_qkv_bf16(uint16_t *qkv, int64_t rows, int64_t stride, int heads, int
             uint16_t *x = qkv + t * stride + (int64_t)hd * d;
 #pragma omp simd
             for (int i = 0; i < half; i++) {
-                const float lo = bf16_f32(x[i]), hi = bf16_f32(x[i + half]);
-                x[i] = f32_bf16(round_bf16(lo * bf16_f32(c[i])) + round_bf16(-hi * bf16_f32(s[i])));
-                x[i + half] = f32_bf16(round_bf16(hi * bf16_f32(c[i + half])) + round_bf16(lo * bf16_f32(s[i + half])));
+                const float lo = bf16_to_f32(x[i]), hi = bf16_to_f32(x[i + half]);
+                x[i] = f32_to_bf16(round_bf16(lo * bf16_to_f32(c[i])) + round_bf16(-hi * bf16_to_f32(s[i])));
+                x[i + half] = f32_to_bf16(round_bf16(hi * bf16_to_f32(c[i + half])) + round_bf16(lo * bf16_to_f32(s[i + half])));
             }
         }
     }
@@ -97,11 +84,11 @@ void silu_mul_bf16(const uint16_t *restrict gate_up, uint16_t *restrict out, int
             const int n = inter - i0 < 256 ? (int)(inter - i0) : 256;
 #pragma omp simd
             for (int i = 0; i < n; i++) {
-                const float x = bf16_f32(g[i0 + i]);
+                const float x = bf16_to_f32(g[i0 + i]);
                 s[i] = round_bf16(x / (1.0f + exp_poly(-x)));
             }
 #pragma omp simd
-            for (int i = 0; i < n; i++) o[i0 + i] = f32_bf16(s[i] * bf16_f32(g[inter + i0 + i]));
+            for (int i = 0; i < n; i++) o[i0 + i] = f32_to_bf16(s[i] * bf16_to_f32(g[inter + i0 + i]));
         }
     }
 }

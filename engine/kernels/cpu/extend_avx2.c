@@ -21,23 +21,14 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "bf16_scalar.h"
 
 #define X2_MAX_D 256 /* as decode_attention.c's MAX_D */
 #define X2_SB 4      /* 8-key blocks per online-softmax step: one max, one rescale per 32 keys */
 #define X2_PARTS 4   /* query ranges a (request, KV head) unit is cut into when units are fewer than 2 a thread */
 
-static inline float x2_widen(const void *base, int64_t off, int is_bf16) {
-    if (!is_bf16) return ((const float *)base)[off];
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)((const uint16_t *)base)[off] << 16;
-    return x.f;
-}
-
-static inline uint16_t x2_narrow(float f) { /* round to nearest even, NaN kept a NaN */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0u;
-    return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
+static inline float x2_widen(const void *base, int64_t off, int is_bf16) { /* one element as float32 */
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[off]) : ((const float *)base)[off];
 }
 
 /* R consecutive query rows (R = 1 or 2, at positions pos and pos + 1) of n heads each (n <= 4; qv[r * n + j]
@@ -139,7 +130,7 @@ static inline __attribute__((always_inline)) void query_rows(const int R, const 
     for (int s = 0; s < S; s++) {
         const float inv = 1.0f / l[s];
         for (int d = 0; d < D; d++) {
-            if (is_bf16) ((uint16_t *)out)[qoff[s] + d] = x2_narrow(acc[s][d] * inv);
+            if (is_bf16) ((uint16_t *)out)[qoff[s] + d] = f32_to_bf16(acc[s][d] * inv);
             else ((float *)out)[qoff[s] + d] = acc[s][d] * inv;
         }
     }
