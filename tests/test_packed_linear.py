@@ -12,8 +12,9 @@ from torch import nn
 
 from engine.model.config import load_hf_config
 from engine.kernels.cpu import load_native
-from engine.model import bf16_linear
+from engine.model import bf16_linear, f32_linear
 from engine.model.bf16_linear import Bf16Linear
+from engine.model.f32_linear import F32Linear
 from engine.model.loader import load_model
 from engine.model.packed_linear import PackedLinear, pack_linears, packing_available
 
@@ -127,14 +128,22 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
 
     def linears(dtype):
         model, cfg = load_model(tiny_llama_dir, hf_config, dtype, "cpu", 64)
-        kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, Bf16Linear))}
+        kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, Bf16Linear, F32Linear))}
         return model, cfg, kinds
 
-    model, _, _ = linears(torch.float32)
+    model, _, kinds = linears(torch.float32)
     if packing_available(torch.float32, "cpu"):  # float32: packed too, a tied lm_head as its own copy
-        assert {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))} == {PackedLinear}
+        assert kinds == ({F32Linear} if f32_linear.runs_here(load_native()) else {PackedLinear})  # AVX2: ours
         ids = torch.tensor([[3, 17, 99]])
         _within_rounding(model.lm_head(model.embed_tokens(ids)), model.embed_tokens(ids), model.embed_tokens.weight, None)
+        monkeypatch.setenv("ENGINE_F32_LINEAR", "0")  # the A/B switch: oneDNN's
+        assert linears(torch.float32)[2] == {PackedLinear}
+        monkeypatch.delenv("ENGINE_F32_LINEAR")
+        monkeypatch.setattr("engine.kernels.cpu.load_native", lambda: None)  # no C kernels: oneDNN
+        assert linears(torch.float32)[2] == {PackedLinear}
+        monkeypatch.undo()
+    else:
+        assert kinds == {nn.Linear}
     monkeypatch.setenv("ENGINE_PACK_WEIGHTS", "0")
     assert linears(torch.float32)[2] == {nn.Linear}
     assert linears(torch.bfloat16)[2] == {nn.Linear}

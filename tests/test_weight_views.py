@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.model.config import load_hf_config, model_config_from_hf
+from engine.model.f32_linear import F32Linear
 from engine.model.llama import weight_plan
 from engine.model.loader import index_weights, load_model, read_planned
 from engine.model.packed_linear import PackedLinear, packing_available
@@ -83,14 +84,16 @@ def test_a_model_packed_from_its_file_computes_what_read_weights_packed_compute(
     entries, plan = _plan(tiny_llama_dir)
     read = read_planned(plan, entries, torch.float32)
     x = torch.randn(5, cfg.hidden_size)
-    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, (PackedLinear, F32Linear))]
     assert len(packed) == 4 * cfg.num_layers + 1  # every layer and the lm_head's own copy
     for name, layer in packed:
         weight = read["embed_tokens.weight" if name == "lm_head" and cfg.tie_word_embeddings else f"{name}.weight"]
-        plain = nn.Linear(weight.shape[1], weight.shape[0], bias=layer.bias is not None)
+        bias = getattr(layer, "bias", None)  # F32Linear takes no bias
+        plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
         plain.weight = nn.Parameter(weight, requires_grad=False)
-        if layer.bias is not None:
-            plain.bias = nn.Parameter(layer.bias.clone(), requires_grad=False)
+        if bias is not None:
+            plain.bias = nn.Parameter(bias.clone(), requires_grad=False)
         inputs = x if weight.shape[1] == cfg.hidden_size else torch.randn(5, weight.shape[1])
-        assert torch.equal(layer(inputs), PackedLinear(plain)(inputs)), name
+        again = F32Linear(plain, layer._lib) if isinstance(layer, F32Linear) else PackedLinear(plain)
+        assert torch.equal(layer(inputs), again(inputs)), name
     assert not any(p.is_meta for p in model.parameters())

@@ -11,7 +11,8 @@ took 143 (512 rows: 1,294 -> 861 ms), and the 64-prompt batch went 115.6 -> 103.
 weights, the same math; only the summation order inside the kernel differs (float32: the largest
 difference from torch's linear on one SmolLM2 shape was 2e-6), as between any two BLAS kernels:
 greedy parity with transformers is tested. In bfloat16 on CPUs with AVX512_BF16 and no AMX, our own
-kernel (bf16_linear.py) takes the layers it fits instead: faster there, above all at few rows.
+kernel (bf16_linear.py) takes the layers it fits instead: faster there, above all at few rows; so does
+our float32 one (f32_linear.py) where float32 is packed (AVX2): 1.67x at one row on a Zen 1.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from engine import envvars
-from engine.model import bf16_linear
+from engine.model import bf16_linear, f32_linear
 from engine.model.swap import release_freed_memory, replace_linears
 
 BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
@@ -66,7 +67,8 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
                  weights: Callable[[str], torch.Tensor] | None = None) -> int:  # fmt: skip
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available (in bfloat16
-    on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits); the count.
+    on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits; in float32 on
+    AVX2 CPUs, for F32Linear where its shape fits); the count.
     A tied lm_head gets its own packed copy unless copy_tied_head is false (the embedding is gathered
     from, row by row, and stays plain): 1.5x faster logits in bfloat16, 2.3x in float32 at 64 rows (AMD
     Zen 2: 81 -> 35 ms), for vocab x hidden more memory (57 MB, 113 MB for SmolLM2-135M), which a
@@ -79,12 +81,17 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
 
-    lib = None  # our bf16 kernel's library, where it runs (AVX512_BF16 without AMX: faster there, bf16_linear.py)
+    lib = lib32 = None  # our kernels' library, where they run: bf16_linear.py (AVX512_BF16 without AMX), f32_linear.py
     if dtype == torch.bfloat16 and envvars.read("ENGINE_BF16_LINEAR") != "0":
         from engine.kernels.cpu import load_native
 
         native = load_native()
         lib = native if bf16_linear.runs_here(native) else None
+    if dtype == torch.float32 and envvars.read("ENGINE_F32_LINEAR") != "0":
+        from engine.kernels.cpu import load_native
+
+        native = load_native()
+        lib32 = native if f32_linear.runs_here(native) else None
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if weights is not None and linear.weight.is_meta:
@@ -93,8 +100,10 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
             return linear
         if lib is not None and bf16_linear.fits(linear):
             return bf16_linear.Bf16Linear(linear, lib)
+        if lib32 is not None and f32_linear.fits(linear):
+            return f32_linear.F32Linear(linear, lib32)
         return PackedLinear(linear)
 
     replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
-    return sum(isinstance(m, (PackedLinear, bf16_linear.Bf16Linear)) for m in model.modules())
+    return sum(isinstance(m, (PackedLinear, bf16_linear.Bf16Linear, f32_linear.F32Linear)) for m in model.modules())

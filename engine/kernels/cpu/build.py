@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, decode_layers.c, elementwise.c, elementwise_bf16.c, extend_avx2.c, gguf_linear.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, decode_layers.c, elementwise.c, elementwise_bf16.c, extend_avx2.c, f32_linear.c, gguf_linear.c, int8_linear.c
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # avx2_math.h, bf16_scalar.h, exp_poly.h: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
@@ -207,6 +207,15 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.bf16_linear.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+    if hasattr(lib, "f32_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+        lib.f32_linear_support.restype = ctypes.c_int
+        lib.f32_linear_support.argtypes = []
+        lib.f32_linear_pack.restype = ctypes.c_int
+        lib.f32_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.f32_linear.restype = ctypes.c_int
+        lib.f32_linear.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
         ]  # fmt: skip
     if hasattr(lib, "decode_layers"):  # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
         lib.decode_layers.restype = ctypes.c_int
