@@ -145,6 +145,35 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     finally:
         run.close()
     assert len(done) == 4 and len(seen) >= 9
-    assert {got.shape[0] for _, got in seen} >= {3, 4}
+    assert {got.shape[0] for _, _, got in seen} >= {3, 4}
+    for plain, loop, got in seen:
+        assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain) and torch.equal(got, loop)
+
+
+def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
+    """The exact mode in float32, where its linear layers run on our kernel (F32Linear: AVX2 CPUs, where float32
+    is packed): decode steps go through fused_decode.py as one C call (decode_layers.c), and every step's
+    logits are bitwise those of llama.py's forward and of the Python loop, at batch 4 and 3; its greedy tokens
+    then cannot differ from the plain path's, which the float32 parity tests hold to transformers'."""
+    from engine.model import f32_linear
+    from engine.model.packed_linear import packing_available
+
+    run = InProcess(model_dir, dtype="float32", max_total_tokens=2048)
+    try:
+        model = run.sched.model
+        installed = "forward" in model.__dict__  # fused_decode.install sets the instance's forward
+        switches = ("ENGINE_FUSED_DECODE", "ENGINE_F32_LINEAR", "ENGINE_PACK_WEIGHTS")  # any of them 0: plain
+        switched_off = any(os.environ.get(name) == "0" for name in switches)
+        here = f32_linear.runs_here(load_native()) and packing_available(torch.float32, "cpu")
+        assert installed == (here and not switched_off)
+        if not installed:
+            pytest.skip("no fused float32 decode here (float32 not packed on this CPU, or switched off): checked it is not installed")
+        done, seen = _both_ways(run, 10)
+        assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.float32
+        _ran_in_one_call(model)
+    finally:
+        run.close()
+    assert len(done) == 4 and len(seen) >= 9
+    assert {got.shape[0] for _, _, got in seen} >= {3, 4}
     for plain, loop, got in seen:
         assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain) and torch.equal(got, loop)

@@ -6,8 +6,9 @@ microseconds of Python and ctypes around a kernel that at batch 1 runs for tens 
 the same kernels in the same order on the same rows with the same threads, so the rows it leaves are
 bitwise those of the Python loop (tests/test_fused_decode.py runs both). ENGINE_DECODE_LAYERS=0 keeps the
 Python loop (A/B runs). float32 rows only: the quantized modes, where it was measured (one stream's steps
-11-16% shorter on an AMD EPYC Zen 1); the exact mode's bfloat16 decode keeps the loop, since no machine with
-AVX512_BF16 was at hand to measure and test it on.
+11-16% shorter on an AMD EPYC Zen 1), and the exact mode in float32 on F32Linear (bitwise its plain
+forward); the exact mode's bfloat16 decode keeps the loop, since no machine with AVX512_BF16 was at hand to
+measure and test it on.
 
 The layers are described once, at the first decode step: the weights' addresses (the linear layers'
 buffers are made at load and never replaced by the engine), the norms' and the pool's K/V buffers'.
@@ -22,7 +23,7 @@ import torch
 
 from engine import envvars
 
-KINDS = {"int8": 1, "gguf": 2}  # LINEAR_* in decode_layers.c
+KINDS = {"int8": 1, "gguf": 2, "f32": 3}  # LINEAR_* in decode_layers.c
 STAGES = ("qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj")
 
 

@@ -1,6 +1,6 @@
 """Decode steps with their elementwise work in C and each linear layer's kernel called straight into reused
-rows: the quantized modes (float32, engine/kernels/cpu/elementwise.c) and the exact mode in bfloat16 where
-its linear layers run on our own kernel (Bf16Linear; elementwise_bf16.c).
+rows: the quantized modes (float32, engine/kernels/cpu/elementwise.c) and the exact mode where its linear
+layers run on our own kernels (bfloat16: Bf16Linear, elementwise_bf16.c; float32: F32Linear).
 
 Why: at batch 1 the norms, rotary, residual adds and SiLU of 30 layers are about a thousand torch calls
 per step, each a few microseconds of dispatch on a few hundred floats: 8 ms of a 25 ms step. Here each
@@ -9,9 +9,10 @@ of up to MAX_ROWS rows take this path. In the quantized modes the elementwise ke
 the plain forward does not use (those modes promise no token parity). In the exact mode they are the
 very kernels llama.py's operations call (engine/kernels/ops.py), in the same order on the same rows:
 the logits are bitwise the plain forward's, so token parity with transformers does not depend on this
-path; what it removes is the Python and the fresh tensors around them. In the quantized modes the loop
-of decode_forward runs as one C call a step (engine/model/decode_layers.py), the same kernels in the same
-order; the loop stays for bfloat16 and ENGINE_DECODE_LAYERS=0.
+path; what it removes is the Python and the fresh tensors around them. In float32 (the quantized modes and
+the exact mode on F32Linear) the loop of decode_forward runs as one C call a step
+(engine/model/decode_layers.py), the same kernels in the same order; the loop stays for bfloat16 and
+ENGINE_DECODE_LAYERS=0.
 """
 
 from __future__ import annotations
@@ -24,32 +25,35 @@ from engine import envvars
 from engine.model.bf16_linear import Bf16Linear
 from engine.model.decode_layers import DecodeLayers
 from engine.model.decode_layers import build as build_decode_layers
+from engine.model.f32_linear import F32Linear
 from engine.model.llama import LlamaForCausalLM
 from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
 
 MAX_ROWS = 64
 
 
-def install_bf16(model: LlamaForCausalLM) -> bool:
-    """Where every decoder layer's linear layers run on our bfloat16 kernel (pack_linears chose Bf16Linear),
-    the exact mode's decode steps take this path: bitwise the plain forward's logits (the same kernels in the
-    same order), without the Python and fresh tensors of each op (ENGINE_FUSED_DECODE=0: the plain forward).
-    Whether it did."""
+def install_exact(model: LlamaForCausalLM) -> bool:
+    """Where every decoder layer's linear layers run on one of our exact kernels (pack_linears chose Bf16Linear
+    for all of them, or F32Linear for all), the exact mode's decode steps take this path: bitwise the plain
+    forward's logits (the same kernels in the same order), without the Python and fresh tensors of each op
+    (ENGINE_FUSED_DECODE=0: the plain forward). Whether it did."""
     if envvars.read("ENGINE_FUSED_DECODE") == "0":
         return False
+    kinds = set()
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not all(isinstance(m, Bf16Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return False
+        kinds.update(type(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    if kinds not in ({Bf16Linear}, {F32Linear}):
+        return False
     from engine.kernels.cpu import load_native
 
-    install(model, load_native())  # the library the Bf16Linear layers were made with (loaded once, cached)
+    install(model, load_native())  # the library the layers were made with (loaded once, cached)
     return True
 
 
 def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:
     """Route the model's small decode steps through decode_forward; everything else as before. Every decoder
-    layer's linear layers must have a kernel_call (QuantizedLinear, GGUFLinear, Bf16Linear)."""
+    layer's linear layers must have a kernel_call (QuantizedLinear, GGUFLinear, Bf16Linear, F32Linear)."""
     plain = model.forward
 
     @torch.inference_mode()

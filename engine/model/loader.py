@@ -21,7 +21,7 @@ import torch
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.model.fused_decode import install_bf16
+from engine.model.fused_decode import install_exact
 from engine.model.packed_linear import pack_linears, packing_available
 from engine.model.rope import rotary_tables
 from engine.model.weight_views import WeightViews
@@ -195,7 +195,7 @@ def load_model(
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:
             raise ValueError(f"weights left unloaded: {unread[:8]}")
-        install_bf16(model)  # bf16 decode steps on our linear kernel: fused_decode.py's direct calls
+        install_exact(model)  # decode steps on our exact linear kernels: fused_decode.py's direct calls
     if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
         mapped.drop_pages()
     return model, cfg

@@ -1,5 +1,5 @@
-/* A quantized decode step's decoder layers in one call: for each layer the residual add and RMSNorm, the
- * qkv projection, rotary, the K/V store and attention, o_proj, the second norm, gate_up, SiLU times up and
+/* A float32 decode step's decoder layers in one call (the quantized modes, and the exact mode where its layers
+ * run on f32_linear): for each layer the residual add and RMSNorm, the qkv projection, rotary, the K/V store and attention, o_proj, the second norm, gate_up, SiLU times up and
  * down, then the final norm: the very kernels engine/model/fused_decode.py calls one by one, in the same
  * order on the same float32 rows and threads, so the rows come out bitwise the same.
  *
@@ -16,6 +16,7 @@ int int8_linear(const float *x, const int8_t *w, const float *scale, const float
                 int64_t N, int64_t K, int threads);
 int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int threads);
+int f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int num_threads);
 int decode_attention_store(const void *q, const void *k_new, const void *v_new, int64_t row_stride,
                            const int64_t *out_loc, void *k, void *v, void *out, const int64_t *req_to_token,
                            int64_t stride, const int64_t *slots, const int64_t *lens, int B, int H, int Hkv, int D,
@@ -26,7 +27,7 @@ void rotary_qkv(float *qkv, int64_t rows, int64_t stride, int heads, int kv_head
                 const float *sin, int threads);
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int threads);
 
-enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2 };
+enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2, LINEAR_F32 = 3 };
 
 typedef struct { /* one linear layer: y[m, n] = x[m, k] W^T (+ bias) */
     int32_t kind;    /* LINEAR_* */
@@ -34,7 +35,7 @@ typedef struct { /* one linear layer: y[m, n] = x[m, k] W^T (+ bias) */
     int32_t threads; /* the layer's own (QuantizedLinear._threads) */
     int32_t pad;
     int64_t n, k;
-    const void *w;       /* int8: [n, k] int8; gguf: the blocks */
+    const void *w;       /* int8: [n, k] int8; gguf: the blocks; f32: f32_linear_pack's panels */
     const float *scale;  /* int8: per row */
     const float *bias;   /* int8, gguf; NULL: none */
 } decode_linear;
@@ -58,6 +59,7 @@ static int linear(const decode_linear *l, const float *x, float *y, int64_t m) {
     switch (l->kind) {
     case LINEAR_INT8: return int8_linear(x, (const int8_t *)l->w, l->scale, l->bias, y, m, l->n, l->k, l->threads);
     case LINEAR_GGUF: return gguf_linear(l->arg, x, (const uint8_t *)l->w, l->bias, y, m, l->n, l->k, l->threads);
+    case LINEAR_F32: return f32_linear(x, m, l->k, (const float *)l->w, l->n, y, l->threads);
     default: return -100;
     }
 }
