@@ -1,7 +1,7 @@
 """The fused decode path (engine/model/fused_decode.py, engine/kernels/cpu/elementwise.c): each float32 C op
 against the torch op it replaces, and whole decode steps against the model's plain forward, in the quantized
 modes (close; their layers in one C call, decode_layers.c, bitwise the Python loop's) and in the exact
-mode's bfloat16 on our linear kernel (bitwise)."""
+mode on our linear kernels (bitwise: bfloat16, and float32 in one C call)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[to
 
 
 def _ran_in_one_call(model) -> None:
-    """The quantized fused steps ran as decode_layers.c's one call, unless ENGINE_DECODE_LAYERS=0 kept the loop."""
+    """The float32 fused steps ran as decode_layers.c's one call, unless ENGINE_DECODE_LAYERS=0 kept the loop."""
     assert (model.__dict__["_decode_layers"][1] is not None) == (os.environ.get("ENGINE_DECODE_LAYERS") != "0")
 
 

@@ -1,5 +1,5 @@
-"""A quantized decode step's decoder layers as one C call (engine/kernels/cpu/decode_layers.c), for
-fused_decode.py.
+"""A float32 decode step's decoder layers as one C call (engine/kernels/cpu/decode_layers.c), for
+fused_decode.py: the quantized modes, and the exact mode on F32Linear.
 
 Why: fused_decode.py's loop calls nine kernels a layer through ctypes, about 270 calls a step, each a few
 microseconds of Python and ctypes around a kernel that at batch 1 runs for tens of them. The C loop calls

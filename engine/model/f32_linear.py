@@ -3,11 +3,11 @@ packed (AVX2 without AVX-512: packed_linear.FLOAT32_PACKED_ON), in place of oneD
 
 Why: a decode step at one row streams every weight once, and oneDNN's packed float32 kernel read them at
 7-12 GB/s on an AMD EPYC Zen 1 where this one reads 14-18: SmolLM2's 30 layers' four matmuls plus the
-lm_head at one row 54.8 -> 32.9 ms (1.67x), at 64 rows 482 -> 445 ms (1.08x), at 512 rows the same speed
-within this machine's noise (0.95-1.04x: both at the two cores' FMA peak, 60-68 GFLOP/s); scratch timing
-of distinct weights, alternating. Each output is one FMA chain over the input in order, so a row's output
-is bitwise the same alone or in any batch, which oneDNN's kernel (its blocking depends on the row count)
-does not promise. The same weights and math as any float32 BLAS, only the summation order differs:
+lm_head at one row 44-53 -> 23-27 ms (1.65-1.96x over three runs), at 64 rows 1.10-1.17x, at 512 and
+2,048 rows (prefill; no lm_head) 0.99-1.08x: both at the two cores' FMA peak there, 60-68 GFLOP/s
+(distinct weights, both kernels alternating in one process; docs/performance.md). Each output is one FMA
+chain over the input in order, so a row's output is bitwise the same alone or in any batch, which oneDNN's
+kernel (its blocking depends on the row count) does not promise. The same weights and math as any float32 BLAS, only the summation order differs:
 float32 greedy parity with transformers is tested (tests/test_parity_smollm2.py and others).
 """
 
@@ -49,6 +49,8 @@ class F32Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise TypeError(f"F32Linear takes float32 CPU rows, got {x.dtype} on {x.device}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"F32Linear takes {self.in_features} inputs a row, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])

@@ -176,7 +176,7 @@ def load_model(
     del state  # the model holds the weights now; quantization and packing must be able to free the plain ones
     model = quantize_model(model, quantization, model_dir, stored)
     if quantization == "none":
-        # on the CPU: oneDNN's layout, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
+        # on the CPU: oneDNN's layout or our kernels' panels, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
         # the mapped embedding, and without it would be 113 MB more
         views, done = WeightViews(), len(plan)
 

@@ -120,7 +120,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return decode_rows
 
     def layers_decoder_args(self) -> dict | None:
-        """For engine/model/decode_layers.py (a quantized decode step's layers in one C call,
+        """For engine/model/decode_layers.py (a float32 decode step's layers in one C call,
         decode_attention_store among them): each layer's K and V buffer addresses (the pool's, fixed for its
         life), the threads and scale every layer's call passes; None unless the pool is float32."""
         if self._one_call_dtype != torch.float32:

@@ -1,4 +1,5 @@
-"""Compile engine/kernels/cpu/*.c (attention, elementwise, bf16, int8 and GGUF-block linear) into one
+"""Compile engine/kernels/cpu/*.c (attention, elementwise, the decode step's layers, bf16, float32, int8 and
+GGUF-block linear) into one
 shared library cached per source and machine, and load it with ctypes.
 
 No -ffast-math: with GCC it links crtfastmath.o, whose constructor turns on flush-to-zero for the

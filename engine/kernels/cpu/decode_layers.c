@@ -1,6 +1,6 @@
 /* A float32 decode step's decoder layers in one call (the quantized modes, and the exact mode where its layers
- * run on f32_linear): for each layer the residual add and RMSNorm, the qkv projection, rotary, the K/V store and attention, o_proj, the second norm, gate_up, SiLU times up and
- * down, then the final norm: the very kernels engine/model/fused_decode.py calls one by one, in the same
+ * run on f32_linear): for each layer the residual add and RMSNorm, the qkv projection, rotary, the K/V store
+ * and attention, o_proj, the second norm, gate_up, SiLU times up and down, then the final norm: the very kernels engine/model/fused_decode.py calls one by one, in the same
  * order on the same float32 rows and threads, so the rows come out bitwise the same.
  *
  * Why: at batch 1 a step's kernels are short (a 576 x 576 int8 matmul streams 0.33 MB), and calling nine
@@ -32,7 +32,7 @@ enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2, LINEAR_F32 = 3 };
 typedef struct { /* one linear layer: y[m, n] = x[m, k] W^T (+ bias) */
     int32_t kind;    /* LINEAR_* */
     int32_t arg;     /* gguf: the block type; int8: unused */
-    int32_t threads; /* the layer's own (QuantizedLinear._threads) */
+    int32_t threads; /* the layer's own (QuantizedLinear._threads; f32: torch's threads when described) */
     int32_t pad;
     int64_t n, k;
     const void *w;       /* int8: [n, k] int8; gguf: the blocks; f32: f32_linear_pack's panels */

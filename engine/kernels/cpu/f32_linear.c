@@ -14,7 +14,7 @@
  *
  * Every output is one FMA chain over k in order from 0 (a K block ends with the partial sum stored and
  * the next one loads it back: exact), whatever M, the row's place in its tile or the thread count: a
- * row's output is bitwise the same alone or in any batch (tests/test_packed_linear.py).
+ * row's output is bitwise the same alone or in any batch (tests/test_f32_linear.py).
  */
 #include <stdint.h>
 #include <stddef.h>
