@@ -7,8 +7,9 @@ lm_head at one row 44-53 -> 23-27 ms (1.65-1.96x over three runs), at 64 rows 1.
 2,048 rows (prefill; no lm_head) 0.99-1.08x: both at the two cores' FMA peak there, 60-68 GFLOP/s
 (distinct weights, both kernels alternating in one process; docs/performance.md). Each output is one FMA
 chain over the input in order, so a row's output is bitwise the same alone or in any batch, which oneDNN's
-kernel (its blocking depends on the row count) does not promise. The same weights and math as any float32 BLAS, only the summation order differs:
-float32 greedy parity with transformers is tested (tests/test_parity_smollm2.py and others).
+kernel (its blocking depends on the row count) does not promise. The same weights and math as any float32
+BLAS, only the summation order differs: float32 greedy parity with transformers is tested
+(tests/test_parity_smollm2.py and others).
 """
 
 from __future__ import annotations

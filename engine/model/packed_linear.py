@@ -12,12 +12,13 @@ weights, the same math; only the summation order inside the kernel differs (floa
 difference from torch's linear on one SmolLM2 shape was 2e-6), as between any two BLAS kernels:
 greedy parity with transformers is tested. In bfloat16 on CPUs with AVX512_BF16 and no AMX, our own
 kernel (bf16_linear.py) takes the layers it fits instead: faster there, above all at few rows; so does
-our float32 one (f32_linear.py) where float32 is packed (AVX2): 1.67x at one row on a Zen 1.
+our float32 one (f32_linear.py) where float32 is packed (AVX2): 1.65-1.96x at one row on a Zen 1.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from types import ModuleType
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -25,6 +26,19 @@ from torch import nn
 from engine import envvars
 from engine.model import bf16_linear, f32_linear
 from engine.model.swap import release_freed_memory, replace_linears
+
+
+class _OurKernel(NamedTuple):
+    module: ModuleType  # runs_here(lib), fits(linear)
+    layer: type  # layer(linear, lib)
+    switch: str  # the A/B variable: "0" keeps oneDNN's
+
+
+# where packing_available, the layers our own kernel of that dtype fits take it instead of oneDNN's
+OUR_KERNELS = {
+    torch.bfloat16: _OurKernel(bf16_linear, bf16_linear.Bf16Linear, "ENGINE_BF16_LINEAR"),  # AVX512_BF16, no AMX
+    torch.float32: _OurKernel(f32_linear, f32_linear.F32Linear, "ENGINE_F32_LINEAR"),  # AVX2 (where float32 is packed)
+}
 
 BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
 # float32 is packed where it was measured to pay: CPUs whose best torch kernels are AVX2 (AMD Zen 2
@@ -81,29 +95,22 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
 
-    lib = lib32 = None  # our kernels' library, where they run: bf16_linear.py (AVX512_BF16 without AMX), f32_linear.py
-    if dtype == torch.bfloat16 and envvars.read("ENGINE_BF16_LINEAR") != "0":
+    kernel, lib = OUR_KERNELS[dtype], None  # ours where it runs and is not switched off, else oneDNN's
+    if envvars.read(kernel.switch) != "0":
         from engine.kernels.cpu import load_native
 
         native = load_native()
-        lib = native if bf16_linear.runs_here(native) else None
-    if dtype == torch.float32 and envvars.read("ENGINE_F32_LINEAR") != "0":
-        from engine.kernels.cpu import load_native
-
-        native = load_native()
-        lib32 = native if f32_linear.runs_here(native) else None
+        lib = native if kernel.module.runs_here(native) else None
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if weights is not None and linear.weight.is_meta:
             linear.weight = nn.Parameter(weights(name), requires_grad=False)
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
-        if lib is not None and bf16_linear.fits(linear):
-            return bf16_linear.Bf16Linear(linear, lib)
-        if lib32 is not None and f32_linear.fits(linear):
-            return f32_linear.F32Linear(linear, lib32)
+        if lib is not None and kernel.module.fits(linear):
+            return kernel.layer(linear, lib)
         return PackedLinear(linear)
 
     replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
-    return sum(isinstance(m, (PackedLinear, bf16_linear.Bf16Linear, f32_linear.F32Linear)) for m in model.modules())
+    return sum(isinstance(m, (PackedLinear, *(k.layer for k in OUR_KERNELS.values()))) for m in model.modules())
