@@ -15,16 +15,18 @@ from conftest import PROMPTS
 from engine import Engine
 from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
 from engine.hooks.loader import unload_plugins
-from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, quantize_rows
+from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, panels, quantize_rows, rows_of
 from engine.kernels.cpu import load_native
 
 needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the int8 kernel cannot be built")
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 300])
-@pytest.mark.parametrize("out_features,in_features,bias",
-                         [(960, 576, False), (45, 40, True), (8, 1536, True), (44, 41, True)])  # 41: the scalar path
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("out_features,in_features,bias", [
+    (960, 576, False), (48, 41, True), (32, 1600, False),  # in panels: 1,600 in blocks of K
+    (45, 40, True), (8, 1536, True), (44, 41, True),  # row-major; 41: the scalar path
+])  # fmt: skip
 def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     """Stated tolerances: against its own dequantized weight the layer is exact to float32 rounding
     (1e-4 relative to the output's scale); against the float32 layer the error stays within the
@@ -46,6 +48,46 @@ def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     bound = x.abs() @ (layer.scale / 2).expand(in_features, -1)
     assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
     assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)  # any leading shape
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (48, 1600, True)])
+def test_an_int8_row_is_bitwise_the_same_alone_or_in_any_batch(out_features, in_features, bias):
+    """Weights in panels: every row count (one and two rows over several panels at once, tiles converting in
+    registers, the buffered many-row path, blocks of K) and thread count gives each row the same bits, so
+    batching and the prefix cache cannot change a greedy int8 output."""
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
+    layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
+    assert layer.in_panels and layer.qweight.shape == (out_features // 16, in_features, 16)
+    x = torch.randn(100, in_features, generator=gen)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+        for rows in (2, 3, 5, 7, 15, 16, 64, 100):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+        single = Int8Linear(linear.weight, linear.bias, load_native(), 1)
+        assert torch.equal(single(x), alone)
+    untouched = torch.full((2, out_features), 7.0)  # no rows: nothing written
+    bias_ptr = None if linear.bias is None else layer.bias.data_ptr()
+    assert load_native().int8_panel_linear(x.data_ptr(), layer.qweight.data_ptr(), layer.scale.data_ptr(), bias_ptr,
+                                           untouched.data_ptr(), 0, out_features, in_features, 2) == 0  # fmt: skip
+    assert (untouched == 7.0).all()
+
+
+def test_int8_panels_hold_the_row_major_weights():
+    q = torch.randint(-127, 128, (48, 20), dtype=torch.int8)
+    stored = panels(q)
+    assert stored.shape == (3, 20, 16) and stored[1, 5, 7] == q[16 + 7, 5]
+    assert torch.equal(rows_of(stored, 48, 20), q)
+    weight = torch.randn(48, 20)
+    layer = Int8Linear(weight, None, None, 1)  # no kernel needed to dequantize
+    rows, scale = quantize_rows(weight)
+    assert torch.equal(layer.dequantized_weight(), rows.float() * scale[:, None])
+    part = torch.empty(37 - 5, 20)
+    layer._dequantize_into(5, 37, part)  # rows across three panels, neither end on a panel's edge
+    assert torch.equal(part, rows[5:37].float() * scale[5:37, None])
 
 
 @needs_kernel

@@ -60,6 +60,7 @@ def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], c
 
         return read_blocks(model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"]))
     from engine.quantization import cache
+    from engine.quantization.int8 import stored_shape
 
     stored = cache.load_cached(cache.cache_file(model_dir, mode))
     if stored is None:
@@ -68,7 +69,7 @@ def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], c
         q, scale = stored.get(f"{name}.qweight"), stored.get(f"{name}.scale")
         if q is None or scale is None or q.dtype != torch.int8 or scale.dtype != torch.float32:
             return None
-        if tuple(q.shape) != (n, k) or tuple(scale.shape) != (n,):
+        if tuple(q.shape) != stored_shape(n, k) or tuple(scale.shape) != (n,):
             return None
     return stored
 

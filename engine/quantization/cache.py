@@ -16,7 +16,7 @@ import torch
 
 from engine import envvars
 
-FORMAT = 1  # bump when the stored layout changes
+FORMAT = 2  # bump when the stored layout changes (2: int8 weights in panels of 16 rows where the width allows)
 
 
 def cache_dir() -> Path:

@@ -14,6 +14,8 @@
 /* The kernels of the other files of this library, as they declare them. */
 int int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias, float *y, int64_t M,
                 int64_t N, int64_t K, int threads);
+int int8_panel_linear(const float *x, const int8_t *w, const float *scale, const float *bias, float *y, int64_t M,
+                      int64_t N, int64_t K, int threads);
 int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int threads);
 int f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int num_threads);
@@ -31,11 +33,11 @@ enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2, LINEAR_F32 = 3 };
 
 typedef struct { /* one linear layer: y[m, n] = x[m, k] W^T (+ bias) */
     int32_t kind;    /* LINEAR_* */
-    int32_t arg;     /* gguf: the block type; int8: unused */
+    int32_t arg;     /* gguf: the block type; int8: 1 for weights in panels (int8_panel_linear), 0 row-major */
     int32_t threads; /* the layer's own (QuantizedLinear._threads; f32: torch's threads when described) */
     int32_t pad;
     int64_t n, k;
-    const void *w;       /* int8: [n, k] int8; gguf: the blocks; f32: f32_linear_pack's panels */
+    const void *w;       /* int8: [n, k] int8 or its panels; gguf: the blocks; f32: f32_linear_pack's panels */
     const float *scale;  /* int8: per row */
     const float *bias;   /* int8, gguf; NULL: none */
 } decode_linear;
@@ -57,7 +59,9 @@ typedef struct { /* the model's shape and the step's float32 row buffers ([MAX_R
 
 static int linear(const decode_linear *l, const float *x, float *y, int64_t m) {
     switch (l->kind) {
-    case LINEAR_INT8: return int8_linear(x, (const int8_t *)l->w, l->scale, l->bias, y, m, l->n, l->k, l->threads);
+    case LINEAR_INT8:
+        return (l->arg ? int8_panel_linear : int8_linear)(x, (const int8_t *)l->w, l->scale, l->bias, y, m, l->n, l->k,
+                                                          l->threads);
     case LINEAR_GGUF: return gguf_linear(l->arg, x, (const uint8_t *)l->w, l->bias, y, m, l->n, l->k, l->threads);
     case LINEAR_F32: return f32_linear(x, m, l->k, (const float *)l->w, l->n, y, l->threads);
     default: return -100;

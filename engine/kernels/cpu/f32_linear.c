@@ -71,6 +71,25 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(y + i * n, acc[i][0]), _mm256_storeu_ps(y + i * n + 8, acc[i][1]);
 }
+
+/* Rows [0, m) of x (row stride k) against kn k's of one panel (b: the block's first k, [kn][16]) into y's
+ * 16 columns (row stride n), in tiles of MR rows: the block's sums added to what y holds unless first.
+ * int8_linear.c's many-row path calls it on panels it dequantizes. */
+void f32_panel_block(const float *x, int64_t m, int64_t k, const float *b, int64_t kn, float *y, int64_t n,
+                     int first) {
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR) tile(MR, x + i * k, k, b, kn, y + i * n, n, first);
+    const float *xs = x + i * k;
+    float *ys = y + i * n;
+    switch (m - i) {
+    case 5: tile(5, xs, k, b, kn, ys, n, first); break;
+    case 4: tile(4, xs, k, b, kn, ys, n, first); break;
+    case 3: tile(3, xs, k, b, kn, ys, n, first); break;
+    case 2: tile(2, xs, k, b, kn, ys, n, first); break;
+    case 1: tile(1, xs, k, b, kn, ys, n, first); break;
+    default: break;
+    }
+}
 #endif
 
 /* y [M, N] = x [M, K] times the packed W (f32_linear_pack). 0, or 1 when this build or shape is not
@@ -92,21 +111,9 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_
             const int64_t kn = k - k0 < kc ? k - k0 : kc;
             for (int64_t m0 = 0; m0 < m; m0 += MC) {
                 const int64_t m1 = m - m0 < MC ? m : m0 + MC;
-                for (int64_t p = first; p < end; p++) {
-                    const float *b = packed + (p * k + k0) * NB;
-                    int64_t i = m0;
-                    for (; i + MR <= m1; i += MR) tile(MR, x + i * k + k0, k, b, kn, y + i * n + p * NB, n, k0 == 0);
-                    const float *xs = x + i * k + k0;
-                    float *ys = y + i * n + p * NB;
-                    switch (m1 - i) {
-                    case 5: tile(5, xs, k, b, kn, ys, n, k0 == 0); break;
-                    case 4: tile(4, xs, k, b, kn, ys, n, k0 == 0); break;
-                    case 3: tile(3, xs, k, b, kn, ys, n, k0 == 0); break;
-                    case 2: tile(2, xs, k, b, kn, ys, n, k0 == 0); break;
-                    case 1: tile(1, xs, k, b, kn, ys, n, k0 == 0); break;
-                    default: break;
-                    }
-                }
+                for (int64_t p = first; p < end; p++)
+                    f32_panel_block(x + m0 * k + k0, m1 - m0, k, packed + (p * k + k0) * NB, kn, y + m0 * n + p * NB, n,
+                                    k0 == 0);
             }
         }
     }
