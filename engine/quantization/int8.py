@@ -7,12 +7,13 @@ activations have outlier channels: perplexity went from 7.0 to 21.4. Weight-only
 nothing (8.88 against 8.90 on the same text). Its kernel is ours (engine/kernels/cpu/int8_linear.c).
 
 Layers whose output width is a multiple of 16 (all of SmolLM2's) keep their weights in panels of 16 output
-rows ([N / 16, K, 16], panels()), which int8_panel_linear multiplies at any row count: SmolLM2's 30 layers'
-four matmuls plus the lm_head, on an AMD EPYC Zen 1 (median ms, alternating with the row-major kernel and
-torch on dequantized tiles in one process): 1 row 20.2 against the row-major 18.5; 6 rows 36.9 against 49.0;
-64 rows 462 against 665 (f32_linear on float32 weights 404); 512 rows (no lm_head) 2,214 against torch's
-2,618. Other layers keep the row-major kernel up to DIRECT_MAX_ROWS rows, and for more rows multiply
-float32 weights dequantized for the call (in tiles, engine/quantization/linear.py).
+rows ([N / 16, K, 16], panels()), which int8_panel_linear multiplies at any row count. SmolLM2's 30 layers'
+four matmuls (plus the lm_head up to 64 rows) on an AMD EPYC Zen 1, median ms, the kernels alternating in
+one process: 1 row 20.2 against the row-major kernel's 18.5; 6 rows 36.9 against 49.0; 64 rows 348 against
+498 (f32_linear on float32 weights 293, torch on dequantized tiles 654); 512 rows 1,894 against torch's
+2,363 (f32_linear 1,916); 2,048 rows 8,878 against torch's 8,471 (f32_linear 8,458). Other layers keep the
+row-major kernel up to DIRECT_MAX_ROWS rows, and for more rows multiply float32 weights dequantized for the
+call (in tiles, engine/quantization/linear.py).
 """
 
 from __future__ import annotations
