@@ -51,29 +51,67 @@ def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (48, 1600, True)])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (80, 200, False), (48, 1600, True)])
 def test_an_int8_row_is_bitwise_the_same_alone_or_in_any_batch(out_features, in_features, bias):
     """Weights in panels: every row count (one and two rows over several panels at once, tiles converting in
-    registers, the buffered many-row path, blocks of K) and thread count gives each row the same bits, so
-    batching and the prefix cache cannot change a greedy int8 output."""
+    registers, the buffered many-row path, blocks of K) and thread count (1-3: threads with 1 to 60 panels)
+    gives each row the same bits, so batching and the prefix cache cannot change a greedy int8 output."""
     gen = torch.Generator().manual_seed(out_features + in_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
-    layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
-    assert layer.in_panels and layer.qweight.shape == (out_features // 16, in_features, 16)
+    layers = [Int8Linear(linear.weight, linear.bias, load_native(), threads) for threads in (1, 2, 3)]
+    assert layers[0].in_panels and layers[0].qweight.shape == (out_features // 16, in_features, 16)
+    assert layers[0].direct_max_rows > 100  # every row count below goes to the panel kernel
     x = torch.randn(100, in_features, generator=gen)
     with torch.inference_mode():
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-        for rows in (2, 3, 5, 7, 15, 16, 64, 100):
-            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-        single = Int8Linear(linear.weight, linear.bias, load_native(), 1)
-        assert torch.equal(single(x), alone)
+        alone = torch.cat([layers[0](x[i : i + 1]) for i in range(x.shape[0])])
+        for layer in layers:
+            for rows in (1, 2, 3, 5, 7, 15, 16, 64, 100):
+                assert torch.equal(layer(x[:rows]), alone[:rows]), (layer._threads, rows)
+    layer = layers[1]
     untouched = torch.full((2, out_features), 7.0)  # no rows: nothing written
     bias_ptr = None if linear.bias is None else layer.bias.data_ptr()
     assert load_native().int8_panel_linear(x.data_ptr(), layer.qweight.data_ptr(), layer.scale.data_ptr(), bias_ptr,
                                            untouched.data_ptr(), 0, out_features, in_features, 2) == 0  # fmt: skip
     assert (untouched == 7.0).all()
+
+
+@needs_kernel
+def test_without_avx2_the_panel_kernel_is_kept_to_few_rows():
+    """A build without AVX2 runs int8_panel_linear as a scalar loop: the layer then multiplies dequantized
+    tiles (from its panels) beyond DIRECT_MAX_ROWS rows, as row-major layers do. The real library, with only
+    its answer to that question changed."""
+
+    class ScalarBuild:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+        def int8_panel_vectorized(self) -> int:
+            return 0
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 64, generator=gen) * 0.05
+    layer = Int8Linear(weight, None, ScalarBuild(load_native()), torch.get_num_threads())
+    assert layer.in_panels and layer.direct_max_rows == DIRECT_MAX_ROWS
+    x = torch.randn(DIRECT_MAX_ROWS + 20, 64, generator=gen)
+    with torch.inference_mode():
+        got, own = layer(x), torch.nn.functional.linear(x, layer.dequantized_weight())
+    assert (got - own).abs().max() <= 1e-4 * own.abs().max() + 1e-5
+
+
+def test_row_major_int8_weights_are_requantized_for_a_panel_layer():
+    """A cache of the format before panels holds [N, K] weights: a layer of a width in panels does not take
+    them (quantizes again), and says so where its float weight was never loaded."""
+    weight = torch.randn(48, 20)
+    q, scale = quantize_rows(weight)
+    layer = Int8Linear(weight, None, None, 1, (q, scale))
+    assert layer.qweight.shape == (3, 20, 16) and torch.equal(rows_of(layer.qweight, 48, 20), q)
+    with pytest.raises(ValueError, match="do not fit"):
+        Int8Linear(torch.empty(48, 20, device="meta"), None, None, 1, (q, scale))
 
 
 def test_int8_panels_hold_the_row_major_weights():

@@ -7,7 +7,8 @@ activations have outlier channels: perplexity went from 7.0 to 21.4. Weight-only
 nothing (8.88 against 8.90 on the same text). Its kernel is ours (engine/kernels/cpu/int8_linear.c).
 
 Layers whose output width is a multiple of 16 (all of SmolLM2's) keep their weights in panels of 16 output
-rows ([N / 16, K, 16], panels()), which int8_panel_linear multiplies at any row count. SmolLM2's 30 layers'
+rows ([N / 16, K, 16], panels()), which int8_panel_linear multiplies at any row count where it is built with
+AVX2 and FMA (elsewhere its scalar loop takes up to DIRECT_MAX_ROWS rows, dequantized tiles the rest). SmolLM2's 30 layers'
 four matmuls (plus the lm_head up to 64 rows) on an AMD EPYC Zen 1, median ms, the kernels alternating in
 one process: 1 row 20.2 against the row-major kernel's 18.5; 6 rows 36.9 against 49.0; 64 rows 348 against
 498 (f32_linear on float32 weights 293, torch on dequantized tiles 654); 512 rows 1,894 against torch's
@@ -72,7 +73,8 @@ class Int8Linear(QuantizedLinear):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.in_panels = in_panels(self.out_features)
-        self.direct_max_rows = sys.maxsize if self.in_panels else DIRECT_MAX_ROWS
+        vectorized = lib is not None and self.in_panels and lib.int8_panel_vectorized() == 1
+        self.direct_max_rows = sys.maxsize if vectorized else DIRECT_MAX_ROWS  # else: the scalar loop, few rows
         shape = stored_shape(self.out_features, self.in_features)
         ok = (known is not None and known[0].dtype == torch.int8 and known[1].dtype == torch.float32
               and tuple(known[0].shape) == shape and known[1].shape == (self.out_features,)

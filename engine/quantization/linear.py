@@ -1,5 +1,6 @@
-"""What the quantized linear layers share: frozen float32-in, float32-out layers whose few-row calls go
-to a C kernel reading the quantized weights and whose many-row calls multiply dequantized tiles.
+"""What the quantized linear layers share: frozen float32-in, float32-out layers whose calls of up to
+direct_max_rows rows go to a C kernel reading the quantized weights and whose calls of more rows multiply
+dequantized tiles (int8 layers in panels take every row count to their kernel: engine/quantization/int8.py).
 
 The dequantized tiles are written into one scratch buffer that every layer shares (the scheduler runs
 one forward at a time): a fresh 7 MB allocation per layer and step would be fresh pages for the kernel

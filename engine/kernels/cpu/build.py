@@ -176,8 +176,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
-    lib.int8_panel_linear.restype = ctypes.c_int
-    lib.int8_panel_linear.argtypes = lib.int8_linear.argtypes
+    if hasattr(lib, "int8_panel_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+        lib.int8_panel_linear.restype = ctypes.c_int
+        lib.int8_panel_linear.argtypes = lib.int8_linear.argtypes
+        lib.int8_panel_vectorized.restype = ctypes.c_int
+        lib.int8_panel_vectorized.argtypes = []
     lib.gguf_linear.restype = ctypes.c_int
     lib.gguf_linear.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

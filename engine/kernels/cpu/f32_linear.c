@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
 
 /* Rows [0, m) of x (row stride k) against kn k's of one panel (b: the block's first k, [kn][16]) into y's
  * 16 columns (row stride n), in tiles of MR rows: the block's sums added to what y holds unless first.
- * int8_linear.c's many-row path calls it on panels it dequantizes. */
+ * int8_linear.c's many-row path calls it on int8 panels it has converted to float32. */
 void f32_panel_block(const float *x, int64_t m, int64_t k, const float *b, int64_t kn, float *y, int64_t n,
                      int first) {
     int64_t i = 0;

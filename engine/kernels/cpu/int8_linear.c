@@ -13,14 +13,14 @@
  * multiple of 16): a panel is one contiguous stream and 16 consecutive bytes are one k's 16 outputs.
  * Below BUFFER_MIN_ROWS rows each k's 16 weights are converted in registers and feed f32_linear.c's tile
  * of up to 6 rows (12 accumulators; one row runs four panels at once and two rows two, so that enough
- * chains are in flight); from it on, a panel's block of K is converted once into a float32 buffer on the
- * stack that f32_linear.c's tiles multiply by every row. Either way every output is one FMA chain over k
+ * chains are in flight); from it on, four panels' block of K at a time is converted once into a float32
+ * buffer on the stack that f32_linear.c's tiles multiply by every row. Either way every output is one FMA chain over k
  * in order, then times its scale (plus bias): a row's output is bitwise the same alone or in any batch,
  * with any thread count (tests/test_quantization.py). Why: the row-major loop above converts each weight
  * again for every pair of rows, so at 64 rows it was slower than float32, and for more rows the caller
  * dequantized whole layers into a scratch matrix for torch's GEMM, 4 bytes a weight written and read
  * through memory at every call. On an AMD EPYC Zen 1 (SmolLM2's layers, figures in
- * engine/quantization/int8.py): 1.3-2.1x the row-major loop from 6 rows up, 1.25x torch's GEMM on
+ * engine/quantization/int8.py and docs/performance.md): 1.3-2.1x the row-major loop from 6 rows up, 1.25x torch's GEMM on
  * dequantized weights at 512 rows and 0.95x at 2,048, 0.84-1.0x f32_linear on float32 weights while
  * reading a quarter of the bytes; at one row 0.92x the row-major loop (conversion-bound there).
  */
@@ -40,7 +40,8 @@
 #define GROUP 4           /* panels converted at a time on the buffered path: 192 KB of stack at most */
 #define PREFETCH 256      /* bytes ahead in a panel that the one- and two-row loops prefetch: 4-5% faster at one row */
 #ifndef BUFFER_MIN_ROWS
-#define BUFFER_MIN_ROWS 16 /* from this many rows a panel's block is converted once into a buffer (8-23 rows: the same either way) */
+#define BUFFER_MIN_ROWS 16 /* from this many rows panels are converted once into a buffer (at 8-23 rows the two
+                              paths' best times were within 6% of each other on Zen 1, either way) */
 #endif
 
 static float dot_scalar(const float *x, const int8_t *w, int64_t k) {
@@ -203,11 +204,12 @@ static inline __attribute__((always_inline)) void tile2_i8(const int mr, const f
     }
 }
 
-/* y's 16 columns of rows [0, m) (row stride n): the sums times their scales, plus bias */
-static void scale_rows(float *y, int64_t m, int64_t n, const float *scale, const float *bias) {
+/* Panel p's 16 columns of y's rows [0, m) (row stride n): the sums times their scales, plus bias */
+static void scale_panel(float *y, int64_t m, int64_t n, const float *scale, const float *bias, int64_t p) {
+    y += p * PANEL, scale += p * PANEL;
     const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-    const __m256 c0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    const __m256 c1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    const __m256 c0 = bias ? _mm256_loadu_ps(bias + p * PANEL) : _mm256_setzero_ps();
+    const __m256 c1 = bias ? _mm256_loadu_ps(bias + p * PANEL + 8) : _mm256_setzero_ps();
     for (int64_t i = 0; i < m; i++) {
         _mm256_storeu_ps(y + i * n, _mm256_fmadd_ps(_mm256_loadu_ps(y + i * n), s0, c0));
         _mm256_storeu_ps(y + i * n + 8, _mm256_fmadd_ps(_mm256_loadu_ps(y + i * n + 8), s1, c1));
@@ -235,6 +237,8 @@ static void panel_block_i8(const float *x, int64_t m, int64_t k, const int8_t *b
  * f32_linear.c's. Each weight is converted once a call. */
 static void buffered_panels(const float *x, const int8_t *w, const float *scale, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K, int64_t first, int64_t end) {
+    /* 192 KB of the calling thread's stack: glibc's threads (OpenMP's included) get 8 MB by default; a
+     * thread stack set below about 256 KB (OMP_STACKSIZE, musl's 128 KB default) would not hold it */
     float buf[GROUP * KC_MAX * PANEL] __attribute__((aligned(32)));
     const int64_t kc = K <= KC_MAX ? K : KC;
     for (int64_t g0 = first; g0 < end; g0 += GROUP) {
@@ -255,10 +259,20 @@ static void buffered_panels(const float *x, const int8_t *w, const float *scale,
                     f32_panel_block(x + m0 * K + k0, M - m0 < MC ? M - m0 : MC, K, buf + (p - g0) * kn * PANEL, kn,
                                     y + m0 * N + p * PANEL, N, k0 == 0);
         }
-        for (int64_t p = g0; p < g1; p++) scale_rows(y + p * PANEL, M, N, scale + p * PANEL, bias ? bias + p * PANEL : NULL);
+        for (int64_t p = g0; p < g1; p++) scale_panel(y, M, N, scale, bias, p);
     }
 }
 #endif
+
+/* 1 when this build runs int8_panel_linear on AVX2 and FMA (fast at every row count), 0 where it falls back
+ * to the scalar loop (then the caller keeps it to few rows and multiplies dequantized tiles beyond). */
+int int8_panel_vectorized(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* y [M, N] = x [M, K] W^T * scale (+ bias), W in panels ([N / 16][K][16] int8, see the top). 0, or 1 for N not
  * a multiple of 16. */
@@ -284,21 +298,19 @@ int int8_panel_linear(const float *x, const int8_t *w, const float *scale, const
                 float *yp = y + p * PANEL;
                 if (M == 1 && p + 3 < end) { /* four panels at once */
                     row4_i8(x, panel, K, yp);
-                    for (int j = 0; j < 4; j++, p++, yp += PANEL)
-                        scale_rows(yp, M, N, scale + p * PANEL, bias ? bias + p * PANEL : NULL);
-                    p--;
+                    for (int j = 0; j < 4; j++) scale_panel(y, M, N, scale, bias, p + j);
+                    p += 3;
                     continue;
                 }
                 if (M <= 2 && p + 1 < end) { /* two panels at once */
                     if (M == 2) tile2_i8(2, x, K, panel, panel + K * PANEL, K, yp, N);
                     else tile2_i8(1, x, K, panel, panel + K * PANEL, K, yp, N);
-                    scale_rows(yp, M, N, scale + p * PANEL, bias ? bias + p * PANEL : NULL);
-                    p++, yp += PANEL;
-                    scale_rows(yp, M, N, scale + p * PANEL, bias ? bias + p * PANEL : NULL);
+                    scale_panel(y, M, N, scale, bias, p);
+                    scale_panel(y, M, N, scale, bias, ++p);
                     continue;
                 }
                 panel_block_i8(x, M, K, panel, K, yp, N, 1);
-                scale_rows(yp, M, N, scale + p * PANEL, bias ? bias + p * PANEL : NULL);
+                scale_panel(y, M, N, scale, bias, p);
             }
 #else
         for (int64_t p = first; p < end; p++)
