@@ -8,13 +8,13 @@ nothing (8.88 against 8.90 on the same text). Its kernel is ours (engine/kernels
 
 Layers whose output width is a multiple of 16 (all of SmolLM2's) keep their weights in panels of 16 output
 rows ([N / 16, K, 16], panels()), which int8_panel_linear multiplies at any row count where it is built with
-AVX2 and FMA (elsewhere its scalar loop takes up to DIRECT_MAX_ROWS rows, dequantized tiles the rest). SmolLM2's 30 layers'
-four matmuls (plus the lm_head up to 64 rows) on an AMD EPYC Zen 1, median ms, the kernels alternating in
-one process: 1 row 20.2 against the row-major kernel's 18.5; 6 rows 36.9 against 49.0; 64 rows 348 against
-498 (f32_linear on float32 weights 293, torch on dequantized tiles 654); 512 rows 1,894 against torch's
-2,363 (f32_linear 1,916); 2,048 rows 8,878 against torch's 8,471 (f32_linear 8,458). Other layers keep the
-row-major kernel up to DIRECT_MAX_ROWS rows, and for more rows multiply float32 weights dequantized for the
-call (in tiles, engine/quantization/linear.py).
+AVX2 and FMA (elsewhere its scalar loop takes up to DIRECT_MAX_ROWS rows, dequantized tiles the rest).
+SmolLM2's 30 layers' four matmuls (plus the lm_head up to 64 rows) on an AMD EPYC Zen 1, median ms, the
+kernels alternating in one process: 1 row 20.2 against the row-major kernel's 18.5; 6 rows 36.9 against
+49.0; 64 rows 348 against 498 (f32_linear on float32 weights 293, torch on dequantized tiles 654); 512 rows
+1,894 against torch's 2,363 (f32_linear 1,916); 2,048 rows 8,878 against torch's 8,471 (f32_linear 8,458).
+Other layers keep the row-major kernel up to DIRECT_MAX_ROWS rows, and for more rows multiply float32
+weights dequantized for the call (in tiles, engine/quantization/linear.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from engine.quantization.linear import QuantizedLinear
 
-DIRECT_MAX_ROWS = 64  # row-major layers only: more rows multiply dequantized tiles
+DIRECT_MAX_ROWS = 64  # row-major layers, and panels on a build without AVX2: more rows multiply dequantized tiles
 PANEL = 16  # output rows a panel (int8_linear.c's PANEL)
 
 
@@ -113,4 +113,5 @@ class Int8Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         layout = "in panels of 16 rows" if self.in_panels else "row-major"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights {layout}, per-row scales"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights {layout}, "
+                "per-row scales")
