@@ -51,6 +51,17 @@ def engine_idle(stats: dict) -> bool:
     )
 
 
+class ScalarBuild:
+    """The real kernel library, but its `question`() (int8_panel_vectorized, gguf_panel_vectorized) answers 0,
+    as a build without AVX2 does: the layers' choice of path on such a machine, tested here."""
+
+    def __init__(self, lib: ctypes.CDLL, question: str) -> None:
+        self._lib, self._question = lib, question
+
+    def __getattr__(self, name: str):
+        return (lambda: 0) if name == self._question else getattr(self._lib, name)
+
+
 def build_narrower(tmp_path, source_names: str | list[str], flags: list[str]) -> ctypes.CDLL:
     """Kernel sources (one, or several that call each other) compiled with the project's flags plus `flags`
     (-mno-avx512f, ...): the path a machine without those instructions builds. Skips where there is no C

@@ -45,14 +45,16 @@ def blockwise_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_kernel
 @pytest.mark.parametrize("kind", [2, 3, 8])  # Q4_0, Q4_1, Q8_0
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 200])
-@pytest.mark.parametrize("out_features,in_features,bias", [(96, 576, False), (7, 64, True), (50, 1536, False), (9, 96, True)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("out_features,in_features,bias",
+                         [(96, 576, False), (7, 64, True), (50, 1536, False), (9, 96, True), (48, 1600, True)])
 def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in_features, bias):
     """Stated tolerances, W the blocks dequantized as gguf's reference does it. The layer multiplies x
-    rounded per block of 32 to int16, by the kernel up to DIRECT_MAX_ROWS rows and by
-    float32 GEMMs on dequantized tiles above: against that x both are exact to float32 rounding (1e-5 of the output's scale; the offsets m multiply the float sums of x),
-    and against the float x its error stays
-    within the rounding bound sum_k |W_nk| * scale_b(k) / 2. More rows: float32 GEMMs on W itself."""
+    rounded per block of 32 to int16: by the integer kernel below 12 rows, from 12 rows on by the panels
+    (widths a multiple of 16: 96, and 48 with bias and K in blocks) and otherwise by the integer kernel up to
+    DIRECT_MAX_ROWS rows and float32 GEMMs on dequantized tiles above. Against that x all are exact to
+    float32 rounding (1e-5 of the output's scale; the offsets m multiply the float sums of x), and against the
+    float x the error stays within the rounding bound sum_k |W_nk| * scale_b(k) / 2."""
     gen = torch.Generator().manual_seed(rows * 31 + kind + in_features)
     blocks = random_blocks(kind, out_features, in_features, gen)
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -99,6 +101,60 @@ def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
                 assert lib.gguf_linear(kind, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), rows, n, k, 2) == 0
                 outs.append(y)
             assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[1].abs().max() + 1e-6, (kind, rows, n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [2, 3, 8])  # Q4_0, Q4_1, Q8_0
+@pytest.mark.parametrize("out_features,in_features,bias", [(80, 576, False), (48, 1600, True)])
+def test_a_block_row_is_bitwise_the_same_in_any_batch_of_12_rows_or_more(kind, out_features, in_features, bias):
+    """From 12 rows on (a batch's decode step, prefill) each output is one FMA chain in a fixed order, whatever
+    the row count and thread count (1-3: threads with 1 to 5 panels): a prompt's logits do not depend on how
+    its rows were batched. Fewer rows go to the integer kernel, which agrees to float32 rounding."""
+    gen = torch.Generator().manual_seed(kind + in_features)
+    blocks = random_blocks(kind, out_features, in_features, gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layers = [GGUFLinear(kind, blocks, (out_features, in_features), b, load_native(), t) for t in (1, 2, 3)]
+    assert layers[0].direct_max_rows > 200  # every row count below goes to gguf_panel_linear
+    x = torch.randn(200, in_features, generator=gen) * 3
+    with torch.inference_mode():
+        whole = layers[0](x)
+        for layer in layers:
+            for rows in (12, 13, 16, 17, 23, 64, 97, 200):
+                assert torch.equal(layer(x[:rows]), whole[:rows]), (layer._threads, rows)
+            for i in (0, 57, 199):  # one row among 12 copies of it
+                assert torch.equal(layer(x[i : i + 1].expand(12, -1).contiguous()), whole[i : i + 1].expand(12, -1))
+        few = torch.cat([layers[1](x[i : i + 5]) for i in range(0, 200, 5)])  # the integer kernel
+    assert (few - whole).abs().max() <= 1e-5 * whole.abs().max() + 1e-6
+
+
+@needs_kernel
+def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path):
+    """A build without AVX2, FMA and F16C runs gguf_panel_linear as gguf_linear at every row count (built so
+    here, and compared), and a layer whose library says so multiplies dequantized tiles beyond
+    DIRECT_MAX_ROWS rows, as layers of other widths do."""
+    import ctypes
+
+    from helpers import ScalarBuild, build_narrower
+
+    narrow = build_narrower(tmp_path, ["gguf_panel_linear.c", "gguf_linear.c", "f32_linear.c"],
+                            ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"])  # fmt: skip
+    narrow.gguf_panel_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
+    assert narrow.gguf_panel_vectorized() == 0
+    gen = torch.Generator().manual_seed(11)
+    blocks, x = random_blocks(3, 32, 96, gen), torch.randn(20, 96, generator=gen)
+    fast = GGUFLinear(3, blocks, (32, 96), None, load_native(), 2)
+    y = torch.empty(20, 32)
+    assert narrow.gguf_panel_linear(3, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), 20, 32, 96, 2) == 0
+    with torch.inference_mode():
+        want = fast(x)
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
+
+    layer = GGUFLinear(3, blocks, (32, 96), None, ScalarBuild(load_native(), "gguf_panel_vectorized"), 2)
+    assert layer.direct_max_rows == DIRECT_MAX_ROWS
+    x = torch.randn(DIRECT_MAX_ROWS + 20, 96, generator=gen)
+    with torch.inference_mode():
+        got, panels = layer(x), fast(x)
+    assert (got - panels).abs().max() <= 1e-5 * panels.abs().max() + 1e-6
 
 
 @needs_kernel

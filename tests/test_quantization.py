@@ -83,19 +83,11 @@ def test_without_avx2_the_panel_kernel_is_kept_to_few_rows():
     tiles (from its panels) beyond DIRECT_MAX_ROWS rows, as row-major layers do. The real library, with only
     its answer to that question changed."""
 
-    class ScalarBuild:
-        def __init__(self, lib):
-            self._lib = lib
-
-        def __getattr__(self, name):
-            return getattr(self._lib, name)
-
-        def int8_panel_vectorized(self) -> int:
-            return 0
+    from helpers import ScalarBuild
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 64, generator=gen) * 0.05
-    layer = Int8Linear(weight, None, ScalarBuild(load_native()), torch.get_num_threads())
+    layer = Int8Linear(weight, None, ScalarBuild(load_native(), "int8_panel_vectorized"), torch.get_num_threads())
     assert layer.in_panels and layer.direct_max_rows == DIRECT_MAX_ROWS
     x = torch.randn(DIRECT_MAX_ROWS + 20, 64, generator=gen)
     with torch.inference_mode():

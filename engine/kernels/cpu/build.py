@@ -28,7 +28,7 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # bf16_linear.c, decode_attention.c, decode_layers.c, elementwise.c, elementwise_bf16.c, extend_avx2.c, f32_linear.c, gguf_linear.c, int8_linear.c
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # every kernel: attention, elementwise, the decode step, linear layers
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # avx2_math.h, bf16_scalar.h, exp_poly.h: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
@@ -186,6 +186,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
+    if hasattr(lib, "gguf_panel_linear"):  # absent from libraries built before it, as int8_panel_linear
+        lib.gguf_panel_linear.restype = ctypes.c_int
+        lib.gguf_panel_linear.argtypes = lib.gguf_linear.argtypes
+        lib.gguf_panel_vectorized.restype = ctypes.c_int
+        lib.gguf_panel_vectorized.argtypes = []
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,

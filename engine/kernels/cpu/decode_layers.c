@@ -16,8 +16,8 @@ int int8_linear(const float *x, const int8_t *w, const float *scale, const float
                 int64_t N, int64_t K, int threads);
 int int8_panel_linear(const float *x, const int8_t *w, const float *scale, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K, int threads);
-int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
-                int64_t K, int threads);
+int gguf_panel_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
+                      int64_t K, int threads);
 int f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int num_threads);
 int decode_attention_store(const void *q, const void *k_new, const void *v_new, int64_t row_stride,
                            const int64_t *out_loc, void *k, void *v, void *out, const int64_t *req_to_token,
@@ -62,7 +62,7 @@ static int linear(const decode_linear *l, const float *x, float *y, int64_t m) {
     case LINEAR_INT8:
         return (l->arg ? int8_panel_linear : int8_linear)(x, (const int8_t *)l->w, l->scale, l->bias, y, m, l->n, l->k,
                                                           l->threads);
-    case LINEAR_GGUF: return gguf_linear(l->arg, x, (const uint8_t *)l->w, l->bias, y, m, l->n, l->k, l->threads);
+    case LINEAR_GGUF: return gguf_panel_linear(l->arg, x, (const uint8_t *)l->w, l->bias, y, m, l->n, l->k, l->threads);
     case LINEAR_F32: return f32_linear(x, m, l->k, (const float *)l->w, l->n, y, l->threads);
     default: return -100;
     }
