@@ -36,14 +36,23 @@ def fits(linear: nn.Linear) -> bool:
 class F32Linear(nn.Module):
     """y = x W^T with W packed once into the kernel's panels of 16 columns (only ever multiplied)."""
 
-    def __init__(self, linear: nn.Linear, lib) -> None:
+    def __init__(self, linear: nn.Linear, lib, packed: torch.Tensor | None = None) -> None:
+        """packed: this weight's panels packed before (engine/model/panel_cache.py maps them from disk); the
+        linear's weight is then not read (it may be on the meta device)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().contiguous()
-        self.packed = torch.empty(self.out_features * self.in_features, dtype=torch.float32)
-        if lib.f32_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr(),
-                               torch.get_num_threads()):  # fmt: skip
-            raise ValueError(f"f32_linear cannot pack a {self.out_features} x {self.in_features} weight")
+        if packed is not None:
+            if packed.dtype != torch.float32 or packed.shape != (self.out_features * self.in_features,) \
+                    or not packed.is_contiguous():  # fmt: skip
+                raise ValueError(f"packed panels of {tuple(packed.shape)} {packed.dtype} do not fit a "
+                                 f"{self.out_features} x {self.in_features} float32 layer")  # fmt: skip
+            self.packed = packed
+        else:
+            weight = linear.weight.detach().contiguous()
+            self.packed = torch.empty(self.out_features * self.in_features, dtype=torch.float32)
+            if lib.f32_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr(),
+                                   torch.get_num_threads()):  # fmt: skip
+                raise ValueError(f"f32_linear cannot pack a {self.out_features} x {self.in_features} weight")
         self._lib = lib
         self._bound: Callable[[int, int, int], None] | None = None
 

@@ -23,6 +23,7 @@ from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
 from engine.model.fused_decode import install_exact
 from engine.model.packed_linear import pack_linears, packing_available
+from engine.model.panel_cache import keep_panels, mapped_panels
 from engine.model.rope import rotary_tables
 from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
@@ -54,34 +55,42 @@ class TensorEntry:
 
 
 def index_weights(model_dir: str) -> dict[str, TensorEntry]:
-    """Where each tensor lies: the safetensors header (8-byte little-endian length, then JSON)."""
+    """Where each tensor of the model's files lies."""
     entries: dict[str, TensorEntry] = {}
     for path in safetensors_files(model_dir):
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            try:
-                if not 0 < length <= size - 8:
-                    raise ValueError(f"header length {length} does not fit a {size}-byte file")
-                header = json.loads(f.read(length))
-                if not isinstance(header, dict):
-                    raise ValueError("the header is not a JSON object")
-            except ValueError as exc:  # JSONDecodeError included
-                raise ValueError(f"{path} is not a valid safetensors file: {exc}") from None
-        base = 8 + length
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype, (start, end), shape = meta["dtype"], meta["data_offsets"], [int(d) for d in meta["shape"]]
-                if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size - base):
-                    raise ValueError(f"{name} lies outside the file")
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path} is not a valid safetensors file: entry {name!r}: {exc!r}") from None
-            if dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
-            entries[name] = TensorEntry(path, base + start, end - start, SAFETENSORS_DTYPES[dtype], shape)
+        entries.update(index_file(path))
+    return entries
+
+
+def index_file(path: Path) -> dict[str, TensorEntry]:
+    """Where each tensor of one safetensors file lies: its header (8-byte little-endian length, then JSON).
+    ValueError naming what does not fit."""
+    entries: dict[str, TensorEntry] = {}
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        try:
+            if not 0 < length <= size - 8:
+                raise ValueError(f"header length {length} does not fit a {size}-byte file")
+            header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except ValueError as exc:  # JSONDecodeError included
+            raise ValueError(f"{path} is not a valid safetensors file: {exc}") from None
+    base = 8 + length
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, (start, end), shape = meta["dtype"], meta["data_offsets"], [int(d) for d in meta["shape"]]
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size - base):
+                raise ValueError(f"{name} lies outside the file")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path} is not a valid safetensors file: entry {name!r}: {exc!r}") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+        entries[name] = TensorEntry(path, base + start, end - start, SAFETENSORS_DTYPES[dtype], shape)
     return entries
 
 
@@ -187,11 +196,14 @@ def load_model(
                 progress(done, total)
             return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
 
+        panels = mapped_panels(model_dir, shapes) if dtype == torch.float32 and deferred else None
         try:
             pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None,
-                         weights=weights if deferred else None)  # fmt: skip
+                         weights=weights if deferred else None, panels=panels)  # fmt: skip
         finally:
             views.close()
+        if dtype == torch.float32 and deferred and panels is None:
+            keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:
             raise ValueError(f"weights left unloaded: {unread[:8]}")

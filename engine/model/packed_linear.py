@@ -79,7 +79,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
-                 weights: Callable[[str], torch.Tensor] | None = None) -> int:  # fmt: skip
+                 weights: Callable[[str], torch.Tensor] | None = None,
+                 panels: dict[str, torch.Tensor] | None = None) -> int:  # fmt: skip
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available (in bfloat16
     on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits; in float32 on
     AVX2 CPUs, for F32Linear where its shape fits); the count.
@@ -89,7 +90,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     float32 embedding mapped from the file (mapped_weight.py) gives back: only its gathered rows stay
     resident. The loader asks for no copy in float32 where the embedding could not be mapped.
     weights(name): the weight of a layer left on the meta device (the loader packs those from views of
-    the file, weight_views.py), valid until the next call: every layer copies it into its own layout."""
+    the file, weight_views.py), valid until the next call: every layer copies it into its own layout.
+    panels: float32 layers' panels packed before (panel_cache.py), taken as they are by F32Linear."""
     if not packing_available(dtype, device):
         return 0
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
@@ -103,6 +105,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
         lib = native if kernel.module.runs_here(native) else None
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
+        if panels and name in panels and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
+            return f32_linear.F32Linear(linear, lib, panels[name])  # its weight never read
         if weights is not None and linear.weight.is_meta:
             linear.weight = nn.Parameter(weights(name), requires_grad=False)
         if tied and name == "lm_head" and not copy_tied_head:

@@ -111,4 +111,4 @@ def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict 
 
     replace_linears(model, make)
     if stored is None and model_dir is not None:
-        cache.save_cached(cache.cache_file(model_dir, mode), fresh)
+        cache.save_cached(cache.cache_file(model_dir, mode), fresh, model_dir, mode)
