@@ -127,6 +127,44 @@ def test_a_block_row_is_bitwise_the_same_in_any_batch_of_12_rows_or_more(kind, o
     assert (few - whole).abs().max() <= 1e-5 * whole.abs().max() + 1e-6
 
 
+def _want(kind: int, blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's definition in float64: x rounded per block to int16 steps times d q, plus m sum(x)."""
+    k = x.shape[1]
+    weight, m = dequantize(kind, blocks, k).double(), block_mins(kind, blocks, k).double()
+    q, d = blockwise_x(x)
+    seen = (q * d).reshape(x.shape).double()
+    return torch.nn.functional.linear(seen, weight - m, None if bias is None else bias.double()) + x.double() @ m.T
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [2, 3, 8])
+@pytest.mark.parametrize("out_features,in_features,rows,threads", [
+    (48, 1600, 20, 2),  # K in blocks, then the offsets' columns
+    (16, 32 * 769, 12, 2),  # 769 blocks: the offsets' columns in two chunks of at most 768
+    (32, 96, 20, 3),  # more threads than panels: one thread has none
+])  # fmt: skip
+def test_block_panels_where_the_offsets_weigh(kind, out_features, in_features, rows, threads):
+    """One large value in each block of 32 makes the other 31 round coarsely, so the rounded x's sums differ
+    from x's and the offsets' extra columns (m times that residue) carry a visible part of the output: a
+    residue matched to the wrong block, or left out, fails here (Q8_0 has no offsets: the plain path)."""
+    gen = torch.Generator().manual_seed(kind * 7 + in_features)
+    blocks = random_blocks(kind, out_features, in_features, gen)
+    bias = torch.randn(out_features, generator=gen)
+    layer = GGUFLinear(kind, blocks, (out_features, in_features), bias, load_native(), threads)
+    x = torch.randn(rows, in_features, generator=gen)
+    x[:, ::32] *= 3e3
+    with torch.inference_mode():
+        got = layer(x)
+    want = _want(kind, blocks, x, bias)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
+    if kind != 8:  # without the residue the error would be far beyond that bound
+        weight, m = dequantize(kind, blocks, in_features).double(), block_mins(kind, blocks, in_features).double()
+        q, d = blockwise_x(x)
+        seen = (q * d).reshape(x.shape).double()
+        no_residue = torch.nn.functional.linear(seen, weight, bias.double())
+        assert (no_residue - want).abs().max() > 5 * (got - want).abs().max()
+
+
 @needs_kernel
 def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path):
     """A build without AVX2, FMA and F16C runs gguf_panel_linear as gguf_linear at every row count (built so

@@ -6,6 +6,7 @@ newer one replaces, or whose model directory is gone, are removed."""
 from __future__ import annotations
 
 import shutil
+import socket
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from engine.model.config import load_hf_config
 from engine.model.f32_linear import F32Linear
 from engine.model.loader import load_model
 from engine.model.panel_cache import mapped_panels, panel_file
+from engine.model.safetensors_io import read_metadata, write_safetensors
 from engine.quantization import cache
 
 
@@ -26,6 +28,7 @@ def _load(model_dir: str):
 
 def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ENGINE_PANEL_CACHE", "1")  # opt-in (panel_cache.enabled)
     first = _load(tiny_llama_dir)
     path = panel_file(tiny_llama_dir)
     if not first:  # float32 is not on our kernel here (AVX-512 keeps MKL, or no compiler): nothing kept
@@ -52,53 +55,80 @@ def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, t
     assert all(torch.equal(third[n].packed, first[n].packed) for n in first)
     assert set(load_file(str(path))) == set(first)
 
+    monkeypatch.delenv("ENGINE_PANEL_CACHE")  # off by default: packed at every start, nothing read or written
+    path.unlink()
+    assert set(_load(tiny_llama_dir)) == set(first) and not path.exists()
+
+
+def test_the_cached_layout_is_f32_linear_s_panels():
+    """panel p, k, j holds W[16 p + j, k]: if f32_linear.c's packing ever changes, panel_cache.FORMAT must be
+    bumped (older files would otherwise pass the shape checks)."""
+    from engine.kernels.cpu import load_native
+    from engine.model import f32_linear
+
+    lib = load_native()
+    if not f32_linear.runs_here(lib):
+        pytest.skip("f32_linear is not built for this CPU")
+    linear = torch.nn.Linear(24, 48, bias=False)
+    packed = F32Linear(linear, lib).packed.view(3, 24, 16)
+    assert torch.equal(packed, linear.weight.detach().view(3, 16, 24).transpose(1, 2))
+
 
 def test_panels_that_do_not_fit_are_not_used(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ENGINE_PANEL_CACHE", "1")
     shapes = {"lm_head": (64, 32), "layers.0.mlp.down_proj": (32, 48)}
     path = panel_file(tiny_llama_dir)
     path.parent.mkdir(parents=True)
-    cache.write_safetensors(str(path), {"lm_head": torch.zeros(64 * 32), "layers.0.mlp.down_proj": torch.zeros(32 * 48)})
+    write_safetensors(str(path), {"lm_head": torch.zeros(64 * 32), "layers.0.mlp.down_proj": torch.zeros(32 * 48)})
     assert set(mapped_panels(tiny_llama_dir, shapes)) == set(shapes)
     for wrong in ({"lm_head": torch.zeros(64 * 31)}, {"lm_head": torch.zeros(64, 32)},
                   {"lm_head": torch.zeros(64 * 32, dtype=torch.float64)}, {"not_a_layer": torch.zeros(4)}):  # fmt: skip
-        cache.write_safetensors(str(path), wrong)
+        write_safetensors(str(path), wrong)
         assert mapped_panels(tiny_llama_dir, shapes) is None, wrong
 
 
 def test_our_safetensors_writer_is_read_by_safetensors(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.randint(-127, 128, (2, 7, 16), dtype=torch.int8),
                "c": torch.randn(4)[::2]}  # fmt: skip
-    cache.write_safetensors(str(tmp_path / "t.safetensors"), tensors, {"model_dir": "/x", "mode": "m"})
+    write_safetensors(str(tmp_path / "t.safetensors"), tensors, {"model_dir": "/x", "mode": "m"})
     back = load_file(str(tmp_path / "t.safetensors"))
     assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
-    assert cache._metadata(tmp_path / "t.safetensors") == {"model_dir": "/x", "mode": "m"}
+    assert read_metadata(tmp_path / "t.safetensors") == {"model_dir": "/x", "mode": "m"}
 
 
 def test_a_new_cache_file_removes_the_ones_it_replaces(tmp_path, monkeypatch):
-    """Kept: other modes of the model, other models. Removed: the same model and mode under another key
-    (its files changed, or an older format, named or recorded), and files of model directories gone."""
+    """Kept: other modes of the model, other models (one of the same folder name), another host's files.
+    Removed: the same model and mode under another key (its files changed), the same model files in an
+    older format (before the metadata: known by that name), and this host's files of model folders gone."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    model, other, gone = (tmp_path / name for name in ("model", "other", "gone"))
-    for folder in (model, other, gone):
-        folder.mkdir()
+    model, other, gone, twin = (tmp_path / name for name in ("model", "other", "gone", "elsewhere/model"))
+    for folder in (model, other, gone, twin):
+        folder.mkdir(parents=True)
         (folder / "config.json").write_text("{}")
     one = {"w": torch.zeros(4)}
     folder = cache.cache_dir()
     folder.mkdir(parents=True)
+    here = socket.gethostname()
 
-    def written(name: str, source, mode: str):
-        cache.write_safetensors(str(folder / name), one, {"model_dir": str(source.resolve()), "mode": mode})
+    def written(name: str, source, mode: str, host: str = here):
+        meta = {"model_dir": str(source.resolve()), "mode": mode, "host": host}
+        write_safetensors(str(folder / name), one, meta)
         return folder / name
 
     older = written("model-int8-0000.safetensors", model, "int8")
-    legacy = folder / "model-int8-1111.safetensors"
-    cache.write_safetensors(str(legacy), one)  # before metadata: matched by name
-    other_mode = written("model-float32-panels-2222.safetensors", model, "float32-panels")
-    other_model = written("other-int8-3333.safetensors", other, "int8")
+    legacy = cache.cache_file(str(model), "int8", fmt=1)  # format 1, before the metadata
+    write_safetensors(str(legacy), one)
+    unknown = folder / "model-int8-1111.safetensors"  # no metadata, not a name this model's files give
+    write_safetensors(str(unknown), one)
+    kept = [written("model-float32-panels-2222.safetensors", model, "float32-panels"),
+            written("other-int8-3333.safetensors", other, "int8"),
+            written("model-int8-5555.safetensors", twin, "int8"),
+            written("gone-int8-6666.safetensors", gone, "int8", host="another-host"), unknown]  # fmt: skip
     orphan = written("gone-int8-4444.safetensors", gone, "int8")
     shutil.rmtree(gone)
     path = cache.cache_file(str(model), "int8")
     cache.save_cached(path, one, str(model), "int8")
-    assert path.exists() and other_mode.exists() and other_model.exists()
+    assert path.exists() and read_metadata(path) == {"model_dir": str(model.resolve()), "mode": "int8", "host": here}
+    assert all(p.exists() for p in kept), [p.name for p in kept if not p.exists()]
     assert not older.exists() and not legacy.exists() and not orphan.exists()

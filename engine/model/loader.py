@@ -12,7 +12,6 @@ another dtype are converted from a mapping too.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Callable
 
@@ -25,15 +24,9 @@ from engine.model.fused_decode import install_exact
 from engine.model.packed_linear import pack_linears, packing_available
 from engine.model.panel_cache import keep_panels, mapped_panels
 from engine.model.rope import rotary_tables
+from engine.model.safetensors_io import SAFETENSORS_DTYPES, TensorEntry, index_file  # noqa: F401 - also ours to import
 from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
 
 def safetensors_files(model_dir: str) -> list[Path]:
     folder = Path(model_dir)
@@ -47,50 +40,11 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-class TensorEntry:
-    __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
-
-    def __init__(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> None:
-        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
-
-
 def index_weights(model_dir: str) -> dict[str, TensorEntry]:
     """Where each tensor of the model's files lies."""
     entries: dict[str, TensorEntry] = {}
     for path in safetensors_files(model_dir):
         entries.update(index_file(path))
-    return entries
-
-
-def index_file(path: Path) -> dict[str, TensorEntry]:
-    """Where each tensor of one safetensors file lies: its header (8-byte little-endian length, then JSON).
-    ValueError naming what does not fit."""
-    entries: dict[str, TensorEntry] = {}
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        try:
-            if not 0 < length <= size - 8:
-                raise ValueError(f"header length {length} does not fit a {size}-byte file")
-            header = json.loads(f.read(length))
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-        except ValueError as exc:  # JSONDecodeError included
-            raise ValueError(f"{path} is not a valid safetensors file: {exc}") from None
-    base = 8 + length
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, (start, end), shape = meta["dtype"], meta["data_offsets"], [int(d) for d in meta["shape"]]
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size - base):
-                raise ValueError(f"{name} lies outside the file")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path} is not a valid safetensors file: entry {name!r}: {exc!r}") from None
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
-        entries[name] = TensorEntry(path, base + start, end - start, SAFETENSORS_DTYPES[dtype], shape)
     return entries
 
 
@@ -204,6 +158,8 @@ def load_model(
             views.close()
         if dtype == torch.float32 and deferred and panels is None:
             keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
+        if progress is not None and panels:
+            progress(total, total)  # the mapped layers were never read
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:
             raise ValueError(f"weights left unloaded: {unread[:8]}")

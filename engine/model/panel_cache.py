@@ -4,45 +4,59 @@ Why: on the CPUs where float32 layers run on our kernel (AVX2 without AVX-512: f
 packed SmolLM2-135M's 540 MB into panels, reading the file and writing as many fresh pages, which the
 kernel zeroes on first touch: 0.38 s of the scheduler's 0.50 s load on an AMD EPYC Zen 1, a start whose
 3 s target it sat at. The first start keeps the panels in a safetensors file (the int8 cache's naming,
-trust and atomic write: engine/quantization/cache.py); later starts map it, copy-on-write, so a layer's
-pages come from the page cache when a step first reads them. The file is only ever read: as with the
-mapped embedding (mapped_weight.py), it must not be truncated while the engine runs.
+trust, upkeep and atomic write: engine/quantization/cache.py), as large as the float32 weights;
+later starts map it, copy-on-write, so a layer's pages come from the page cache when a step first reads
+them. The file is only ever read: as with the mapped embedding (mapped_weight.py), it must not be
+truncated while the engine runs. Opt-in, ENGINE_PANEL_CACHE=1 (enabled(), below).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from engine import envvars
 from engine.model.f32_linear import F32Linear
 from engine.model.mapped_weight import MappedWeight
+from engine.model.safetensors_io import index_file
 from engine.quantization import cache
 
-FORMAT = 1  # f32_linear.c's panels of 16 output columns, [N / 16][K][16] float32, one flat tensor a layer
+# bump when f32_linear.c's packing changes (1: panels of 16 output columns, [N / 16][K][16] float32, one flat
+# tensor a layer; tests/test_panel_cache.py checks the layout)
+FORMAT = 1
 MODE = "float32-panels"
 
 
-def panel_file(model_dir: str):
+def enabled() -> bool:
+    """Off unless ENGINE_PANEL_CACHE=1: with the panels mapped, the batch's decode steps ran 16-18% slower in
+    two A/B pairs on the Zen 1 where start-up gained 0.4 s, and the layers' kernel alone did not (unexplained;
+    docs/performance.md)."""
+    return envvars.read("ENGINE_PANEL_CACHE") == "1"
+
+
+def panel_file(model_dir: str) -> Path:
     return cache.cache_file(model_dir, MODE, FORMAT, kind="packed")
 
 
 def mapped_panels(model_dir: str, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
     """name -> the layer's panels, mapped from the cache, for every layer of `shapes` ((out, in) by name)
-    the cache holds; None where there is no trusted, well-formed file or one of its layers does not fit."""
-    from engine.model.loader import index_file
-
-    path = panel_file(model_dir)
-    if not path.exists() or not cache.trusted(path):
+    the cache holds; None where there is no trusted, well-formed file or one of its layers does not fit
+    (never an error: the layers are then packed as without a cache)."""
+    if not enabled():
         return None
     try:
-        entries = index_file(path)
+        path = panel_file(model_dir)
+        if not path.exists() or not cache.trusted(path):
+            return None
         out = {}
-        for name, entry in entries.items():
+        for name, entry in index_file(path).items():  # byte counts checked against shapes there
             n, k = shapes.get(name, (-1, -1))
             if entry.dtype != torch.float32 or entry.shape != [n * k] or n % 16:
                 return None
             out[name] = MappedWeight(path, entry.offset, entry.nbytes, entry.dtype, entry.shape).tensor
-    except (OSError, ValueError):  # a damaged file is packed again and replaced, never fatal
+    except (OSError, ValueError, RuntimeError):  # unreadable or damaged: packed again and replaced
         return None
     return out or None
 
@@ -50,5 +64,9 @@ def mapped_panels(model_dir: str, shapes: dict[str, tuple[int, int]]) -> dict[st
 def keep_panels(model_dir: str, model: nn.Module) -> None:
     """The model's freshly packed F32Linear panels into the cache, for the next start (best effort)."""
     panels = {name: m.packed for name, m in model.named_modules() if isinstance(m, F32Linear)}
-    if panels:
-        cache.save_cached(panel_file(model_dir), panels, model_dir, MODE)
+    if not panels or not enabled():
+        return
+    try:
+        cache.save_cached(panel_file(model_dir), panels, model_dir, MODE, FORMAT)
+    except OSError:  # an unreadable cache directory or model folder: the next start packs again
+        pass

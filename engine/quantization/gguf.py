@@ -7,11 +7,12 @@ the activations are rounded per block of 32 to int16 for integer dot products (l
 to int8, which cost this model 1.3% of perplexity; int16 costs nothing measurable, docs/quantization.md).
 From 12 rows on (a batch's decode step, prefill), layers whose width is a multiple of 16 (all of SmolLM2's)
 go to gguf_panel_linear.c, which dequantizes 16 output rows' blocks at a time into a float32 buffer and
-multiplies them by the same rounded activations, so a prompt's logits do not depend on how its rows were
-batched. On an AMD EPYC Zen 1 (SmolLM2's 120 layers, plus the lm_head at 64 rows; median ms, alternating):
-64 rows 317 against the integer loop's 452 and torch on dequantized tiles 627; 512 rows 2,033 against the
-tiles' 2,548. Other widths, and builds without AVX2, keep the integer loop up to DIRECT_MAX_ROWS rows and
-dequantized tiles (engine/quantization/linear.py) beyond.
+multiplies them by the same rounded activations: each output then is bitwise the same in any batch of 12 rows
+or more, and agrees with the integer loop's to float rounding, so a prompt's logits do not depend, beyond
+that rounding, on how its rows were batched. On an AMD EPYC Zen 1 (SmolLM2's 120 layers, plus the lm_head at 64 rows; median ms, alternating):
+64 rows 297 against the integer loop's 502 and torch on dequantized tiles 786; 512 rows 1,904 against the
+tiles' 2,474; 2,048 rows 7,598 against 8,573. Other widths, and builds without AVX2, keep the integer loop
+up to DIRECT_MAX_ROWS rows and dequantized tiles (engine/quantization/linear.py) beyond.
 
 The blocks of each layer are the file's rows, one row of blocks per output row, so fused layers (qkv,
 gate_up) are the parts' rows stacked. Llama GGUFs store q and k with their rows permuted for
@@ -145,13 +146,13 @@ def _qkv_order(got, kind, orders, reference, k: int, source: str):
 
 def round_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, k] as the kernel sees it (each block of 32 rounded to int16 steps of max|x|/32767, as
-    quantize_x in gguf_linear.c), and per block sum(x) - sum(rounded x) [M, k / 32]."""
+    quantize_x in gguf_linear.c), and per block sum(x - rounded x) [M, k / 32]."""
     b = x.reshape(x.shape[0], -1, BLOCK)
     amax = b.abs().amax(-1, keepdim=True)
     d = torch.where(amax > 1e-30, amax / ROUND_STEPS, torch.zeros_like(amax))  # as the kernel: 1/d stays finite
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     rounded = torch.round(b * inv) * d
-    return rounded.reshape(x.shape), (b.sum(-1) - rounded.sum(-1))
+    return rounded.reshape(x.shape), (b - rounded).sum(-1)  # each difference exact, as gguf_panel_linear.c sums it
 
 
 def block_offsets(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:

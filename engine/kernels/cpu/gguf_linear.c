@@ -20,8 +20,8 @@
  * on a 2-core Xeon; the same loop at 512 bits with scalar scales gained nothing). With AVX2 and F16C the
  * loop also takes two blocks a step for the one conversion (30 Q4_1 layers at one row 7.08 -> 6.52 ms on
  * a 2-core AMD EPYC, Zen 2).
- * Meant for few input rows: gguf_panel_linear.c takes 12 and more (and for widths not a multiple of 16 the
- * caller multiplies dequantized tiles by the same rounded x beyond 64).
+ * Meant for few input rows: gguf_panel_linear.c takes 12 and more (for widths not a multiple of 16, and on
+ * builds without AVX2, FMA and F16C, the caller multiplies dequantized tiles by the same rounded x beyond 64).
  */
 #include <stdint.h>
 #include <stdlib.h>

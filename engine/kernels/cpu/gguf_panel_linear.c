@@ -26,6 +26,8 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_PANELS 1
 #include <immintrin.h>
+
+#include "avx2_math.h"
 #else
 #define GGUF_PANELS 0
 #endif
@@ -63,38 +65,25 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
-static inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
 /* One row of x (K floats) rounded as quantize_x rounds it, into xr; each block's sum(x) - sum(rounded x)
- * into res (K / 32 floats), unless res is NULL. */
+ * into res (K / 32 floats), unless res is NULL, summed as sum(x - rounded x): each difference is exact. */
 static void round_row(const float *x, int64_t K, float *xr, float *res) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / QK; b++) {
-        __m256 v[4], amax = _mm256_setzero_ps(), s = _mm256_setzero_ps(), r = _mm256_setzero_ps();
+        __m256 v[4], amax = _mm256_setzero_ps(), r = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(x + b * QK + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-            s = _mm256_add_ps(s, v[i]);
         }
-        const float a = hmax(amax), d = a > 1e-30f ? a / QX_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float a = hmax256(amax), d = a > 1e-30f ? a / QX_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         const __m256 vd = _mm256_set1_ps(d), vid = _mm256_set1_ps(id);
         for (int i = 0; i < 4; i++) {
             const __m256 q = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m256 o = _mm256_mul_ps(q, vd);
             _mm256_storeu_ps(xr + b * QK + 8 * i, o);
-            r = _mm256_add_ps(r, o);
+            r = _mm256_add_ps(r, _mm256_sub_ps(v[i], o));
         }
-        if (res) res[b] = hsum(s) - hsum(r);
+        if (res) res[b] = hsum256(r);
     }
 }
 
