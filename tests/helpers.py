@@ -58,7 +58,7 @@ class ScalarBuild:
     def __init__(self, lib: ctypes.CDLL, question: str) -> None:
         self._lib, self._question = lib, question
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> object:
         return (lambda: 0) if name == self._question else getattr(self._lib, name)
 
 
