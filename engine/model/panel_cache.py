@@ -31,8 +31,8 @@ MODE = "float32-panels"
 
 def enabled() -> bool:
     """Off unless ENGINE_PANEL_CACHE=1: with the panels mapped, the batch's decode steps ran 16-18% slower in
-    two A/B pairs on the Zen 1 where start-up gained 0.4 s, and the layers' kernel alone did not (unexplained;
-    docs/performance.md)."""
+    two A/B pairs on the Zen 1 where start-up gained 0.4 s, and 21% and 8% faster in two later ones; the
+    layers' kernel alone did not move (docs/performance.md). Off until that is settled."""
     return envvars.read("ENGINE_PANEL_CACHE") == "1"
 
 
