@@ -24,7 +24,7 @@ from engine.model.fused_decode import install_exact
 from engine.model.packed_linear import pack_linears, packing_available
 from engine.model.panel_cache import keep_panels, mapped_panels
 from engine.model.rope import rotary_tables
-from engine.model.safetensors_io import SAFETENSORS_DTYPES, TensorEntry, index_file  # noqa: F401 - also ours to import
+from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
@@ -150,13 +150,14 @@ def load_model(
                 progress(done, total)
             return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
 
-        panels = mapped_panels(model_dir, shapes) if dtype == torch.float32 and deferred else None
+        on_f32 = dtype == torch.float32 and bool(deferred)  # packed for f32_linear (or oneDNN) from the file
+        panels = mapped_panels(model_dir, shapes) if on_f32 else None
         try:
             pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None,
                          weights=weights if deferred else None, panels=panels)  # fmt: skip
         finally:
             views.close()
-        if dtype == torch.float32 and deferred and panels is None:
+        if on_f32 and panels is None:
             keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
         if progress is not None and panels:
             progress(total, total)  # the mapped layers were never read

@@ -53,7 +53,7 @@ def mapped_panels(model_dir: str, shapes: dict[str, tuple[int, int]]) -> dict[st
         out = {}
         for name, entry in index_file(path).items():  # byte counts checked against shapes there
             n, k = shapes.get(name, (-1, -1))
-            if entry.dtype != torch.float32 or entry.shape != [n * k] or n % 16:
+            if entry.dtype != torch.float32 or entry.shape != [n * k]:
                 return None
             out[name] = MappedWeight(path, entry.offset, entry.nbytes, entry.dtype, entry.shape).tensor
     except (OSError, ValueError, RuntimeError):  # unreadable or damaged: packed again and replaced
@@ -63,8 +63,10 @@ def mapped_panels(model_dir: str, shapes: dict[str, tuple[int, int]]) -> dict[st
 
 def keep_panels(model_dir: str, model: nn.Module) -> None:
     """The model's freshly packed F32Linear panels into the cache, for the next start (best effort)."""
+    if not enabled():
+        return
     panels = {name: m.packed for name, m in model.named_modules() if isinstance(m, F32Linear)}
-    if not panels or not enabled():
+    if not panels:
         return
     try:
         cache.save_cached(panel_file(model_dir), panels, model_dir, MODE, FORMAT)

@@ -10,6 +10,7 @@ panels, engine/model/panel_cache.py), and its loaders read or copy where the eng
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -64,10 +65,7 @@ def index_file(path: Path) -> dict[str, TensorEntry]:
         if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
         torch_dtype = SAFETENSORS_DTYPES[dtype]
-        count = 1
-        for d in shape:
-            count *= d
-        if end - start != count * torch.empty((), dtype=torch_dtype).element_size():
+        if end - start != math.prod(shape) * torch_dtype.itemsize:
             raise ValueError(f"{path.name}: tensor {name} has {end - start} bytes for its shape {shape} of {dtype}")
         entries[name] = TensorEntry(path, base + start, end - start, torch_dtype, shape)
     return entries

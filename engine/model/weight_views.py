@@ -28,7 +28,7 @@ class WeightViews:
         self._last: list[MappedWeight] = []  # the weight handed out last: its pages go back on the next call
 
     def stacked(self, entries: list, dtype: torch.dtype) -> torch.Tensor:
-        """The entries (loader.TensorEntry: path, offset, nbytes, dtype, shape) stacked along dim 0 in
+        """The entries (safetensors_io.TensorEntry: path, offset, nbytes, dtype, shape) stacked along dim 0 in
         `dtype`: a view of the file where that is one entry of that dtype, else the scratch buffer, which
         the next call overwrites. Use it (pack or copy it) first."""
         self.release()

@@ -29,7 +29,7 @@ from pathlib import Path
 from engine import envvars
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # every kernel: attention, elementwise, the decode step, linear layers
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # avx2_math.h, bf16_scalar.h, exp_poly.h: part of the cache key, as the sources
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # every header the sources include: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",

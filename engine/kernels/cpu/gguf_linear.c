@@ -26,21 +26,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "gguf_blocks.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml's type ids */
-#define QK 32
 #define MB 4 /* input rows handled together: each unpacked block is used MB times */
-#define QX_MAX 32767.0f /* activations are rounded per block to int16 steps of max|x| / QX_MAX */
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the block being read: streaming alone left the loop waiting on memory */
 #endif
-
-static int block_bytes(int type) {
-    return type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q8_0 ? 34 : 0;
-}
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));

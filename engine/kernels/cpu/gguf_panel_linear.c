@@ -31,20 +31,18 @@
 #else
 #define GGUF_PANELS 0
 #endif
+#include "gguf_blocks.h"
 
 int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int threads); /* gguf_linear.c */
 void f32_panel_block(const float *x, int64_t m, int64_t k, const float *b, int64_t kn, float *y, int64_t n,
                      int first); /* f32_linear.c */
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml's type ids */
-#define QK 32
 #define PANEL 16     /* output rows a panel (f32_linear.c's NB) */
 #define KC 512       /* k a block where K > KC_MAX (a multiple of QK) */
 #define KC_MAX 768   /* K up to this in one block */
 #define MC 96        /* rows a block (as f32_linear.c) */
 #define GROUP 4      /* panels converted at a time: 192 KB of stack at most */
-#define QX_MAX 32767.0f /* as gguf_linear.c */
 #ifndef BUFFER_MIN_ROWS
 #define BUFFER_MIN_ROWS 12 /* rows from which the panels pay: SmolLM2's layers on a Zen 1 took 1.16x gguf_linear's
                               time at 10 rows, 0.91x at 12 */
@@ -55,10 +53,6 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml's type ids */
 int gguf_panel_vectorized(void) { return GGUF_PANELS; }
 
 #if GGUF_PANELS
-static int block_bytes(int type) {
-    return type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q8_0 ? 34 : 0;
-}
-
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -176,9 +170,9 @@ static void buffered_panels(int type, const float *xe, int64_t ke, const uint8_t
             kn = k0 < K ? (K - k0 < kc ? K - k0 : kc) : (ke - k0 < KC_MAX ? ke - k0 : KC_MAX);
             for (int64_t p = g0; p < g1; p++) {
                 float *dst = buf + (p - g0) * kn * PANEL;
-                if (type == T_Q4_1) convert_panel(T_Q4_1, 20, w, row_bytes, p, K, k0, kn, dst); /* constant types: */
-                else if (type == T_Q4_0) convert_panel(T_Q4_0, 18, w, row_bytes, p, K, k0, kn, dst); /* folded */
-                else convert_panel(T_Q8_0, 34, w, row_bytes, p, K, k0, kn, dst);
+                if (type == T_Q4_1) convert_panel(T_Q4_1, block_bytes(T_Q4_1), w, row_bytes, p, K, k0, kn, dst);
+                else if (type == T_Q4_0) convert_panel(T_Q4_0, block_bytes(T_Q4_0), w, row_bytes, p, K, k0, kn, dst);
+                else convert_panel(T_Q8_0, block_bytes(T_Q8_0), w, row_bytes, p, K, k0, kn, dst); /* constants */
             }
             for (int64_t m0 = 0; m0 < M; m0 += MC)
                 for (int64_t p = g0; p < g1; p++)
