@@ -7,7 +7,9 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -76,7 +78,8 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        (tmp / ".complete").write_text(str(gguf.resolve()))  # read back by quantization=gguf
+        # read back by quantization=gguf (the first line) and by prune_conversions (both)
+        (tmp / ".complete").write_text(f"{gguf.resolve()}\n{socket.gethostname()}\n")
         try:
             os.replace(tmp, target)
         except OSError:
@@ -85,4 +88,51 @@ def convert_gguf(gguf: Path) -> Path:
                 os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if prune_conversions(target):
+        from engine.quantization.cache import prune_orphans
+
+        for kind in ("quantized", "packed"):
+            prune_orphans(kind)  # the removed directories' int8 weights and float32 panels
     return target
+
+
+def conversion_source(folder: Path) -> tuple[str, str | None] | None:
+    """(the GGUF's path, the host that converted it) a finished conversion records; None where the folder is
+    not one (no mark: another process's conversion in progress, or not ours). The host is None for the
+    directories of engines before it was recorded."""
+    try:
+        lines = (folder / ".complete").read_text().splitlines()
+    except OSError:
+        return None
+    if not lines or not lines[0].strip().endswith(".gguf"):
+        return None
+    return lines[0].strip(), (lines[1].strip() or None) if len(lines) > 1 else None
+
+
+def prune_conversions(kept: Path) -> list[Path]:
+    """Remove the converted directories kept replaces, 517 MB each for the embedded model: the same GGUF's
+    older conversions (the file was reinstalled, or CONVERSION_FORMAT changed) and this host's conversions of
+    GGUFs that no longer exist (a virtual environment removed: every clean clone's `make test` made one).
+    Without it every reinstall and every clean clone left one behind. Only folders named as ours and marked
+    finished are looked at; another host's are kept unless they are of the same file. An engine serving from
+    a removed directory keeps its mapped weights. Returns the folders removed."""
+    mine = conversion_source(kept)
+    if mine is None:
+        return []
+    host, removed = socket.gethostname(), []
+    try:
+        folders = [f for f in kept.parent.iterdir() if f != kept and f.is_dir() and _NAMED.fullmatch(f.name)]
+    except OSError:
+        return []
+    for folder in folders:
+        source = conversion_source(folder)
+        if source is None:
+            continue
+        gguf, made_on = source
+        if gguf == mine[0] or (made_on in (None, host) and not Path(gguf).is_file()):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+_NAMED = re.compile(r".+-[0-9a-f]{16}")  # converted_dir_for's names

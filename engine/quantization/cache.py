@@ -83,14 +83,35 @@ def prune(kept: Path, model_dir: str, mode: str, fmt: int) -> None:
         if meta is None:
             stale = path.name in older
         else:
-            source = str(meta.get("model_dir", ""))
-            mine = source == folder and meta.get("mode") == mode
-            stale = mine or (meta.get("host") == host and not Path(source).is_dir())
+            mine = str(meta.get("model_dir", "")) == folder and meta.get("mode") == mode
+            stale = mine or _orphan(meta, host)
         if stale:
-            try:
-                path.unlink()
-            except OSError:
-                pass
+            _unlink(path)
+
+
+def prune_orphans(kind: str) -> None:
+    """Remove this host's files under cache_dir(kind) whose model directory no longer exists: called when
+    engine/model/embedded.py removes old conversions, whose files nothing would otherwise replace."""
+    host = socket.gethostname()
+    try:
+        paths = list(cache_dir(kind).glob("*.safetensors"))
+    except OSError:
+        return
+    for path in paths:
+        meta = read_metadata(path)
+        if meta is not None and _orphan(meta, host):
+            _unlink(path)
+
+
+def _orphan(meta: dict, host: str) -> bool:
+    return meta.get("host") == host and not Path(str(meta.get("model_dir", ""))).is_dir()
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def save_cached(path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mode: str, fmt: int = FORMAT) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.model.config import ModelConfig
+from engine.model.embedded import conversion_source
 from engine.quantization.linear import QuantizedLinear
 
 BLOCK = 32
@@ -42,12 +43,8 @@ PANEL = 16  # output rows gguf_panel_linear.c dequantizes together
 
 def gguf_source(model_dir: str) -> Path | None:
     """The GGUF a converted model directory was made from (engine/model/embedded.py marks it), or None."""
-    mark = Path(model_dir) / ".complete"
-    try:
-        path = Path(mark.read_text().strip())
-    except OSError:
-        return None
-    return path if path.suffix == ".gguf" and path.is_file() else None
+    source = conversion_source(Path(model_dir))
+    return Path(source[0]) if source is not None and Path(source[0]).is_file() else None
 
 
 def _parts(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
