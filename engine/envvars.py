@@ -31,7 +31,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("ENGINE_TRACE_FILE", "", "a file path", "also write every span as OTLP/JSON lines to this file"),
         EnvVar("ENGINE_TRACE_STEPS", "1", "N >= 0", "keep one scheduler-step trace in N (0: none; failed steps always)"),
         EnvVar("ENGINE_CACHE_DIR", "", "a directory",
-               "where the dequantized embedded model, the compiled C kernels, int8 weights and float32 panels are cached (default: the user cache dir)"),
+               "where the dequantized embedded model, the compiled C kernels, int8 weights and float32 panels are cached (default: the user cache dir); its folders named `<name>-<16 hex digits>` with a `.complete` mark are the engine's conversions, which a new conversion may remove"),
         EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)"),
         EnvVar("ENGINE_PACK_WEIGHTS", "1", "1 or 0",
                "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights: neither oneDNN's packed layout nor our bf16 and float32 kernels (A/B runs)"),

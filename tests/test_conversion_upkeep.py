@@ -8,62 +8,101 @@ from pathlib import Path
 
 import torch
 
-from engine.model.embedded import conversion_source, prune_conversions
+from engine.model.embedded import conversion_source, install_conversion, prune_conversions
 from engine.model.safetensors_io import read_metadata, write_safetensors
 from engine.quantization import cache
 from engine.quantization.gguf import gguf_source
+
+HEX = "0123456789abcdef"
 
 
 def _conversion(root: Path, name: str, gguf: Path, host: str | None) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
-    (folder / ".complete").write_text(f"{gguf}\n{host}\n" if host else str(gguf))
+    (folder / ".complete").write_text(str(gguf))
+    if host:
+        (folder / ".host").write_text(host)
     return folder
 
 
-def test_a_new_conversion_removes_the_ones_it_replaces_and_only_those(tmp_path, monkeypatch):
+def _cached(folder: Path, mode: str = "int8", kind: str = "quantized", host: str | None = None) -> Path:
+    path = cache.cache_file(str(folder), mode, kind=kind)
+    cache.save_cached(path, {"w": torch.zeros(4)}, str(folder), mode)
+    if host:  # as another host sharing this home would have written it
+        write_safetensors(str(path), {"w": torch.zeros(4)}, {**read_metadata(path), "host": host})
+    return path
+
+
+def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_else(tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
     root, here = tmp_path / "cache", socket.gethostname()
     model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
     model.write_bytes(b"GGUF"), other.write_bytes(b"GGUF")
-    gone = tmp_path / "removed-venv" / "model.gguf"
-    kept = _conversion(root, "model-" + "a" * 16, model, here)
-    older = _conversion(root, "model-" + "b" * 16, model, "elsewhere")  # the same file: replaced, whoever made it
-    orphan = _conversion(root, "model-" + "c" * 16, gone, here)  # its GGUF went with a virtual environment
-    legacy = _conversion(root, "model-" + "d" * 16, gone, None)  # a one-line mark, before the host was kept
-    survivors = [
-        _conversion(root, "other-" + "e" * 16, other, here),  # another GGUF that still exists
-        _conversion(root, "model-" + "f" * 16, gone, "elsewhere"),  # another host's (a shared home): its file may be there
-        _conversion(root, "user-model", gone, here),  # not named as ours
-        root / ("model-" + "0" * 16),  # another process's conversion in progress: no mark yet
-        root / "quantized",
+    installed = tmp_path / "venv" / "lib" / "site-packages" / "pkg" / "gone.gguf"  # removed with its environment
+    unmounted = tmp_path / "drive" / "mine.gguf"  # a user's own file that is missing now
+    kept = _conversion(root, "model-" + HEX, model, here)
+    removed = [
+        _conversion(root, "model-" + "1" * 16, model, here),  # the same file's older conversion
+        _conversion(root, "model-" + "2" * 16, model, None),  # ... before the host was recorded
+        _conversion(root, "gone-" + "3" * 16, installed, here),
+        _conversion(root, "gone-" + "4" * 16, installed, None),
     ]
-    survivors[3].mkdir()
-    int8 = {folder: cache.cache_file(str(folder), "int8") for folder in (kept, orphan, survivors[0])}
-    for folder, path in int8.items():
-        cache.save_cached(path, {"w": torch.zeros(4)}, str(folder), "int8")
-    foreign = cache.cache_file(str(legacy), "int8")
-    cache.save_cached(foreign, {"w": torch.zeros(4)}, str(legacy), "int8")
-    meta = read_metadata(foreign)
-    write_safetensors(str(foreign), {"w": torch.zeros(4)}, {**meta, "host": "elsewhere"})
-    assert all(p.exists() for p in [*int8.values(), foreign])
+    outside = _conversion(tmp_path / "elsewhere", "linked", installed, here)
+    survivors = [
+        _conversion(root, "model-" + "5" * 16, model, "other-host"),  # a shared home: another host's venv
+        _conversion(root, "gone-" + "6" * 16, installed, "other-host"),
+        _conversion(root, "mine-" + "7" * 16, unmounted, here),
+        _conversion(root, "other-" + "8" * 16, other, None),
+        _conversion(root, "user-model", installed, here),  # not named as ours
+        _conversion(root, ".convert-k2j4h5g6", model, here),  # marked just before its rename: in progress
+        root / ("model-" + "9" * 16),  # no mark yet
+        root / "quantized",
+        root / ("link-" + "a" * 16),
+    ]
+    survivors[6].mkdir()
+    survivors[8].symlink_to(outside, target_is_directory=True)
+    (root / (".prune-model-" + "b" * 16)).mkdir()  # a removal cut short
+    files = {folder: _cached(folder) for folder in (kept, removed[0], removed[2], survivors[3])}
+    panels = {folder: _cached(folder, "float32-panels", "packed") for folder in (kept, removed[2])}
+    foreign = _cached(removed[3], host="other-host")
+    legacy = root / "quantized" / "unknown-int8-0000000000000000.safetensors"  # no metadata: not judged here
+    legacy.write_bytes(b"\0" * 16)
 
-    removed = prune_conversions(kept)
-    assert sorted(removed) == sorted([older, orphan, legacy])
-    assert kept.is_dir() and all(p.exists() for p in survivors) and not any(p.exists() for p in removed)
+    assert sorted(prune_conversions(kept)) == sorted(removed)
+    assert not any(p.exists() for p in removed) and kept.is_dir() and outside.is_dir()
+    assert all(p.exists() or p.is_symlink() for p in survivors)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".prune-")] == []
     for kind in ("quantized", "packed"):
         cache.prune_orphans(kind)
-    assert int8[kept].exists() and int8[survivors[0]].exists() and foreign.exists()  # another host's: kept
-    assert not int8[orphan].exists()
+    assert files[kept].exists() and files[survivors[3]].exists() and panels[kept].exists()
+    assert not files[removed[0]].exists() and not files[removed[2]].exists() and not panels[removed[2]].exists()
+    assert foreign.exists() and legacy.exists()  # another host's file is its own to judge
 
 
-def test_the_mark_names_the_gguf_in_either_form(tmp_path):
+def test_installing_a_conversion_marks_it_readably_and_prunes_what_it_replaces(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    root, gguf = tmp_path / "cache", tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    older = _conversion(root, "m-" + "1" * 16, gguf, socket.gethostname())
+    int8, panels = _cached(older), _cached(older, "float32-panels", "packed")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.json").write_text("{}")
+    target = root / ("m-" + HEX)
+    install_conversion(fresh, target, gguf)
+    assert not fresh.exists() and not older.exists() and not int8.exists() and not panels.exists()
+    # one line, as engines before the host was recorded read it (they took the whole text for the path)
+    assert (target / ".complete").read_text() == str(gguf.resolve())
+    assert conversion_source(target) == (str(gguf.resolve()), socket.gethostname())
+    assert gguf_source(str(target)) == gguf.resolve()
+
+
+def test_the_mark_names_a_gguf_or_the_folder_is_no_conversion(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    new, old = _conversion(tmp_path, "m-" + "1" * 16, gguf, "host-a"), _conversion(tmp_path, "m-" + "2" * 16, gguf, None)
-    assert conversion_source(new) == (str(gguf), "host-a") and conversion_source(old) == (str(gguf), None)
-    assert gguf_source(str(new)) == gguf == gguf_source(str(old))
-    (new / ".complete").write_text("not a gguf\nhost-a\n")
-    assert conversion_source(new) is None and gguf_source(str(new)) is None
-    assert prune_conversions(new) == [] and old.is_dir()  # a folder that is no conversion prunes nothing
+    old = _conversion(tmp_path, "m-" + "2" * 16, gguf, None)
+    assert conversion_source(old) == (str(gguf), None) and gguf_source(str(old)) == gguf
+    bad = _conversion(tmp_path, "m-" + "3" * 16, tmp_path / "not-a-model.bin", "host-a")
+    assert conversion_source(bad) is None and gguf_source(str(bad)) is None
+    assert prune_conversions(bad) == [] and old.is_dir()  # a folder that is no conversion prunes nothing

@@ -16,6 +16,8 @@ from pathlib import Path
 from engine import envvars
 
 CONVERSION_FORMAT = 2  # bump when the cached layout changes
+DIGEST = 16  # hex digits of a converted directory's key
+_NAMED = re.compile(rf"[^.].*-[0-9a-f]{{{DIGEST}}}")  # converted_dir_for's names: the only folders pruning looks at
 
 
 def embedded_gguf_path() -> Path:
@@ -44,7 +46,7 @@ def cache_root() -> Path:
 def converted_dir_for(gguf: Path) -> Path:
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:DIGEST]
     return cache_root() / f"{gguf.stem}-{digest}"
 
 
@@ -78,61 +80,77 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        # read back by quantization=gguf (the first line) and by prune_conversions (both)
-        (tmp / ".complete").write_text(f"{gguf.resolve()}\n{socket.gethostname()}\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not is_converted(target):  # another process did not finish it either: take ours
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(tmp, target)
+        install_conversion(tmp, target, gguf)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def install_conversion(tmp: Path, target: Path, gguf: Path) -> None:
+    """Mark tmp as converted from gguf on this host, move it to target, and remove what it replaces."""
+    (tmp / ".host").write_text(socket.gethostname())  # read by prune_conversions
+    (tmp / ".complete").write_text(str(gguf.resolve()))  # read back by quantization=gguf
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not is_converted(target):  # another process did not finish it either: take ours
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
     if prune_conversions(target):
         from engine.quantization.cache import prune_orphans
 
         for kind in ("quantized", "packed"):
             prune_orphans(kind)  # the removed directories' int8 weights and float32 panels
-    return target
 
 
 def conversion_source(folder: Path) -> tuple[str, str | None] | None:
-    """(the GGUF's path, the host that converted it) a finished conversion records; None where the folder is
-    not one (no mark: another process's conversion in progress, or not ours). The host is None for the
-    directories of engines before it was recorded."""
+    """(the GGUF's path, the host that converted it) of a finished conversion; None where the folder is not
+    one. The host is None for conversions made before it was recorded."""
     try:
-        lines = (folder / ".complete").read_text().splitlines()
+        gguf = (folder / ".complete").read_text().strip()
     except OSError:
         return None
-    if not lines or not lines[0].strip().endswith(".gguf"):
+    if not gguf.endswith(".gguf"):
         return None
-    return lines[0].strip(), (lines[1].strip() or None) if len(lines) > 1 else None
+    try:
+        host = (folder / ".host").read_text().strip() or None
+    except OSError:
+        host = None
+    return gguf, host
 
 
 def prune_conversions(kept: Path) -> list[Path]:
-    """Remove the converted directories kept replaces, 517 MB each for the embedded model: the same GGUF's
-    older conversions (the file was reinstalled, or CONVERSION_FORMAT changed) and this host's conversions of
-    GGUFs that no longer exist (a virtual environment removed: every clean clone's `make test` made one).
-    Without it every reinstall and every clean clone left one behind. Only folders named as ours and marked
-    finished are looked at; another host's are kept unless they are of the same file. An engine serving from
-    a removed directory keeps its mapped weights. Returns the folders removed."""
-    mine = conversion_source(kept)
+    """Remove this host's conversions that kept replaces (517 MB each for the embedded model): the same GGUF's
+    older ones (reinstalled, or a new CONVERSION_FORMAT) and those of installed GGUFs gone with their virtual
+    environment (every clean clone's `make test` left one). Returns the folders removed."""
+    mine, host = conversion_source(kept), socket.gethostname()
     if mine is None:
         return []
-    host, removed = socket.gethostname(), []
     try:
-        folders = [f for f in kept.parent.iterdir() if f != kept and f.is_dir() and _NAMED.fullmatch(f.name)]
+        for leftover in kept.parent.glob(".prune-*"):  # a removal cut short
+            shutil.rmtree(leftover, ignore_errors=True)
+        folders = [f for f in kept.parent.iterdir()
+                   if f != kept and _NAMED.fullmatch(f.name) and f.is_dir() and not f.is_symlink()]  # fmt: skip
     except OSError:
         return []
+    removed = []
     for folder in folders:
         source = conversion_source(folder)
-        if source is None:
+        if source is None or source[1] not in (None, host):  # not finished, or another host's (a shared home)
             continue
-        gguf, made_on = source
-        if gguf == mine[0] or (made_on in (None, host) and not Path(gguf).is_file()):
-            shutil.rmtree(folder, ignore_errors=True)
+        gguf = Path(source[0])
+        # a missing GGUF of the user's own may be on a drive not mounted now: only installed ones count as gone
+        if (source[0] == mine[0] or ("site-packages" in gguf.parts and not gguf.is_file())) and _remove(folder):
             removed.append(folder)
     return removed
 
 
-_NAMED = re.compile(r".+-[0-9a-f]{16}")  # converted_dir_for's names
+def _remove(folder: Path) -> bool:
+    """Renamed first, so that a removal cut short never leaves a folder that still looks finished."""
+    doomed = folder.with_name(f".prune-{folder.name}")
+    try:
+        os.replace(folder, doomed)
+    except OSError:
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True

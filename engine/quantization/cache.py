@@ -103,7 +103,7 @@ def prune_orphans(kind: str) -> None:
             _unlink(path)
 
 
-def _orphan(meta: dict, host: str) -> bool:
+def _orphan(meta: dict[str, str], host: str) -> bool:
     return meta.get("host") == host and not Path(str(meta.get("model_dir", ""))).is_dir()
 
 
