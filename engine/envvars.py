@@ -40,7 +40,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("ENGINE_F32_LINEAR", "1", "1 or 0",
                "0: float32 linear layers on CPUs with AVX2 and no AVX-512 use oneDNN's packed kernel instead of ours (A/B runs)"),
         EnvVar("ENGINE_PANEL_CACHE", "0", "1 or 0",
-               "1: the exact float32 mode on our float32 kernel keeps its packed panels in the cache (as large as the float32 weights: 540 MB for SmolLM2-135M) and maps them at later starts instead of packing (start-up 0-0.5 s shorter on a Zen 1, the first start 1-2 s longer; decode speed the same within noise in 18 A/B pairs)"),
+               "1: the exact float32 mode on our float32 kernel keeps its packed panels in the cache (as large as the float32 weights: 540 MB for SmolLM2-135M) and maps them at later starts instead of packing (start-up 0-0.5 s shorter on a Zen 1, the first start 1-2 s longer; decode speed the same within noise in 17 A/B pairs)"),
         EnvVar("ENGINE_FUSED_DECODE", "1", "1 or 0",
                "0: the exact mode's decode steps on our linear kernels (bfloat16, float32) go through llama.py's plain forward instead of fused_decode.py's direct kernel calls (the same logits; A/B runs)"),
         EnvVar("ENGINE_DECODE_LAYERS", "1", "1 or 0",

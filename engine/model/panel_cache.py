@@ -30,7 +30,7 @@ MODE = "float32-panels"
 
 
 def enabled() -> bool:
-    """Off unless ENGINE_PANEL_CACHE=1. Mapped panels decode as fast as packed ones (18 A/B pairs on a Zen 1
+    """Off unless ENGINE_PANEL_CACHE=1. Mapped panels decode as fast as packed ones (17 A/B pairs on a Zen 1
     spread both ways within that machine's noise), but the gain is small against the cost: start-up 0-0.5 s
     shorter there, while every model's exact weights take their size again on disk (540 MB for the embedded
     model, 28 GB for a 7B) and the first start writes them (1-2 s more). docs/performance.md."""
