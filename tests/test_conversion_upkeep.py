@@ -59,10 +59,15 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
         root / ("model-" + "9" * 16),  # no mark yet
         root / "quantized",
         root / ("link-" + "a" * 16),
+        _conversion(root, "kept-" + "c" * 16, installed.with_name("present.gguf"), here),  # installed, still there
+        _conversion(root, ".model-" + "d" * 16, model, here),  # a hidden folder is never ours
     ]
+    installed.parent.mkdir(parents=True)
+    installed.with_name("present.gguf").write_bytes(b"GGUF")
     survivors[6].mkdir()
     survivors[8].symlink_to(outside, target_is_directory=True)
     (root / (".prune-model-" + "b" * 16)).mkdir()  # a removal cut short
+    (root / ".prune-notes").mkdir()  # a user's: not named as a removal of ours
     files = {folder: _cached(folder) for folder in (kept, removed[0], removed[2], survivors[3])}
     panels = {folder: _cached(folder, "float32-panels", "packed") for folder in (kept, removed[2])}
     foreign = _cached(removed[3], host="other-host")
@@ -72,7 +77,7 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     assert sorted(prune_conversions(kept)) == sorted(removed)
     assert not any(p.exists() for p in removed) and kept.is_dir() and outside.is_dir()
     assert all(p.exists() or p.is_symlink() for p in survivors)
-    assert [p.name for p in root.iterdir() if p.name.startswith(".prune-")] == []
+    assert [p.name for p in root.iterdir() if p.name.startswith(".prune-")] == [".prune-notes"]
     for kind in ("quantized", "packed"):
         cache.prune_orphans(kind)
     assert files[kept].exists() and files[survivors[3]].exists() and panels[kept].exists()
@@ -86,6 +91,7 @@ def test_installing_a_conversion_marks_it_readably_and_prunes_what_it_replaces(t
     gguf.write_bytes(b"GGUF")
     older = _conversion(root, "m-" + "1" * 16, gguf, socket.gethostname())
     int8, panels = _cached(older), _cached(older, "float32-panels", "packed")
+    assert int8.exists() and panels.exists()
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / "config.json").write_text("{}")
@@ -103,6 +109,22 @@ def test_the_mark_names_a_gguf_or_the_folder_is_no_conversion(tmp_path):
     gguf.write_bytes(b"GGUF")
     old = _conversion(tmp_path, "m-" + "2" * 16, gguf, None)
     assert conversion_source(old) == (str(gguf), None) and gguf_source(str(old)) == gguf
+    two_lines = _conversion(tmp_path, "m-" + "4" * 16, gguf, None)  # as one commit of this project wrote it
+    (two_lines / ".complete").write_text(f"{gguf}\nhost-b\n")
+    assert conversion_source(two_lines) == (str(gguf), "host-b") and gguf_source(str(two_lines)) == gguf
     bad = _conversion(tmp_path, "m-" + "3" * 16, tmp_path / "not-a-model.bin", "host-a")
     assert conversion_source(bad) is None and gguf_source(str(bad)) is None
     assert prune_conversions(bad) == [] and old.is_dir()  # a folder that is no conversion prunes nothing
+
+
+def test_a_neighbour_pruning_cannot_read_never_fails_the_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    root, gguf = tmp_path / "cache", tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    broken = root / ("m-" + "5" * 16)
+    broken.mkdir(parents=True)
+    (broken / ".complete").write_bytes(b"\xff\xfe not text")  # read_text raises UnicodeDecodeError, not OSError
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    install_conversion(fresh, root / ("m-" + HEX), gguf)
+    assert conversion_source(root / ("m-" + HEX)) is not None and broken.is_dir()

@@ -96,26 +96,30 @@ def install_conversion(tmp: Path, target: Path, gguf: Path) -> None:
         if not is_converted(target):  # another process did not finish it either: take ours
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
-    if prune_conversions(target):
-        from engine.quantization.cache import prune_orphans
+    try:
+        if prune_conversions(target):
+            from engine.quantization.cache import prune_orphans
 
-        for kind in ("quantized", "packed"):
-            prune_orphans(kind)  # the removed directories' int8 weights and float32 panels
+            for kind in ("quantized", "packed"):
+                prune_orphans(kind)  # the removed directories' int8 weights and float32 panels
+    except Exception:  # noqa: BLE001 - an unreadable mark or path: upkeep only, never a failed start
+        pass
 
 
 def conversion_source(folder: Path) -> tuple[str, str | None] | None:
     """(the GGUF's path, the host that converted it) of a finished conversion; None where the folder is not
     one. The host is None for conversions made before it was recorded."""
     try:
-        gguf = (folder / ".complete").read_text().strip()
+        lines = (folder / ".complete").read_text().splitlines()  # the path first (a second line: the host)
     except OSError:
         return None
+    gguf = lines[0].strip() if lines else ""
     if not gguf.endswith(".gguf"):
         return None
     try:
         host = (folder / ".host").read_text().strip() or None
     except OSError:
-        host = None
+        host = lines[1].strip() or None if len(lines) > 1 else None
     return gguf, host
 
 
@@ -128,7 +132,8 @@ def prune_conversions(kept: Path) -> list[Path]:
         return []
     try:
         for leftover in kept.parent.glob(".prune-*"):  # a removal cut short
-            shutil.rmtree(leftover, ignore_errors=True)
+            if _NAMED.fullmatch(leftover.name.removeprefix(".prune-")) and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
         folders = [f for f in kept.parent.iterdir()
                    if f != kept and _NAMED.fullmatch(f.name) and f.is_dir() and not f.is_symlink()]  # fmt: skip
     except OSError:
@@ -140,7 +145,8 @@ def prune_conversions(kept: Path) -> list[Path]:
             continue
         gguf = Path(source[0])
         # a missing GGUF of the user's own may be on a drive not mounted now: only installed ones count as gone
-        if (source[0] == mine[0] or ("site-packages" in gguf.parts and not gguf.is_file())) and _remove(folder):
+        installed = "site-packages" in gguf.parts or "dist-packages" in gguf.parts
+        if (source[0] == mine[0] or (installed and not gguf.is_file())) and _remove(folder):
             removed.append(folder)
     return removed
 
