@@ -299,6 +299,8 @@ static void attend_one_d64(const float *qf, const void *q_raw, float scale, cons
 }
 #endif
 
+#define MAX_H 64
+
 #if !HAVE_SIMD && defined(__AVX2__) && defined(__FMA__)
 /* The same D == 64 decode with 256-bit vectors, for CPUs without AVX-512 (AMD Zen 2, older Intel): the
  * plain loop below takes one horizontal sum and one scalar expf per score, half of a step's attention. */
@@ -322,16 +324,23 @@ static inline __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* P.V for NH query heads (a constant at each call: their 4 x NH accumulators then stay in registers)
- * over one half of D: acc[j] = sum over t of p[j][t] V[t][32 half .. 32 half + 31] */
+#ifndef CHUNK
+#define CHUNK 8 /* keys a chunk, and how far ahead rows are prefetched: of 8, 16 and 32, 8 was the fastest on an
+                 * AMD Zen 1 (docs/performance.md) */
+#endif
+
+/* P.V for NH query heads (a constant at each call: their 4 x NH accumulators then stay in registers) over
+ * one half of D and the keys [t0, t1): out[j] (+)= sum over t of p[j][t] V[t][32 half .. 32 half + 31], from
+ * zero at the first chunk (t0 == 0), else carried on from out in the same order of additions */
 static inline __attribute__((always_inline)) void pv_half(const int NH, const void *v, const float *p, float *out,
-                                                          const int64_t *rows, int64_t len, int W, int hk, int half,
-                                                          int is_bf16, int64_t elem, int64_t span, int fetch) {
+                                                          const int64_t *rows, int64_t t0, int64_t t1, int64_t len,
+                                                          int W, int hk, int half, int is_bf16, int64_t elem,
+                                                          int64_t span, int fetch) {
     __m256 acc[3][4];
     for (int j = 0; j < NH; j++)
-        for (int c = 0; c < 4; c++) acc[j][c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        if (fetch && t + PREFETCH < len) prefetch_row(v, (rows[t + PREFETCH] * W + hk * 64) * elem, span);
+        for (int c = 0; c < 4; c++) acc[j][c] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + j * 64 + 8 * c);
+    for (int64_t t = t0; t < t1; t++) {
+        if (fetch && t + CHUNK < len) prefetch_row(v, (rows[t + CHUNK] * W + hk * 64 + 32 * half) * elem, span);
         const int64_t off = rows[t] * W + hk * 64 + 32 * half;
         __m256 vr[4];
         for (int c = 0; c < 4; c++) vr[c] = load8(v, off + 8 * c, is_bf16);
@@ -344,98 +353,118 @@ static inline __attribute__((always_inline)) void pv_half(const int NH, const vo
         for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j * 64 + 8 * c, acc[j][c]);
 }
 
+/* Keys are walked in chunks of CHUNK, every KV head of the part over one chunk before the next: a token's
+ * row holds all its KV heads side by side, so each chunk's rows come from memory once and serve every head
+ * from L1, and every head's pass prefetches its own part of the next chunk's rows, so that the stream from
+ * memory runs under all of the work (walking all keys head by head, only the first head's pass fetched
+ * ahead and the others found rows the last pass had pushed out of L2: 14-18% slower). Each head's scores,
+ * maxima, sums and P.V are added up in the same order as that walk: the results are bitwise the same. */
 static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
                                 int64_t len, int H, int Hkv, int hk0, int hk1, int is_bf16, float *scores, float *mx,
                                 float *sum) {
     const int G = H / Hkv;
     const int D = 64, W = Hkv * 64;
     const int64_t elem = is_bf16 ? 2 : 4;
-    for (int hk = hk0; hk < hk1; hk++) {
-        const int64_t span = (hk == hk0 ? hk1 - hk0 : 1) * D * elem; /* as in attend_one_d64 */
-        for (int g0 = 0; g0 < G; g0 += 3) { /* 3 query heads at a time: their P.V accumulators fit the registers */
-            const int n = G - g0 < 3 ? G - g0 : 3;
-            const int h0 = hk * G + g0;
-            __m256 vmax[3];
-            for (int j = 0; j < n; j++) vmax[j] = _mm256_set1_ps(-INFINITY);
-            for (int64_t t0 = 0; t0 < len; t0 += 8) { /* 8 keys a block: their scores as one vector */
-                const int nt = len - t0 < 8 ? (int)(len - t0) : 8;
-                float kb[8 * 64];
-                for (int t = 0; t < nt; t++)
-                    if (t0 + 8 + t < len) prefetch_row(k, (rows[t0 + 8 + t] * W + hk * D) * elem, span);
-                const float *kf[8];
-                for (int t = 0; t < 8; t++) { /* the tail repeats a real row; its scores are not kept */
-                    const int64_t off = rows[t0 + (t < nt ? t : 0)] * W + hk * D;
-                    if (is_bf16) { /* converted once for all n query heads */
-                        for (int c = 0; c < 8; c++) _mm256_storeu_ps(kb + t * 64 + 8 * c, load8(k, off + 8 * c, 1));
-                        kf[t] = kb + t * 64;
-                    } else {
-                        kf[t] = (const float *)k + off;
-                    }
-                }
-                for (int j = 0; j < n; j++) {
-                    const float *qh = qf + (h0 + j) * D;
-                    __m256 a[8];
-                    for (int t = 0; t < 8; t++) {
-                        const float *kr = kf[t];
-                        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
-                        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), _mm256_loadu_ps(kr + 8));
-                        for (int c = 2; c < 8; c += 2) {
-                            x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kr + 8 * c), x);
-                            y = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c + 8), _mm256_loadu_ps(kr + 8 * c + 8), y);
+    const int64_t span = (int64_t)(hk1 - hk0) * D * elem; /* the part's heads of one row: prefetched together */
+    __m256 vmax[MAX_H];
+    for (int h = hk0 * G; h < hk1 * G; h++) vmax[h] = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < len && t < CHUNK; t++) /* the first chunk's rows */
+        prefetch_row(k, (rows[t] * W + hk0 * D) * elem, span);
+    for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
+        const int64_t c1 = len - c0 < CHUNK ? len : c0 + CHUNK;
+        for (int hk = hk0; hk < hk1; hk++)
+            for (int g0 = 0; g0 < G; g0 += 3) { /* 3 query heads at a time, as P.V below */
+                const int n = G - g0 < 3 ? G - g0 : 3;
+                const int h0 = hk * G + g0, fetch = g0 == 0;
+                for (int64_t t0 = c0; t0 < c1; t0 += 8) { /* 8 keys a block: their scores as one vector */
+                    const int nt = len - t0 < 8 ? (int)(len - t0) : 8;
+                    float kb[8 * 64];
+                    if (fetch) /* this head's part of the next chunk's rows: the stream runs under every head's work */
+                        for (int t = 0; t < nt; t++)
+                            if (t0 + CHUNK + t < len)
+                                prefetch_row(k, (rows[t0 + CHUNK + t] * W + hk * D) * elem, D * elem);
+                    const float *kf[8];
+                    for (int t = 0; t < 8; t++) { /* the tail repeats a real row; its scores are not kept */
+                        const int64_t off = rows[t0 + (t < nt ? t : 0)] * W + hk * D;
+                        if (is_bf16) { /* converted once for all n query heads */
+                            for (int c = 0; c < 8; c++) _mm256_storeu_ps(kb + t * 64 + 8 * c, load8(k, off + 8 * c, 1));
+                            kf[t] = kb + t * 64;
+                        } else {
+                            kf[t] = (const float *)k + off;
                         }
-                        a[t] = _mm256_add_ps(x, y);
                     }
-                    __m256 sc = reduce8(a);
-                    float *dst = scores + (h0 + j) * len + t0;
-                    if (nt == 8) {
-                        _mm256_storeu_ps(dst, sc);
-                        vmax[j] = _mm256_max_ps(vmax[j], sc);
-                    } else {
-                        float tmp[8];
-                        _mm256_storeu_ps(tmp, sc);
-                        for (int t = 0; t < nt; t++) dst[t] = tmp[t];
-                        for (int t = nt; t < 8; t++) tmp[t] = -INFINITY;
-                        vmax[j] = _mm256_max_ps(vmax[j], _mm256_loadu_ps(tmp));
+                    for (int j = 0; j < n; j++) {
+                        const float *qh = qf + (h0 + j) * D;
+                        __m256 a[8];
+                        for (int t = 0; t < 8; t++) {
+                            const float *kr = kf[t];
+                            __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
+                            __m256 y = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), _mm256_loadu_ps(kr + 8));
+                            for (int c = 2; c < 8; c += 2) {
+                                x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kr + 8 * c), x);
+                                y = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c + 8), _mm256_loadu_ps(kr + 8 * c + 8), y);
+                            }
+                            a[t] = _mm256_add_ps(x, y);
+                        }
+                        __m256 sc = reduce8(a);
+                        float *dst = scores + (h0 + j) * len + t0;
+                        if (nt == 8) {
+                            _mm256_storeu_ps(dst, sc);
+                            vmax[h0 + j] = _mm256_max_ps(vmax[h0 + j], sc);
+                        } else {
+                            float tmp[8];
+                            _mm256_storeu_ps(tmp, sc);
+                            for (int t = 0; t < nt; t++) dst[t] = tmp[t];
+                            for (int t = nt; t < 8; t++) tmp[t] = -INFINITY;
+                            vmax[h0 + j] = _mm256_max_ps(vmax[h0 + j], _mm256_loadu_ps(tmp));
+                        }
                     }
                 }
             }
-            for (int j = 0; j < n; j++) {
-                float *sh = scores + (h0 + j) * len;
-                const float m = hmax256(vmax[j]);
-                const __m256 vm = _mm256_set1_ps(m);
-                __m256 tot = _mm256_setzero_ps();
-                int64_t t = 0;
-                for (; t + 8 <= len; t += 8) {
-                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vm));
-                    _mm256_storeu_ps(sh + t, e);
-                    tot = _mm256_add_ps(tot, e);
-                }
-                float total = hsum256(tot);
-                for (; t < len; t++) {
-                    sh[t] = expf(sh[t] - m);
-                    total += sh[t];
-                }
-                mx[h0 + j] = m;
-                sum[h0 + j] = total;
-            }
-            /* P.V in halves of D: 12 accumulators, the broadcast and the V vectors fit the 16 registers
-             * only with the head count a constant (pv_half) */
-            for (int half = 0; half < 2; half++) {
-#define PV(NH) pv_half(NH, v, scores + (int64_t)h0 * len, acc_out + h0 * D + 32 * half, rows, len, W, hk, half, \
-                       is_bf16, elem, span, half == 0)
-                if (n == 3) PV(3);
-                else if (n == 2) PV(2);
-                else PV(1);
-#undef PV
-            }
+    }
+    for (int h = hk0 * G; h < hk1 * G; h++) {
+        float *sh = scores + h * len;
+        const float m = hmax256(vmax[h]);
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256 tot = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vm));
+            _mm256_storeu_ps(sh + t, e);
+            tot = _mm256_add_ps(tot, e);
         }
+        float total = hsum256(tot);
+        for (; t < len; t++) {
+            sh[t] = expf(sh[t] - m);
+            total += sh[t];
+        }
+        mx[h] = m;
+        sum[h] = total;
+    }
+    /* P.V in halves of D: 12 accumulators, the broadcast and the V vectors fit the 16 registers only with the
+     * head count a constant (pv_half) */
+    for (int64_t t = 0; t < len && t < CHUNK; t++) prefetch_row(v, (rows[t] * W + hk0 * D) * elem, span);
+    for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
+        const int64_t c1 = len - c0 < CHUNK ? len : c0 + CHUNK;
+        for (int hk = hk0; hk < hk1; hk++)
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const int n = G - g0 < 3 ? G - g0 : 3;
+                const int h0 = hk * G + g0;
+                for (int half = 0; half < 2; half++) {
+#define PV(NH) pv_half(NH, v, scores + (int64_t)h0 * len, acc_out + h0 * D + 32 * half, rows, c0, c1, len, W, hk, \
+                       half, is_bf16, elem, 32 * elem, g0 == 0)
+                    if (n == 3) PV(3);
+                    else if (n == 2) PV(2);
+                    else PV(1);
+#undef PV
+                }
+            }
     }
 }
 #else
 #define HAVE_AVX2_D64 0
 #endif
 
-#define MAX_H 64
 #define MAX_D 256
 #define SPLIT_MIN_LEN 256 /* tokens a part, at least, where a sequence is split among threads */
 
