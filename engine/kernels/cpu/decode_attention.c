@@ -31,8 +31,8 @@ static inline void prefetch_row(const void *base, int64_t byte_off, int64_t byte
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
-/* A thread's next request, claimed before it starts the current one, so that its first K and V rows can be
- * prefetched into L2 while the current one computes. Why: a request's first KV head streams its rows from
+/* A thread's next request (the AVX-512 path), claimed before it starts the current one, so that its first K and
+ * V rows can be prefetched into L2 while the current one computes. Why: a request's first KV head streams its rows from
  * memory (that head's passes prefetch whole rows, every head's part) and its later heads find them in L2,
  * so without this the memory sat idle while those heads computed; with it, SmolLM2's 64-request decode
  * step (370 tokens each) took 20% less time in attention on Zen 4 (engine/kernels/cpu/bench.py). */
@@ -328,6 +328,9 @@ static inline __m256 reduce8(const __m256 a[8]) {
 #define CHUNK 8 /* keys a chunk, and how far ahead rows are prefetched: of 8, 16 and 32, 8 was the fastest on an
                  * AMD Zen 1 (docs/performance.md) */
 #endif
+#if CHUNK <= 0 || CHUNK % 8 != 0
+#error "CHUNK must be a multiple of the 8-key block"
+#endif
 
 /* P.V for NH query heads (a constant at each call: their 4 x NH accumulators then stay in registers) over
  * one half of D and the keys [t0, t1): out[j] (+)= sum over t of p[j][t] V[t][32 half .. 32 half + 31], from
@@ -355,7 +358,7 @@ static inline __attribute__((always_inline)) void pv_half(const int NH, const vo
 
 /* Keys are walked in chunks of CHUNK, every KV head of the part over one chunk before the next: a token's
  * row holds all its KV heads side by side, so each chunk's rows come from memory once and serve every head
- * from L1, and every head's pass prefetches its own part of the next chunk's rows, so that the stream from
+ * from L1 (or L2, for many KV heads), and every head's pass prefetches its own part of the next chunk's rows, so that the stream from
  * memory runs under all of the work (walking all keys head by head, only the first head's pass fetched
  * ahead and the others found rows the last pass had pushed out of L2: 14-18% slower). Each head's scores,
  * maxima, sums and P.V are added up in the same order as that walk: the results are bitwise the same. */
