@@ -324,6 +324,25 @@ static inline __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* sh[t] = exp(sh[t] - m) for t < len, 8 at a time (the tail scalar); returns their sum (exp_shifted_sum's
+ * 256-bit form) */
+static inline float exp_shifted_sum256(float *sh, int64_t len, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 tot = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vm));
+        _mm256_storeu_ps(sh + t, e);
+        tot = _mm256_add_ps(tot, e);
+    }
+    float total = hsum256(tot);
+    for (; t < len; t++) {
+        sh[t] = expf(sh[t] - m);
+        total += sh[t];
+    }
+    return total;
+}
+
 #ifndef CHUNK
 #define CHUNK 8 /* keys a chunk, and how far ahead rows are prefetched: of 8, 16 and 32, 8 was the fastest on an
                  * AMD Zen 1 (docs/performance.md) */
@@ -426,23 +445,8 @@ static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, f
             }
     }
     for (int h = hk0 * G; h < hk1 * G; h++) {
-        float *sh = scores + h * len;
-        const float m = hmax256(vmax[h]);
-        const __m256 vm = _mm256_set1_ps(m);
-        __m256 tot = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vm));
-            _mm256_storeu_ps(sh + t, e);
-            tot = _mm256_add_ps(tot, e);
-        }
-        float total = hsum256(tot);
-        for (; t < len; t++) {
-            sh[t] = expf(sh[t] - m);
-            total += sh[t];
-        }
-        mx[h] = m;
-        sum[h] = total;
+        mx[h] = hmax256(vmax[h]);
+        sum[h] = exp_shifted_sum256(scores + h * len, len, mx[h]);
     }
     /* P.V in halves of D: 12 accumulators, the broadcast and the V vectors fit the 16 registers only with the
      * head count a constant (pv_half) */
