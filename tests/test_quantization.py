@@ -5,6 +5,7 @@ weights, the on-disk cache of quantized weights, and the option's bad values."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -225,7 +226,13 @@ def test_int8_quality_against_the_exact_weights(engine, int8_engine, tokenizer):
 def test_int8_weights_come_back_from_the_cache(tmp_path, monkeypatch, model_dir):
     """The second start reads the int8 weights back (same outputs); a damaged cache file is rebuilt.
     A private cache directory, and the converted model by path (so nothing but the kernels and the int8
-    weights is built there)."""
+    weights is built there: the kernels are this session's library, copied in)."""
+    from engine.kernels.cpu.build import library_path
+
+    built = library_path()  # the suite's own cache: built already by the session's engine
+    if built is not None and not built[1]:
+        (tmp_path / "kernels").mkdir(mode=0o700)
+        shutil.copy2(built[0], tmp_path / "kernels" / built[0].name)
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     from engine.quantization.cache import cache_file
 
