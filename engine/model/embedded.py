@@ -59,31 +59,53 @@ def convert_gguf(gguf: Path) -> Path:
     target = converted_dir_for(gguf)
     if is_converted(target):
         return target
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        folder, name = str(gguf.parent), gguf.name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        state = model.state_dict()
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["dtype"] = "float32"
-        config["architectures"] = [type(model).__name__]
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        if not convert_here(gguf, tmp):
+            convert_with_transformers(gguf, tmp)
         install_conversion(tmp, target, gguf)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def convert_here(gguf: Path, out: Path) -> bool:
+    """engine/model/gguf_convert.py's conversion (the embedded model's kind of file, in seconds); False, with
+    out left empty, where it does not take this file or fails on it (transformers then converts it and
+    says what is wrong with a broken file)."""
+    from engine.model.gguf_convert import convert_llama_gguf
+
+    try:
+        if convert_llama_gguf(gguf, out):
+            return True
+    except Exception:  # noqa: BLE001 - transformers' conversion below is the reference; it raises its own error
+        pass
+    for leftover in out.iterdir():
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    return False
+
+
+def convert_with_transformers(gguf: Path, out: Path) -> None:
+    """transformers' own conversion: from_pretrained(gguf_file=...) of the tokenizer and the model, saved."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
 
 
 def install_conversion(tmp: Path, target: Path, gguf: Path) -> None:
