@@ -80,6 +80,19 @@ def _run_script(body: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
 
+def test_a_script_read_from_stdin_starts_an_engine(tiny_llama_dir):
+    """`python - <<EOF`: spawn re-runs the parent's main script in each child by its path, and a script
+    from stdin has the path '<stdin>', which no child can open: the scheduler died before it was ready."""
+    script = textwrap.dedent(f"""
+        from engine import Engine
+        with Engine(model_path={tiny_llama_dir!r}, dtype="float32", max_total_tokens=1024) as eng:
+            out = eng.generate(input_ids=[1, 2, 3], sampling_params={{"max_new_tokens": 2, "temperature": 0}})
+        print(len(out["output_ids"]))
+    """)
+    res = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "2", res.stderr[-2000:]
+
+
 def test_parent_sigkill_takes_children_down():
     proc = _run_script(
         """

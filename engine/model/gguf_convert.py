@@ -120,6 +120,8 @@ def convert_llama_gguf(gguf: Path, out: Path) -> bool:
     metadata, tensor_names = read_gguf_metadata(str(gguf), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
     if metadata.get("general.architecture") != "llama" or metadata.get("tokenizer.ggml.model") != "gpt2":
         return False
+    if "mistral" in str(metadata.get("general.name", "")).lower():
+        return False  # transformers may take a llama file named so for a Mistral: its call, not ours
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig
     from transformers.tokenization_utils_tokenizers import TokenizersBackend

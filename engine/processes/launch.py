@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import multiprocessing.connection
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,26 @@ def clean_inherited_env() -> None:
 _spawn_lock = threading.Lock()
 
 
+@contextlib.contextmanager
+def _main_script_or_none():
+    """spawn has each child run the parent's main script again, by its path, unless main was a module
+    (`python -m`). A script read from stdin (`python - <<EOF`) has the path '<stdin>', which no child can
+    open: the child exits before it starts. For such a main the start goes without the path, as for
+    `python -c`; a real script keeps its re-run (its definitions may be what the child's plugins need)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    where = os.path.join(mp.process.ORIGINAL_DIR or "", path) if path is not None else None  # as spawn resolves it
+    if main is None or where is None or spec_name is not None or os.path.isfile(where):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | None = None) -> Child:
     """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe).
     `env` is set for the child only, with ENGINE_PROCESS_ROLE=role so that plugins know the role
@@ -65,7 +86,8 @@ def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | 
         saved = {k: os.environ.get(k) for k in env}
         try:
             os.environ.update(env)
-            process.start()
+            with _main_script_or_none():
+                process.start()
         finally:
             for key, value in saved.items():
                 if value is None:
