@@ -53,6 +53,24 @@ def test_a_file_it_cannot_read_is_left_to_transformers_with_nothing_written(tmp_
     assert list(out.iterdir()) == []
 
 
+def test_a_conversion_that_fails_halfway_leaves_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    import torch
+    from transformers import GenerationConfig
+
+    from engine.model import gguf_convert
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(gguf_convert, "state_dict", lambda gguf, config: {"model.norm.weight": torch.ones(4)})
+    monkeypatch.setattr(GenerationConfig, "save_pretrained", fail)  # after model.safetensors and config.json
+    out = tmp_path / "out"
+    out.mkdir()
+    assert not convert_here(embedded_gguf_path(), out)
+    assert list(out.iterdir()) == []
+    assert "through transformers instead (RuntimeError: disk full)" in capsys.readouterr().err
+
+
 def test_tensor_names_outside_a_llama_are_not_guessed():
     assert hf_name("blk.3.attn_q.weight", 30) == "model.layers.3.self_attn.q_proj.weight"
     assert hf_name("output.weight", 30) == "lm_head.weight"

@@ -227,12 +227,12 @@ def test_int8_weights_come_back_from_the_cache(tmp_path, monkeypatch, model_dir)
     """The second start reads the int8 weights back (same outputs); a damaged cache file is rebuilt.
     A private cache directory, and the converted model by path (so nothing but the kernels and the int8
     weights is built there: the kernels are this session's library, copied in)."""
-    from engine.kernels.cpu.build import library_path
+    from engine.kernels.cpu import build
 
-    built = library_path()  # the suite's own cache: built already by the session's engine
-    if built is not None and not built[1]:
+    built = build._cache_dir() / f"{build.LIBRARY_NAME}-{build.cache_key()}.so"  # the session engine's build
+    if built.exists() and build.unsafe_reason(built) is None:
         (tmp_path / "kernels").mkdir(mode=0o700)
-        shutil.copy2(built[0], tmp_path / "kernels" / built[0].name)
+        shutil.copy2(built, tmp_path / "kernels" / built.name)
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     from engine.quantization.cache import cache_file
 

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -79,8 +80,9 @@ def convert_here(gguf: Path, out: Path) -> bool:
     try:
         if convert_llama_gguf(gguf, out):
             return True
-    except Exception:  # noqa: BLE001 - transformers' conversion below is the reference; it raises its own error
-        pass
+    except Exception as exc:  # noqa: BLE001 - transformers' conversion below is the reference; it raises its own error
+        print(f"engine: converting {gguf.name} through transformers instead ({type(exc).__name__}: {exc})",
+              file=sys.stderr)  # fmt: skip
     for leftover in out.iterdir():
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     return False

@@ -13,6 +13,7 @@ fresh private directory instead, and a warning names the unsafe path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -91,12 +92,10 @@ def unsafe_reason(path: Path) -> str | None:
 
 
 def _object(command: list[str], source: Path, folder: Path) -> bool:
-    """Compile one source into folder/<name>.o; whether that worked."""
-    try:
-        result = subprocess.run([*command, *FLAGS, "-c", str(source), "-o", str(folder / f"{source.stem}.o")],
-                                capture_output=True, text=True)  # fmt: skip
-    except OSError:
-        return False
+    """Compile one source into folder/<name>.o; whether that worked (-shared is the link's alone)."""
+    flags = [f for f in FLAGS if f != "-shared"]
+    result = subprocess.run([*command, *flags, "-c", str(source), "-o", str(folder / f"{source.stem}.o")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return result.returncode == 0
 
 
@@ -109,27 +108,29 @@ def _compile(command: list[str], folder: Path) -> Path | None:
     """
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
-    objects = Path(tempfile.mkdtemp(prefix=".objects-", dir=folder))
+    objects: Path | None = None
     ok = False
     try:
         from concurrent.futures import ThreadPoolExecutor
 
+        objects = Path(tempfile.mkdtemp(prefix=".objects-", dir=folder))
         jobs = max(1, len(os.sched_getaffinity(0)))
         longest_first = sorted(SOURCES, key=lambda p: p.stat().st_size, reverse=True)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             compiled = list(pool.map(lambda source: _object(command, source, objects), longest_first))
         if all(compiled):
             linked = subprocess.run([*command, *FLAGS, *(str(objects / f"{p.stem}.o") for p in SOURCES), "-o", tmp,
-                                     "-lm"], capture_output=True, text=True)  # fmt: skip
+                                     "-lm"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             ok = linked.returncode == 0 and os.path.getsize(tmp) > 0
-    except OSError:
+    except Exception:  # noqa: BLE001 - no compiler, no threads, a full disk: torch's kernels instead, nothing left
         ok = False
     finally:
-        shutil.rmtree(objects, ignore_errors=True)
-    if not ok:
-        os.unlink(tmp)
-        return None
-    return Path(tmp)
+        if objects is not None:
+            shutil.rmtree(objects, ignore_errors=True)
+        if not ok:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return Path(tmp) if ok else None
 
 
 def source_bytes() -> bytes:
