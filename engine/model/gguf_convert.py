@@ -11,6 +11,7 @@ gguf's own `dequantize` and transformers' own llama q/k un-permutation, reading 
 Anything else (another architecture or vocabulary, a tensor this table does not name, a tokenizer_config
 beside the file, duplicate tensor names) returns False, and the caller converts through transformers.
 """
+
 from __future__ import annotations
 
 import json
