@@ -229,7 +229,7 @@ def test_int8_weights_come_back_from_the_cache(tmp_path, monkeypatch, model_dir)
     weights is built there: the kernels are this session's library, copied in)."""
     from engine.kernels.cpu import build
 
-    built = build._cache_dir() / f"{build.LIBRARY_NAME}-{build.cache_key()}.so"  # the session engine's build
+    built = build.cached_library()  # the session engine's build
     if built.exists() and build.unsafe_reason(built) is None:
         (tmp_path / "kernels").mkdir(mode=0o700)
         shutil.copy2(built, tmp_path / "kernels" / built.name)

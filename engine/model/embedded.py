@@ -84,7 +84,10 @@ def convert_here(gguf: Path, out: Path) -> bool:
         print(f"engine: converting {gguf.name} through transformers instead ({type(exc).__name__}: {exc})",
               file=sys.stderr)  # fmt: skip
     for leftover in out.iterdir():
-        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
     return False
 
 
@@ -143,7 +146,7 @@ def conversion_source(folder: Path) -> tuple[str, str | None] | None:
     try:
         host = (folder / ".host").read_text().strip() or None
     except OSError:
-        host = lines[1].strip() or None if len(lines) > 1 else None
+        host = (lines[1].strip() or None) if len(lines) > 1 else None
     return gguf, host
 
 

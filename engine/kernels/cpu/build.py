@@ -142,12 +142,17 @@ def cache_key() -> str:
     return hashlib.sha256(source_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
 
 
+def cached_library() -> Path:
+    """Where the cache keeps (or will keep) the library of these sources, flags and CPU."""
+    return _cache_dir() / f"{LIBRARY_NAME}-{cache_key()}.so"
+
+
 def library_path() -> tuple[Path, bool] | None:
     """(the compiled library, whether it is a private copy to delete once loaded), or None without a compiler."""
     command = compiler_command()
     if command is None:
         return None
-    target = _cache_dir() / f"{LIBRARY_NAME}-{cache_key()}.so"
+    target = cached_library()
     try:
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:

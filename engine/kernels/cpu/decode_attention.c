@@ -377,10 +377,11 @@ static inline __attribute__((always_inline)) void pv_half(const int NH, const vo
 
 /* Keys are walked in chunks of CHUNK, every KV head of the part over one chunk before the next: a token's
  * row holds all its KV heads side by side, so each chunk's rows come from memory once and serve every head
- * from L1 (or L2, for many KV heads), and every head's pass prefetches its own part of the next chunk's rows, so that the stream from
- * memory runs under all of the work (walking all keys head by head, only the first head's pass fetched
- * ahead and the others found rows the last pass had pushed out of L2: 14-18% slower). Each head's scores,
- * maxima, sums and P.V are added up in the same order as that walk: the results are bitwise the same. */
+ * from L1 (or L2, for many KV heads), and every head's pass prefetches its own part of the next chunk's
+ * rows, so that the stream from memory runs under all of the work (walking all keys head by head, only the
+ * first head's pass fetched ahead and the others found rows the last pass had pushed out of L2: 14-18%
+ * slower). Each head's scores, maxima, sums and P.V are added up in the same order as that walk: the
+ * results are bitwise the same. */
 static void attend_one_d64_avx2(const float *qf, const void *k, const void *v, float *acc_out, const int64_t *rows,
                                 int64_t len, int H, int Hkv, int hk0, int hk1, int is_bf16, float *scores, float *mx,
                                 float *sum) {
