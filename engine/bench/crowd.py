@@ -46,13 +46,21 @@ class Outcome:
     cancelled: bool = False
 
 
+PROMPT_LENGTHS = (1, 3, 8, 20, 40, 80, 160, 400)
+
+
 def make_crowd(n: int, seed: int, corpus_ids: list[int], vocab_size: int, abort_share: float = 0.1,
-               prefix: str = "crowd") -> list[Spec]:  # fmt: skip
-    """n requests drawn from the mix; rids are prefix-seed-index, so two crowds never share one."""
+               prefix: str = "crowd", max_prompt: int | None = None) -> list[Spec]:  # fmt: skip
+    """n requests drawn from the mix; rids are prefix-seed-index, so two crowds never share one.
+    max_prompt caps the prompt lengths drawn (the prefill of the 160- and 400-token prompts is most of
+    a crowd's time on a CPU): for runs that count requests, not tokens."""
     rng = random.Random(seed)
+    lengths = tuple(x for x in PROMPT_LENGTHS if max_prompt is None or x <= max_prompt)
+    if not lengths:
+        raise ValueError(f"max_prompt must be at least {PROMPT_LENGTHS[0]}, got {max_prompt}")
     specs = []
     for i in range(n):
-        length = rng.choice((1, 3, 8, 20, 40, 80, 160, 400))
+        length = rng.choice(lengths)
         start = rng.randrange(0, max(1, len(corpus_ids) - length))
         ids = corpus_ids[start : start + length] or [rng.randrange(vocab_size)]
         kind = rng.random()

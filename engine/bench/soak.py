@@ -64,10 +64,11 @@ def run_soak(args) -> dict:
 
 
 def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log: bool = True,
-         touch: bool = True) -> dict:  # fmt: skip
+         touch: bool = True, max_prompt: int | None = None) -> dict:  # fmt: skip
     """rounds crowds of per_round requests on engine; samples, failures and slopes after warmup rounds.
     touch=False skips touch_pool: for runs whose memory slope nobody reads (the suite's short form; the
-    pool's prefill was 30-40 s of it on a 2-core AMD EPYC Zen 1)."""
+    pool's prefill was 30-40 s of it on a 2-core AMD EPYC Zen 1). max_prompt caps the crowds' prompt
+    lengths (make_crowd)."""
     from engine.bench.prompts import build_corpus
 
     corpus = engine.tokenizer(build_corpus()[:60_000])["input_ids"]
@@ -78,7 +79,8 @@ def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log
     failures: list[str] = []
     start = time.perf_counter()
     for r in range(rounds):
-        specs = make_crowd(per_round, seed=seed + r, corpus_ids=corpus, vocab_size=vocab, prefix="soak")
+        specs = make_crowd(per_round, seed=seed + r, corpus_ids=corpus, vocab_size=vocab, prefix="soak",
+                           max_prompt=max_prompt)  # fmt: skip
         outcomes, wall = asyncio.run(run_crowd(engine, specs))
         found = problems(outcomes)
         stats = wait_idle(engine)

@@ -54,3 +54,10 @@ def test_stats_are_idle_at_once_after_requests_that_end_in_their_prefill(engine)
     engine.generate(["Hello", "World"], {"max_new_tokens": 1})
     stats = engine.get_stats()
     assert not busy(stats), busy(stats)
+
+
+def test_a_crowd_capped_for_short_runs_draws_only_short_prompts():
+    lengths = {len(s.input_ids) for s in make_crowd(200, 3, list(range(1000)), 49152, max_prompt=80)}
+    assert max(lengths) == 80 and min(lengths) == 1
+    with pytest.raises(ValueError, match="max_prompt must be at least 1, got 0"):
+        make_crowd(1, 0, [1], 10, max_prompt=0)
