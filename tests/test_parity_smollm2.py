@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, hf_greedy_checked
 
 NEW_TOKENS = 64
 
@@ -24,12 +24,14 @@ def chat_ids(tokenizer) -> list[list[int]]:
     return ids
 
 
-@pytest.fixture(scope="module")
-def reference(hf_model, chat_ids) -> list[list[int]]:
-    return [hf_greedy(hf_model, ids, NEW_TOKENS) for ids in chat_ids]
-
-
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, engine, chat_ids) -> list[list[int]]:
+    """transformers generate's greedy tokens; found by checking the engine's in one pass (conftest)."""
+    candidates = [o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=GREEDY)]
+    return [hf_greedy_checked(hf_model, ids, c, NEW_TOKENS) for ids, c in zip(chat_ids, candidates)]
 
 
 def test_one_at_a_time(engine, chat_ids, reference):

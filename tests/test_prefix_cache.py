@@ -36,15 +36,16 @@ def workload(tokenizer) -> list[list[int]]:
 def expected(hf_model, engine, workload) -> list[list[int]]:
     """transformers' greedy tokens, checked in one pass each against the session engine's (conftest)."""
     candidates = [o["output_ids"] for o in engine.generate(input_ids=workload, sampling_params=PARAMS)]
-    return [hf_greedy_checked(hf_model, ids, c) for ids, c in zip(workload, candidates)]
+    return [hf_greedy_checked(hf_model, ids, c, NEW_TOKENS) for ids, c in zip(workload, candidates)]
 
 
 def test_the_checked_reference_is_transformers_own_greedy(hf_model, workload, expected):
     """A right candidate passes the one-pass check; one wrong token, and transformers' generate decides."""
     ids, right = workload[0], expected[0][:8]
-    assert hf_greedy_checked(hf_model, ids, right) == right == hf_greedy(hf_model, ids, 8)
+    assert hf_greedy_checked(hf_model, ids, right, 8) == right == hf_greedy(hf_model, ids, 8)
     wrong = right[:7] + [(right[7] + 1) % hf_model.config.vocab_size]
-    assert hf_greedy_checked(hf_model, ids, wrong) == right
+    assert hf_greedy_checked(hf_model, ids, wrong, 8) == right
+    assert hf_greedy_checked(hf_model, ids, right[:7], 8) == right  # stopped early without an EOS
 
 
 def run_workload(eng: Engine, prompts: list[list[int]]) -> tuple[list[dict], dict, dict]:
