@@ -37,6 +37,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads in the scheduler; None: all cores
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
     show_progress: bool = False  # progress bar while the model loads
+    preload_tokenizer: bool = False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
+    # children start, not on first use (it imports torch: 6-8 s on 2 cores); engine serve turns it on
     plugins: str | None = None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
 
     def validate(self) -> None:
@@ -69,8 +71,9 @@ class EngineConfig:
         chunk = self.chunked_prefill_size
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
             raise ValueError(f"chunked_prefill_size must be a non-negative integer (0: off), got {chunk!r}")
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise ValueError(f"enable_prefix_cache must be True or False, got {self.enable_prefix_cache!r}")
+        for name in ("enable_prefix_cache", "show_progress", "preload_tokenizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         ratio = self.init_new_token_ratio

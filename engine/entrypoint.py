@@ -139,6 +139,8 @@ class Engine:
             res.children.append(
                 spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent), child_env)
             )
+            if self.config.preload_tokenizer:  # this process would only wait for the scheduler meanwhile
+                tokenizer.hf
             with _LoadProgress(self.config.show_progress) as bar:
                 wait_ready(res.children, self.config.startup_timeout, bar.update)
         except BaseException:

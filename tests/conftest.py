@@ -17,7 +17,7 @@ PROMPTS = list(PARITY_PROMPTS)
 def engine():
     from engine import Engine
 
-    eng = Engine(dtype="float32", max_total_tokens=16384)
+    eng = Engine(dtype="float32", max_total_tokens=16384, preload_tokenizer=True)  # the tests use engine.tokenizer
     yield eng
     eng.shutdown()
 

@@ -90,3 +90,15 @@ def test_user_process_imports_neither_torch_nor_transformers_for_text(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["False", "False", "True", "True"], res.stdout
+
+
+def test_preload_tokenizer_loads_transformers_tokenizer_during_start(tiny_llama_dir):
+    """engine serve's setting: transformers' tokenizer is there when Engine() returns (the server needs
+    it at once), loaded while the children start instead of after them."""
+    from engine import Engine
+
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=256, preload_tokenizer=True) as eng:
+        assert eng._prompt_tokenizer._hf is not None
+        assert eng.generate(messages=[{"role": "user", "content": "hi"}], sampling_params={"max_new_tokens": 2})["text"] is not None
+    with pytest.raises(ValueError, match="preload_tokenizer must be True or False, got 'yes'"):
+        Engine(preload_tokenizer="yes")

@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
                    help="serve /metrics without the API key (default: it needs the key, as every route but /health)")
     p.add_argument("--allow-origin", action="append", default=[], help="allow CORS from this origin (repeatable; default none)")
     _engine_flags(p)
+    p.set_defaults(preload_tokenizer=True)  # build_app needs transformers' tokenizer: loaded beside the children
     return p
 
 
