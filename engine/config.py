@@ -38,7 +38,7 @@ class EngineConfig:
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
     show_progress: bool = False  # progress bar while the model loads
     preload_tokenizer: bool = False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
-    # children start, not on first use (it imports torch: 6-8 s on 2 cores); engine serve turns it on
+    # children start, not on first use (it imports torch: 6-8 s on a 2-core Zen 1); engine serve turns it on
     plugins: str | None = None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
 
     def validate(self) -> None:

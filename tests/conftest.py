@@ -57,17 +57,23 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 def hf_greedy_checked(model, ids: list[int], candidate: list[int], max_new_tokens: int, margin: float = 1e-3) -> list[int]:
     """What hf_greedy(model, ids, max_new_tokens) returns, found by checking a candidate (the engine's
     output) in one forward pass over ids + candidate: at every position transformers' argmax must be the
-    candidate's token, ahead of the runner-up by at least margin, and the candidate must end where
-    generate would (max_new_tokens, or its first EOS). generate's step-by-step logits differ from one
-    pass's by at most 7e-5 on the parity prompts (Zen 1, float32), so no gap of 1e-3 can flip. Anything
+    candidate's token, ahead of the runner-up by at least margin, the candidate must end where generate
+    would (max_new_tokens, or its first EOS), and the generation config must have no logits processor
+    that greedy generate would apply (a repetition penalty, suppressed tokens, ...). generate's step-by-step logits differ from one
+    pass's by at most 7e-5 on the parity prompts (Zen 1, float32): the margin is over ten times that. Anything
     short of that, and transformers' own generate decides. One pass is 8 s where generate is 54 s for
     test_prefix_cache's prompts on a 2-core AMD EPYC Zen 1."""
     import torch
 
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    config = model.generation_config
+    eos = config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    processors = (config.repetition_penalty not in (None, 1.0) or config.suppress_tokens or config.begin_suppress_tokens
+                  or config.bad_words_ids or config.sequence_bias or config.min_length or config.min_new_tokens
+                  or config.no_repeat_ngram_size or config.forced_bos_token_id is not None
+                  or config.forced_eos_token_id is not None)  # fmt: skip
     ends = len(candidate) == max_new_tokens or (0 < len(candidate) < max_new_tokens and candidate[-1] in eos)
-    if ends and not eos.intersection(candidate[:-1]):
+    if ends and not processors and not eos.intersection(candidate[:-1]):
         with torch.inference_mode():
             logits = model(torch.tensor([ids + candidate])).logits[0, len(ids) - 1 : len(ids) + len(candidate) - 1]
         top2 = logits.topk(2, dim=-1)

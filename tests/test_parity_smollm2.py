@@ -31,6 +31,7 @@ GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
 def reference(hf_model, engine, chat_ids) -> list[list[int]]:
     """transformers generate's greedy tokens; found by checking the engine's in one pass (conftest)."""
     candidates = [o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=GREEDY)]
+    engine.flush_cache()  # the tests below start from an empty prefix cache, as they did before
     return [hf_greedy_checked(hf_model, ids, c, NEW_TOKENS) for ids, c in zip(chat_ids, candidates)]
 
 

@@ -36,6 +36,7 @@ def workload(tokenizer) -> list[list[int]]:
 def expected(hf_model, engine, workload) -> list[list[int]]:
     """transformers' greedy tokens, checked in one pass each against the session engine's (conftest)."""
     candidates = [o["output_ids"] for o in engine.generate(input_ids=workload, sampling_params=PARAMS)]
+    engine.flush_cache()
     return [hf_greedy_checked(hf_model, ids, c, NEW_TOKENS) for ids, c in zip(workload, candidates)]
 
 

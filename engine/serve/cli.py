@@ -28,10 +28,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default = f.default
         if kind.startswith("bool"):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=f"(default {default})")  # fmt: skip
+                               help="(default %(default)s)")  # fmt: skip
             continue
         convert = int if kind.startswith("int") else float if kind.startswith("float") else str
-        group.add_argument(flag, dest=f.name, type=convert, default=default, help=f"(default {default})")
+        group.add_argument(flag, dest=f.name, type=convert, default=default, help="(default %(default)s)")
 
 
 def parser() -> argparse.ArgumentParser:
