@@ -85,13 +85,22 @@ def test_float32_native_ops_match_transformers_order():
     assert torch.equal(got_v, v.reshape(70, 3, 64))
 
 
+def _prompts() -> list[str]:
+    """All parity prompts where the CPU computes bfloat16 natively. Elsewhere bfloat16 is not `auto` and
+    both sides emulate it (transformers' 75-token forward 3 s on a 2-core AMD EPYC Zen 1, 44 s for the
+    eight): half of them, still 256 tokens for the 95% bound."""
+    from engine.scheduler.device import cpu_has_native_bf16
+
+    return list(PROMPTS) if cpu_has_native_bf16() else list(PROMPTS[:4])
+
+
 @pytest.fixture(scope="module")
 def bf16_outputs(engine, tokenizer):
     from engine import Engine
 
     eng = Engine(dtype="bfloat16", max_total_tokens=8192)
     try:
-        ids = [tokenizer.encode(p) for p in PROMPTS]
+        ids = [tokenizer.encode(p) for p in _prompts()]
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         outs = eng.generate(input_ids=ids, sampling_params=params)
         alone = eng.generate(input_ids=ids[0], sampling_params=params)
