@@ -18,8 +18,8 @@ def corpus_ids(tokenizer) -> list[int]:
     return tokenizer(build_corpus()[:60_000])["input_ids"]
 
 
-def check_crowd(engine, tokenizer, corpus_ids, n: int, seed: int) -> None:
-    specs = make_crowd(n, seed, corpus_ids, len(tokenizer))
+def check_crowd(engine, tokenizer, corpus_ids, n: int, seed: int, max_prompt: int | None = None) -> None:
+    specs = make_crowd(n, seed, corpus_ids, len(tokenizer), max_prompt=max_prompt)
     before = engine.get_stats()
     outcomes, wall = asyncio.run(run_crowd(engine, specs))
     found = problems(outcomes)
@@ -40,7 +40,9 @@ def check_crowd(engine, tokenizer, corpus_ids, n: int, seed: int) -> None:
 
 
 def test_a_crowd_ends_every_request_once_and_leaves_nothing_behind(engine, tokenizer, corpus_ids):
-    check_crowd(engine, tokenizer, corpus_ids, n=80, seed=1)
+    # prompts of at most 160 tokens: the 400-token ones were half the prompt tokens of a crowd that is
+    # prefill-bound on a 2-core AMD EPYC Zen 1 (46-66 s, now 32); the thousand below keep them
+    check_crowd(engine, tokenizer, corpus_ids, n=80, seed=1, max_prompt=160)
 
 
 @pytest.mark.stress
