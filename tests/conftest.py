@@ -59,10 +59,10 @@ def hf_greedy_checked(model, ids: list[int], candidate: list[int], max_new_token
     output) in one forward pass over ids + candidate: at every position transformers' argmax must be the
     candidate's token, ahead of the runner-up by at least margin, the candidate must end where generate
     would (max_new_tokens, or its first EOS), and the generation config must have no logits processor
-    that greedy generate would apply (a repetition penalty, suppressed tokens, ...). generate's step-by-step logits differ from one
-    pass's by at most 7e-5 on the parity prompts (Zen 1, float32): the margin is over ten times that. Anything
-    short of that, and transformers' own generate decides. One pass is 8 s where generate is 54 s for
-    test_prefix_cache's prompts on a 2-core AMD EPYC Zen 1."""
+    that greedy generate would apply (a repetition penalty, suppressed tokens, ...). generate's
+    step-by-step logits differ from one pass's by at most 7e-5 on the parity prompts (Zen 1, float32):
+    the margin is over ten times that. Anything short of that, and transformers' own generate decides.
+    One pass is 8 s where generate is 54 s for test_prefix_cache's prompts on a 2-core AMD EPYC Zen 1."""
     import torch
 
     config = model.generation_config

@@ -99,6 +99,9 @@ def test_preload_tokenizer_loads_transformers_tokenizer_during_start(tiny_llama_
 
     with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=256, preload_tokenizer=True) as eng:
         assert eng._prompt_tokenizer._hf is not None
-        assert eng.generate(messages=[{"role": "user", "content": "hi"}], sampling_params={"max_new_tokens": 2})["text"] is not None
+        messages = [{"role": "user", "content": "hi"}]
+        out = eng.generate(messages=messages, sampling_params={"max_new_tokens": 2})
+        text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert out["meta_info"]["prompt_tokens"] == len(eng.tokenizer.encode(text, add_special_tokens=False))
     with pytest.raises(ValueError, match="preload_tokenizer must be True or False, got 'yes'"):
         Engine(preload_tokenizer="yes")

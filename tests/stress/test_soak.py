@@ -26,7 +26,7 @@ def test_a_short_soak_leaves_nothing_behind(engine):
     # no touch_pool: it only steadies resident memory for the slope, which a run this short cannot have.
     # Prompts of at most 80 tokens: what is left behind depends on the requests, not their length, and
     # the prefill of longer ones was most of the 74 s this took on a 2-core AMD EPYC Zen 1 (test_crowd.py
-    # has them)
+    # has prompts of up to 160 tokens, make stress up to 400)
     check(soak(engine, rounds=3, per_round=40, warmup=1, seed=50, log=False, touch=False, max_prompt=80),
           rss_mb_per_1000=None)  # fmt: skip
 
