@@ -57,7 +57,7 @@ class SamplingTensors:
         st = cls(
             temperature=t([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
             top_p=t([p.top_p for p in params], torch.float32),
-            top_k=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            top_k=t([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64),
             min_p=t([p.min_p for p in params], torch.float32),
             greedy=t(greedy, torch.bool),
             min_new=t([p.min_new_tokens for p in params], torch.int64),
@@ -80,7 +80,8 @@ class SamplingTensors:
 
     def take(self, index: torch.Tensor, index_list: list[int]) -> "SamplingTensors":
         """The rows `index` picks (a bool mask or row numbers; `index_list`: the row numbers), in order,
-        repeats allowed: beams that continue another beam take its penalty state."""
+        repeats allowed: beams that continue another beam take its penalty state. The [B, V] state goes
+        once no row left needs it: a full pass per step each, for nothing."""
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -90,6 +91,10 @@ class SamplingTensors:
                 values[f.name] = [v[i] for i in index_list]
             else:  # None, or the vocabulary size
                 values[f.name] = v
+        if values["counts"] is not None and not _any_penalty(values["repetition"], values["frequency"], values["presence"]):
+            values["counts"] = values["seen"] = None
+        if values["bias"] is not None and not bool(values["bias"].any()):  # a bias of 0 changes nothing either
+            values["bias"] = None
         return SamplingTensors(**values)
 
     def merge(self, other: "SamplingTensors") -> "SamplingTensors":
@@ -120,6 +125,10 @@ class SamplingTensors:
             rows = torch.arange(next_ids.shape[0], device=next_ids.device)
             self.counts[rows, next_ids] += 1
             self.seen[rows, next_ids] = True
+
+
+def _any_penalty(repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> bool:
+    return bool(((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)).any())
 
 
 def _penalty_counts(params, vocab_size, device, outputs) -> torch.Tensor | None:
