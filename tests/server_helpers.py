@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,22 +32,27 @@ class Server:
         return "".join(self.lines)
 
 
+READY = re.compile(r"engine serve: ready on http://127\.0\.0\.1:(\d+) ")
+
+
 def start_server(*flags: str, env: dict | None = None, timeout: float = 240.0) -> Server:
-    """engine serve with these flags; returns once it printed its ready line (fails with its output otherwise)."""
-    port = free_port()
+    """engine serve on --port 0 with these flags; returns once it printed its ready line, which
+    names the port the system chose (fails with its output otherwise)."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "ENGINE_API_KEY")}
     full_env.update(env or {})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.serve", "--port", str(port), "--dtype", "float32", *flags],
+        [sys.executable, "-m", "engine.serve", "--port", "0", "--dtype", "float32", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
     )  # fmt: skip
-    server = Server(proc, port)
+    server = Server(proc, 0)
     ready = threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             server.lines.append(line)
-            if "engine serve: ready on" in line:
+            found = READY.search(line)
+            if found:
+                server.port = int(found.group(1))
                 ready.set()
         ready.set()
 
@@ -56,8 +62,9 @@ def start_server(*flags: str, env: dict | None = None, timeout: float = 240.0) -
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"server not ready after {timeout}s:\n{server.output()}")
-    if proc.poll() is not None and "ready on" not in server.output():
-        raise AssertionError(f"server exited with {proc.returncode}:\n{server.output()}")
+    if not server.port:
+        proc.kill()
+        raise AssertionError(f"no ready line naming a port (exit code {proc.poll()}):\n{server.output()}")
     return server
 
 

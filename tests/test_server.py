@@ -51,6 +51,15 @@ def test_models_health_and_server_info(server, client):
     assert info["served_model_name"] == "smol" and set(info["pids"]) == {"user", "scheduler", "detokenizer"}
 
 
+def test_the_ready_line_names_the_port_bound_for_port_0(server):
+    """start_server passes --port 0: the ready line must name the port the system chose."""
+    from engine.serve.cli import url_of
+
+    assert f"ready on http://127.0.0.1:{server.port} " in server.output() and server.port > 0
+    assert http(server, "GET", "/health", key=None).status_code == 200
+    assert url_of(("::1", 8000, 0, 0)) == "http://[::1]:8000" and url_of(("0.0.0.0", 80)) == "http://0.0.0.0:80"
+
+
 def test_greedy_chat_and_completions_equal_engine_generate(client, engine):
     chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=16, temperature=0)
     ref = engine.generate(messages=CHAT, sampling_params=GREEDY)

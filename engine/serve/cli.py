@@ -73,6 +73,17 @@ def _instrument(app) -> None:
     FastAPIInstrumentor.instrument_app(app, tracer_provider=tracing.provider, excluded_urls="health,metrics")
 
 
+def url_of(sockname: tuple) -> str:
+    """http://host:port of a bound socket's address; an IPv6 host in brackets, as URLs need."""
+    host, port = sockname[0], sockname[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def bound_url(server) -> str:
+    """The address uvicorn bound (with --port 0 the system's choice, not 0)."""
+    return url_of(server.servers[0].sockets[0].getsockname())
+
+
 async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
     import uvicorn
 
@@ -87,7 +98,7 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"engine serve: ready on http://{args.host}:{args.port} (model {name!r}; pids {engine.pids})", flush=True)
+            print(f"engine serve: ready on {bound_url(server)} (model {name!r}; pids {engine.pids})", flush=True)
         while not server.should_exit:
             if not engine.alive:
                 print("engine serve: an engine process died; stopping with exit code 1", file=sys.stderr, flush=True)
