@@ -219,6 +219,14 @@ def test_bad_requests_get_openai_error_bodies(server, method, path, body, header
         assert error["param"] == param, error
 
 
+def test_405_says_allow_and_the_auth_scheme_is_case_insensitive(server):
+    r = http(server, "GET", "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    for scheme in ("bearer", "BEARER"):  # RFC 9110: auth schemes are case-insensitive
+        assert http(server, "GET", "/v1/models", key=None, headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    assert http(server, "GET", "/v1/models", key=None, headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+
+
 def test_server_serves_on_after_bad_requests(client):
     out = client.completions.create(model="smol", prompt="Still there?", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
@@ -367,6 +375,7 @@ def test_beam_search_as_extra_body_fields_equals_engine_beam_search(client, engi
     ({"use_beam_search": True, "beam_width": 0}, "beam_width"),
     ({"length_penalty": 0.5}, "length_penalty"),
     ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+    ({"use_beam_search": True, "logprobs": 0}, "logprobs"),  # 0 asks for logprobs too: not silently dropped
 ])  # fmt: skip
 def test_bad_beam_search_bodies_are_400s_naming_the_field(server, extra, param):
     body = {"model": "smol", "prompt": "Hello", "max_tokens": 4, **extra}

@@ -185,7 +185,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
                 "choices": choices, "usage": translate.usage(results, prompts, body.n)}  # fmt: skip
 
     async def beam_response(request: Request, body, args: dict, rid: str, kind: str, bases: list[str]) -> dict:
-        if body.logprobs not in (None, False):
+        if body.logprobs is not None and body.logprobs is not False:  # completions' logprobs: 0 asks for them too
             raise errors.OpenAIError(400, "logprobs is not supported with use_beam_search", param="logprobs")
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_beam_search(**args))

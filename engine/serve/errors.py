@@ -26,9 +26,10 @@ def body(status: int, message: str, param: str | None = None, code: str | None =
                       "code": code if code is not None else status}}  # fmt: skip
 
 
-def response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body(status, message, param, code), status_code=status, headers=headers)
+def response(status: int, message: str, param: str | None = None, code: str | None = None,
+             headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    headers = {**({"WWW-Authenticate": "Bearer"} if status == 401 else {}), **(headers or {})}
+    return JSONResponse(body(status, message, param, code), status_code=status, headers=headers or None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -80,7 +81,7 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         status = exc.status_code
         message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
-        return response(status, message.get(status, str(exc.detail)))
+        return response(status, message.get(status, str(exc.detail)), headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _other(request: Request, exc: Exception):  # a bug: say so, without a traceback

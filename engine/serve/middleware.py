@@ -55,14 +55,15 @@ class _TooLarge(HTTPException):
 class ApiKeyMiddleware:
     def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...] = OPEN_PATHS) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, token = given.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.lstrip(b" "), self.expected):  # schemes ignore case
             message = "missing API key: send Authorization: Bearer <key>" if not given else "invalid API key"
             return await response(401, message)(scope, receive, send)
         await self.app(scope, receive, send)
