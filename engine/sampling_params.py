@@ -16,6 +16,13 @@ GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0: dividing 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
+# Bounds that keep every value finite in the scheduler's float32 tensors: a temperature past float32's
+# range became inf (logits / inf -> NaN -> token 0), a repetition penalty near 0 sent logits / penalty to inf.
+# Past MAX_TEMPERATURE sampling is practically uniform anyway; 1 / MIN_REPETITION_PENALTY keeps a logit finite.
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+SEED_RANGE = 2**63  # seeds are in [0, SEED_RANGE)
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
@@ -137,6 +144,11 @@ def _constraint(p: dict) -> dict[str, str]:
     return constraint
 
 
+def copy_seed(seed: int | None, j: int) -> int | None:
+    """The seed of copy j of an n > 1 request: seed + j, wrapped so it stays in [0, 2**63)."""
+    return None if seed is None else (seed + j) % SEED_RANGE
+
+
 def parse_sampling_params(
     params: dict | SamplingParams | None, vocab_size: int, processors: Callable[[str], Any] | None = None
 ) -> SamplingParams:
@@ -165,17 +177,21 @@ def parse_sampling_params(
     min_new = p.get("min_new_tokens", 0)
     if not _is_int(min_new) or not 0 <= min_new <= max_new:
         raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new}], got {min_new!r}")
-    temperature = _number(p, "temperature", 1.0, lambda v: v >= 0, "a finite number >= 0 (0 means greedy)")
+    temperature = _number(p, "temperature", 1.0, lambda v: 0 <= v <= MAX_TEMPERATURE,
+                          f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")  # fmt: skip
     top_p = _number(p, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")
     top_k = p.get("top_k", -1)
     if not _is_int(top_k) or (top_k < 1 and top_k not in (-1, 0)):
         raise ValueError(f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {top_k!r}")
+    if top_k >= vocab_size:  # the whole vocabulary: any size is usable (2**63 overflowed an int64 tensor)
+        top_k = -1
     min_p = _number(p, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]")
-    repetition = _number(p, "repetition_penalty", 1.0, lambda v: 0 < v <= 10, "in (0, 10] (1 means off)")
+    repetition = _number(p, "repetition_penalty", 1.0, lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                         f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 means off)")  # fmt: skip
     frequency = _number(p, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)")
     presence = _number(p, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)")
     seed = p.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_RANGE):
         raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
     n = p.get("n", 1)
     if not _is_int(n) or not 1 <= n <= MAX_N:

@@ -41,7 +41,7 @@ from engine.ipc.messages import (
     ToTokenizer,
 )
 from engine.sampling.processors import get_logit_processor
-from engine.sampling_params import SamplingParams, parse_sampling_params
+from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
 from engine.request_checks import _check_logprob_options, _malformed, _unicode, _unicode_messages
 from engine.request_state import ReqState
 from engine.tracing.context import normalize_trace_context
@@ -364,7 +364,7 @@ class TokenizerManager:
     ) -> tuple[list[ReqState], bool]:  # fmt: skip
         """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error.
 
-        A prompt with n > 1 becomes n requests (rids `<rid>-0` ... `<rid>-<n-1>`, seeds seed + i), which
+        A prompt with n > 1 becomes n requests (rids `<rid>-0` ... `<rid>-<n-1>`, seeds seed + i mod 2**63), which
         share the prompt's prefill through the prefix cache. Returns the states, prompt-major, and
         whether the caller passed a batch (or n > 1: a list comes back either way).
         """
@@ -398,7 +398,7 @@ class TokenizerManager:
             copies = p.n
             for j in range(copies):
                 r = base if copies == 1 else f"{base}-{j}"
-                pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=copy_seed(p.seed, j))
                 seq = next(self._seq)
                 reqs.append(TokenizedRequest(
                     r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len, seq=seq, beam=beam,

@@ -31,6 +31,10 @@ INVALID = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": 11}, "repetition_penalty"),
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),  # dividing logits by it overflowed to inf
+    ({"repetition_penalty": 0.001}, "repetition_penalty"),
+    ({"temperature": 1e39}, "temperature"),  # inf in float32: logits / inf gave NaN, then token 0
+    ({"temperature": 2e6}, "temperature"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"presence_penalty": -3}, "presence_penalty"),
@@ -152,6 +156,26 @@ def test_top_k_restricts_choices(engine):
         for _ in range(12)
     }
     assert len(firsts) in (1, 2), f"top_k=2 sampled {len(firsts)} different first tokens"
+
+
+def test_huge_top_k_means_the_whole_vocabulary_and_harms_no_neighbour(engine):
+    """top_k at or past 2**63 overflowed int64 while the scheduler built the prefill step's sampling
+    tensors, which aborted every request admitted in that step."""
+    prompt = "The capital of Italy is"
+    greedy = engine.generate(prompt, {"max_new_tokens": 3, "temperature": 0})["output_ids"]
+    outs = engine.generate([prompt] * 3, [{"max_new_tokens": 3, "top_k": 2**63}, {"max_new_tokens": 3, "top_k": 10**30},
+                                          {"max_new_tokens": 3, "temperature": 0}])  # fmt: skip
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3, outs
+    assert outs[2]["output_ids"] == greedy
+
+
+def test_n_copies_of_a_seed_near_the_top_of_its_range_run(engine):
+    """Copy j of a seeded n > 1 request draws with seed + j, wrapped into [0, 2**63): the last copies of
+    seed 2**63 - 1 were refused by the scheduler's arrival checks."""
+    outs = engine.generate("Once upon a time", {"max_new_tokens": 2, "n": 3, "seed": 2**63 - 1, "ignore_eos": True})
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3, outs
+    again = engine.generate("Once upon a time", {"max_new_tokens": 2, "seed": 1, "ignore_eos": True})
+    assert outs[2]["output_ids"] == again["output_ids"]  # copy 2 drew with (2**63 - 1 + 2) mod 2**63 = 1
 
 
 def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):
