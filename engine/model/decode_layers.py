@@ -23,7 +23,7 @@ import torch
 
 from engine import envvars
 
-KINDS = {"int8": 1, "gguf": 2, "f32": 3}  # LINEAR_* in decode_layers.c
+KINDS = {"int8": 1, "gguf": 2, "f32": 3, "f32blocks": 4}  # LINEAR_* in decode_layers.c
 STAGES = ("qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj")
 
 

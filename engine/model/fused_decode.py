@@ -25,6 +25,7 @@ from engine import envvars
 from engine.model.bf16_linear import Bf16Linear
 from engine.model.decode_layers import DecodeLayers
 from engine.model.decode_layers import build as build_decode_layers
+from engine.model.f32_block_linear import F32BlockLinear
 from engine.model.f32_linear import F32Linear
 from engine.model.llama import LlamaForCausalLM
 from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
@@ -34,7 +35,7 @@ MAX_ROWS = 64
 
 def install_exact(model: LlamaForCausalLM) -> bool:
     """Where every decoder layer's linear layers run on one of our exact kernels (pack_linears chose Bf16Linear
-    for all of them, or F32Linear for all), the exact mode's decode steps take this path: bitwise the plain
+    for all of them, or F32Linear or F32BlockLinear for all), the exact mode's decode steps take this path: bitwise the plain
     forward's logits (the same kernels in the same order), without the Python and fresh tensors of each op
     (ENGINE_FUSED_DECODE=0: the plain forward). Whether it did."""
     if envvars.read("ENGINE_FUSED_DECODE") == "0":
@@ -43,7 +44,7 @@ def install_exact(model: LlamaForCausalLM) -> bool:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         kinds.update(type(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    if kinds not in ({Bf16Linear}, {F32Linear}):
+    if kinds != {Bf16Linear} and not (kinds and kinds <= {F32Linear, F32BlockLinear}):
         return False
     from engine.kernels.cpu import load_native
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from engine.model.config import ModelConfig, model_config_from_hf
+from engine.model.f32_block_linear import exact_blocks
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
 from engine.model.fused_decode import install_exact
@@ -27,6 +28,18 @@ from engine.model.rope import rotary_tables
 from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
+
+def _f32_library():
+    """The native library where the exact float32 layers run on our kernels (packed_linear's choice), else None."""
+    from engine import envvars
+    from engine.kernels.cpu import load_native
+    from engine.model import f32_linear
+
+    if envvars.read("ENGINE_F32_LINEAR") == "0":
+        return None
+    lib = load_native()
+    return lib if f32_linear.runs_here(lib) else None
+
 
 def safetensors_files(model_dir: str) -> list[Path]:
     folder = Path(model_dir)
@@ -150,16 +163,23 @@ def load_model(
                 progress(done, total)
             return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
 
+        def reference(name: str) -> torch.Tensor:  # a converted weight, to check the blocks against
+            parts = deferred.get(f"{name}.weight")
+            return views.stacked([entries[p] for p in parts], dtype) if parts else model.get_submodule(name).weight
+
         on_f32 = dtype == torch.float32 and bool(deferred)  # packed for f32_linear (or oneDNN) from the file
-        panels = mapped_panels(model_dir, shapes) if on_f32 else None
         try:
+            # the GGUF blocks the float32 weights were converted from, where they are those weights exactly
+            # (f32_block_linear.py); else the float panels, mapped from the panel cache or packed
+            blocks = exact_blocks(model_dir, cfg, shapes, reference, _f32_library()) if on_f32 else None
+            panels = mapped_panels(model_dir, shapes) if on_f32 and blocks is None else None
             pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None,
-                         weights=weights if deferred else None, panels=panels)  # fmt: skip
+                         weights=weights if deferred else None, panels=panels, blocks=blocks)  # fmt: skip
         finally:
             views.close()
-        if on_f32 and panels is None:
+        if on_f32 and panels is None and blocks is None:
             keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
-        if progress is not None and panels:
+        if progress is not None and (panels or blocks):
             progress(total, total)  # the mapped layers were never read
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:

@@ -25,6 +25,7 @@ from torch import nn
 
 from engine import envvars
 from engine.model import bf16_linear, f32_linear
+from engine.model.f32_block_linear import F32BlockLinear
 from engine.model.swap import release_freed_memory, replace_linears
 
 
@@ -80,7 +81,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
                  weights: Callable[[str], torch.Tensor] | None = None,
-                 panels: dict[str, torch.Tensor] | None = None) -> int:  # fmt: skip
+                 panels: dict[str, torch.Tensor] | None = None,
+                 blocks: dict[str, tuple[int, torch.Tensor]] | None = None) -> int:  # fmt: skip
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available (in bfloat16
     on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits; in float32 on
     AVX2 CPUs, for F32Linear where its shape fits); the count.
@@ -91,7 +93,9 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     resident. The loader asks for no copy in float32 where the embedding could not be mapped.
     weights(name): the weight of a layer left on the meta device (the loader packs those from views of
     the file, weight_views.py), valid until the next call: every layer copies it into its own layout.
-    panels: float32 layers' panels packed before (panel_cache.py), taken as they are by F32Linear."""
+    panels: float32 layers' panels packed before (panel_cache.py), taken as they are by F32Linear.
+    blocks: float32 layers' GGUF blocks whose values their weights are (f32_block_linear.exact_blocks), for
+    F32BlockLinear: their float weights are never read."""
     if not packing_available(dtype, device):
         return 0
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
@@ -105,6 +109,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
         lib = native if kernel.module.runs_here(native) else None
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
+        if blocks and name in blocks and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
+            return F32BlockLinear(*blocks[name], (linear.out_features, linear.in_features), lib)
         if panels and name in panels and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
             return f32_linear.F32Linear(linear, lib, panels[name])  # its weight never read
         if weights is not None and linear.weight.is_meta:
@@ -117,4 +123,5 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
 
     replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
-    return sum(isinstance(m, (PackedLinear, *(k.layer for k in OUR_KERNELS.values()))) for m in model.modules())
+    return sum(isinstance(m, (PackedLinear, F32BlockLinear, *(k.layer for k in OUR_KERNELS.values())))
+               for m in model.modules())  # fmt: skip

@@ -110,6 +110,9 @@ class Scheduler:
             "architecture": mc.architecture,
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_bytes_per_token": bytes_per_token,
+            # which kernels hold the linear layers' weights (F32BlockLinear: the exact mode from a GGUF's blocks)
+            "linear_layers": sorted({type(m).__name__ for n, m in self.model.named_modules()
+                                     if n.endswith(("_proj", "lm_head"))}),  # fmt: skip
         }
 
     # ------------------------------------------------------------------ loop

@@ -261,6 +261,20 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.f32_linear.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
         ]  # fmt: skip
+    if hasattr(lib, "f32_block_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+        lib.f32_blocks_support.restype = ctypes.c_int
+        lib.f32_blocks_support.argtypes = []
+        lib.f32_blocks_bytes.restype = ctypes.c_int64
+        lib.f32_blocks_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        lib.f32_blocks_pack.restype = ctypes.c_int
+        lib.f32_blocks_pack.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+        lib.f32_block_linear.restype = ctypes.c_int
+        lib.f32_block_linear.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
     if hasattr(lib, "decode_layers"):  # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [

@@ -19,6 +19,8 @@ int int8_panel_linear(const float *x, const int8_t *w, const float *scale, const
 int gguf_panel_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                       int64_t K, int threads);
 int f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int num_threads);
+int f32_block_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+                     int num_threads);
 int decode_attention_store(const void *q, const void *k_new, const void *v_new, int64_t row_stride,
                            const int64_t *out_loc, void *k, void *v, void *out, const int64_t *req_to_token,
                            int64_t stride, const int64_t *slots, const int64_t *lens, int B, int H, int Hkv, int D,
@@ -29,15 +31,16 @@ void rotary_qkv(float *qkv, int64_t rows, int64_t stride, int heads, int kv_head
                 const float *sin, int threads);
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int threads);
 
-enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2, LINEAR_F32 = 3 };
+enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2, LINEAR_F32 = 3, LINEAR_F32_BLOCKS = 4 };
 
 typedef struct { /* one linear layer: y[m, n] = x[m, k] W^T (+ bias) */
     int32_t kind;    /* LINEAR_* */
-    int32_t arg;     /* gguf: the block type; int8: 1 for weights in panels (int8_panel_linear), 0 row-major */
+    int32_t arg;     /* gguf, f32 blocks: the block type; int8: 1 for weights in panels (int8_panel_linear), 0 row-major */
     int32_t threads; /* the layer's own (QuantizedLinear._threads; f32: torch's threads when described) */
     int32_t pad;
     int64_t n, k;
-    const void *w;       /* int8: [n, k] int8 or its panels; gguf: the blocks; f32: f32_linear_pack's panels */
+    const void *w;       /* int8: [n, k] int8 or its panels; gguf: the blocks; f32: f32_linear_pack's panels;
+                            f32 blocks: f32_blocks_pack's */
     const float *scale;  /* int8: per row */
     const float *bias;   /* int8, gguf; NULL: none */
 } decode_linear;
@@ -64,6 +67,7 @@ static int linear(const decode_linear *l, const float *x, float *y, int64_t m) {
                                                           l->threads);
     case LINEAR_GGUF: return gguf_panel_linear(l->arg, x, (const uint8_t *)l->w, l->bias, y, m, l->n, l->k, l->threads);
     case LINEAR_F32: return f32_linear(x, m, l->k, (const float *)l->w, l->n, y, l->threads);
+    case LINEAR_F32_BLOCKS: return f32_block_linear(l->arg, x, m, l->k, (const uint8_t *)l->w, l->n, y, l->threads);
     default: return -100;
     }
 }
