@@ -5,7 +5,7 @@ ENGINE_TEST_PROBE, and changes behaviour for marked requests:
 - requests whose rid starts "hold-" are held back for HOLD_STEPS scheduling turns (engine_schedule);
 - requests whose rid starts "ban-" never get token BANNED (engine_process_logits), and those whose
   rid starts "force-" always get it, whatever else (a grammar) allowed;
-- a request whose rid starts "boom-" makes engine_request_admitted raise;
+- a request whose rid starts "boom-" makes engine_request_admitted raise, "exit-" raise SystemExit;
 - a prompt containing "EXPLODE" makes engine_tokenize_before raise;
 - a batch with a rid starting "badtexts-" gets one text too many from engine_detokenize;
 - a result whose rid starts "badoutput-" makes engine_output raise;
@@ -79,6 +79,8 @@ def engine_schedule(waiting, running):
 def engine_request_admitted(req, cached_tokens):
     if req.rid.startswith("boom-"):
         raise ValueError("admission refused on purpose")
+    if req.rid.startswith("exit-"):
+        raise SystemExit("admission exits on purpose")
     _record("engine_request_admitted", rid=req.rid, cached_tokens=cached_tokens)
 
 

@@ -279,3 +279,67 @@ def test_engine_env_never_prints_the_api_key():
     assert out.returncode == 0
     assert "ENGINE_API_KEY=<set>" in out.stdout and "sekrit" not in out.stdout
     assert "ENGINE_TRACE_STEPS=3" in out.stdout and "| `ENGINE_PLUGINS` |" in out.stdout
+
+
+# ------------------------------------------------------------------ exceptions that are not Exception
+
+
+class Exits:
+    """A plain implementation that raises the given exception (SystemExit, ...)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    @hookimpl
+    def engine_output(self, result):
+        raise self.exc
+
+
+class WrapperExits:
+    def __init__(self, exc: BaseException, where: str) -> None:
+        self.exc, self.where = exc, where
+
+    @hookimpl(wrapper=True)
+    def engine_sample_after(self, rids, next_ids, logprobs):
+        if self.where == "before":
+            raise self.exc
+        yield
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), GeneratorExit(), BaseException("odd")])
+def test_a_hook_raising_systemexit_or_any_baseexception_is_a_named_hook_error(plugins, exc):
+    """Before the fix only Exception was caught: a plugin's sys.exit() left the hook unnamed and, in the
+    scheduler, got past the step's isolation and killed the process (every request failed)."""
+    plugins(Exits(exc), "exits")
+    with pytest.raises(HookError, match=f"plugin 'exits' failed in hook engine_output: {type(exc).__name__}"):
+        hooks.call("engine_output", result={})
+    for where in ("before", "after"):
+        name = f"wrapper_exits_{where}"
+        plugins(WrapperExits(exc, where), name)
+        with pytest.raises(HookError, match=f"plugin '{name}' failed in hook engine_sample_after: {type(exc).__name__}"):
+            hooks.call("engine_sample_after", rids=[], next_ids=None, logprobs=None)
+        from engine.hooks.runtime import plugin_manager, refresh
+
+        plugin_manager().unregister(name=name)
+        refresh()
+
+
+def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_child(plugins):
+    """Ctrl-C in the user process must stop the caller, not fail a request; the children ignore SIGINT,
+    so there a KeyboardInterrupt can only be a plugin's own raise: isolated like any error."""
+    from engine.hooks import FatalHookError, set_role
+
+    plugins(Exits(KeyboardInterrupt()), "interrupts")
+    assert hooks.current_role() == "user"
+    with pytest.raises(KeyboardInterrupt):
+        hooks.call("engine_output", result={})
+    set_role("scheduler")
+    try:
+        with pytest.raises(HookError, match="plugin 'interrupts' failed in hook engine_output: KeyboardInterrupt"):
+            hooks.call("engine_output", result={})
+    finally:
+        set_role("user")
+    plugins(Exits(FatalHookError("stop now")), "fatal")  # the project's own fatal error passes unchanged
+    with pytest.raises(FatalHookError, match="stop now"):
+        hooks.call("engine_output", result={})

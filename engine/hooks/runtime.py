@@ -90,9 +90,16 @@ def plugin_manager() -> pluggy.PluginManager:
         return _pm
 
 
+def _passes(exc: BaseException) -> bool:
+    """What request isolation must not catch: the project's fatal error, and Ctrl-C in the user
+    process (the caller stops). The children ignore SIGINT, so a KeyboardInterrupt there is a
+    plugin's own raise, isolated like SystemExit and every other BaseException."""
+    return isinstance(exc, FatalHookError) or (isinstance(exc, KeyboardInterrupt) and _role == "user")
+
+
 def _named(plugin: str, hook: str, exc: BaseException) -> BaseException:
-    if isinstance(exc, (HookError, FatalHookError)):
-        return exc  # already named, by the implementation it came from
+    if isinstance(exc, HookError) or _passes(exc):
+        return exc  # already named, by the implementation it came from; or not ours to catch
     if envvars.read("ENGINE_PLUGIN_ERRORS") == "raise":
         return FatalHookError(str(HookError(plugin, hook, exc)))
     return HookError(plugin, hook, exc)
@@ -102,8 +109,11 @@ def _isolate_plain(plugin: str, hook: str, fn: Callable) -> Callable:
     def isolated(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:
-            raise _named(plugin, hook, exc) from exc
+        except BaseException as exc:  # SystemExit too: a plugin must not stop the process
+            named = _named(plugin, hook, exc)
+            if named is exc:
+                raise
+            raise named from exc
 
     return isolated
 
@@ -116,14 +126,20 @@ def _isolate_wrapper(plugin: str, hook: str, fn: Callable) -> Callable:
     def misbehaved(what: str) -> BaseException:
         return _named(plugin, hook, RuntimeError(f"a hook wrapper must yield exactly once; it {what}"))
 
+    def name(exc: BaseException) -> BaseException:
+        named = _named(plugin, hook, exc)
+        if named is not exc:
+            named.__cause__ = exc
+        return named
+
     def isolated(*args, **kwargs):
         try:
             gen = fn(*args, **kwargs)
             next(gen)
         except StopIteration:
             raise misbehaved("returned without yielding") from None
-        except Exception as exc:
-            raise _named(plugin, hook, exc) from exc
+        except BaseException as exc:  # SystemExit too: a plugin must not stop the process
+            raise name(exc)
         try:
             try:
                 sent = yield
@@ -132,17 +148,17 @@ def _isolate_wrapper(plugin: str, hook: str, fn: Callable) -> Callable:
                     gen.throw(thrown)
                 except StopIteration as stop:
                     return stop.value
-                except Exception as exc:
+                except BaseException as exc:
                     if exc is thrown:
                         raise
-                    raise _named(plugin, hook, exc) from exc
+                    raise name(exc)
             else:
                 try:
                     gen.send(sent)
                 except StopIteration as stop:
                     return stop.value
-                except Exception as exc:
-                    raise _named(plugin, hook, exc) from exc
+                except BaseException as exc:
+                    raise name(exc)
             raise misbehaved("yielded twice")
         finally:
             gen.close()
@@ -230,11 +246,16 @@ def call_first(name: str, **kwargs):
 
 
 def call_named(name: str, **kwargs) -> dict:
-    """A per-plugin hook (PER_PLUGIN_HOOKS): each implementation's non-None result by plugin name."""
+    """A per-plugin hook (PER_PLUGIN_HOOKS): each implementation's non-None result by plugin name. A
+    plugin that fails gives {"error": message} in its place: one broken plugin must not hide the
+    others' figures, nor break get_stats() and the shutdown report (a fatal error still raises)."""
     caller = _callers.get(name)
     out = {}
     for impl in reversed(caller.get_hookimpls()) if caller is not None else ():
-        result = impl.function(*(kwargs[a] for a in impl.argnames))
+        try:
+            result = impl.function(*(kwargs[a] for a in impl.argnames))
+        except HookError as exc:
+            result = {"error": str(exc)}
         if result is not None:
             out[impl.plugin_name] = result
     return out
