@@ -110,17 +110,21 @@ def result(proc: subprocess.CompletedProcess) -> dict:
 
 
 def test_plugin_is_active_in_all_three_processes_and_skipdetok_skips(tmp_path):
+    """Also: stagetimer listed before skipdetok still times the detokenize stage (before the fix
+    skipdetok's result, called first, stopped the firstresult hook before stagetimer's timer started)."""
     pkg = tmp_path / "myplugin_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "myplugin.py").write_text(PLUGIN)
-    out = result(run(tmp_path, {"ENGINE_PLUGINS": "myplugin_pkg.myplugin,skipdetok"}))
+    out = result(run(tmp_path, {"ENGINE_PLUGINS": "stagetimer,myplugin_pkg.myplugin,skipdetok"}, WRAPPER_SCRIPT))
     lines = [l.split() for l in (pkg / "active.log").read_text().splitlines()]
     pids = out["pids"]
     assert sorted(lines) == sorted([["user", str(pids["user"]), "user"],
                                     ["scheduler", str(pids["scheduler"]), "scheduler"],
                                     ["detokenizer", str(pids["detokenizer"]), "detokenizer"]])  # fmt: skip
     assert out["text"] == "" and len(out["ids"]) == 6  # skipdetok: ids, no text
+    timed = out["stats"]["detokenizer"]["stagetimer"]
+    assert timed["calls"].get("detokenize", 0) >= 6 and timed["seconds"]["detokenize"] > 0, timed
 
 
 def test_unknown_plugin_fails_with_the_list(tmp_path):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine import hooks
+from engine.hooks import FatalHookError
 from engine.grammar.backend import GrammarBackend, Matcher, XGrammarBackend
 from engine.grammar.constraints import KINDS
 
@@ -38,6 +39,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
         self._backend: GrammarBackend | None = None
+        self._backend_error: BaseException | None = None  # making the backend failed: kept, not retried
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()  # LRU
         self._bitmask: torch.Tensor | None = None
@@ -48,14 +50,25 @@ class Grammars:
     # ------------------------------------------------------------------ compile (worker thread)
 
     def backend(self) -> GrammarBackend:
+        """Made once: a failure (the plugin's hook, the tokenizer) is kept and fails every constrained
+        request with the same error, instead of calling the hook again for each."""
         if self._backend is None:
-            from engine.tokenizer import load_hf_tokenizer
-
-            tokenizer = load_hf_tokenizer(self.model_dir)
-            found = hooks.call("engine_grammar_backend", tokenizer=tokenizer, vocab_size=self.vocab_size,
-                               stop_ids=list(self.stop_ids)) if hooks.has("engine_grammar_backend") else None  # fmt: skip
-            self._backend = found or XGrammarBackend(tokenizer, self.vocab_size, list(self.stop_ids))
+            if self._backend_error is not None:
+                raise self._backend_error
+            try:
+                self._backend = self._make_backend()
+            except BaseException as exc:
+                self._backend_error = exc
+                raise
         return self._backend
+
+    def _make_backend(self) -> GrammarBackend:
+        from engine.tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(self.model_dir)
+        found = hooks.call("engine_grammar_backend", tokenizer=tokenizer, vocab_size=self.vocab_size,
+                           stop_ids=list(self.stop_ids)) if hooks.has("engine_grammar_backend") else None  # fmt: skip
+        return found or XGrammarBackend(tokenizer, self.vocab_size, list(self.stop_ids))
 
     def _compile(self, kind: str, text: str) -> Any:
         start = time.perf_counter()
@@ -79,8 +92,12 @@ class Grammars:
 
     @staticmethod
     def problem(future: Future, kind: str) -> str | None:
-        """Why a finished compile cannot serve (the request then fails alone)."""
+        """Why a finished compile cannot serve (the request then fails alone). A fatal plugin error
+        (ENGINE_PLUGIN_ERRORS=raise) happened in the compile thread: raised here, in the serving
+        thread, it stops the process as it would anywhere else."""
         exc = future.exception()
+        if isinstance(exc, FatalHookError):
+            raise exc
         return None if exc is None else f"{kind}: the grammar could not be compiled: {type(exc).__name__}: {exc}"
 
     def matcher(self, future: Future) -> Matcher:

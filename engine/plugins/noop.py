@@ -114,3 +114,13 @@ def engine_stats(role):
 @hookimpl
 def engine_shutdown_report(stats):
     return None
+
+
+@hookimpl
+def engine_logit_processors():
+    return None
+
+
+@hookimpl
+def engine_grammar_backend(tokenizer, vocab_size, stop_ids):
+    return None

@@ -12,6 +12,7 @@ and a table is printed to stderr when the engine shuts down.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -19,18 +20,29 @@ from engine.hooks import hookimpl
 
 _seconds: dict[str, float] = defaultdict(float)
 _calls: dict[str, int] = defaultdict(int)
-_open: dict[str, float] = {}
+_lock = threading.Lock()  # the sums: callers in several threads (generate from threads) add at once
+_local = threading.local()  # each thread's open timers: two threads tokenizing must not share one
+
+
+def _open() -> dict[str, float]:
+    try:
+        return _local.open
+    except AttributeError:
+        _local.open = {}
+        return _local.open
 
 
 def _start(stage: str) -> None:
-    _open[stage] = time.perf_counter()
+    _open()[stage] = time.perf_counter()
 
 
 def _stop(stage: str) -> None:
-    t0 = _open.pop(stage, None)
+    t0 = _open().pop(stage, None)
     if t0 is not None:
-        _seconds[stage] += time.perf_counter() - t0
-        _calls[stage] += 1
+        elapsed = time.perf_counter() - t0
+        with _lock:
+            _seconds[stage] += elapsed
+            _calls[stage] += 1
 
 
 @hookimpl
@@ -59,10 +71,12 @@ def engine_sample_after(rids, next_ids, logprobs) -> None:
     _stop("sample")
 
 
-@hookimpl
-def engine_detokenize(rids, token_ids, finished) -> None:
+@hookimpl(wrapper=True)
+def engine_detokenize(rids, token_ids, finished):
+    """A wrapper: it runs whichever plugin answers this firstresult hook first (skipdetok, say) and
+    wherever stagetimer is listed; a plain implementation listed before skipdetok never ran."""
     _start("detokenize")
-    return None  # time it, do not replace it
+    return (yield)  # time it, do not replace it
 
 
 @hookimpl
@@ -72,7 +86,8 @@ def engine_detokenize_after(rids, texts) -> None:
 
 @hookimpl
 def engine_stats(role: str) -> dict:
-    return {"seconds": dict(_seconds), "calls": dict(_calls)}
+    with _lock:
+        return {"seconds": dict(_seconds), "calls": dict(_calls)}
 
 
 def summary(stats: dict) -> dict:
