@@ -9,12 +9,15 @@ import re
 import threading
 import time
 
+from pathlib import Path
+
 import pytest
 
 from conftest import PROMPTS
 from engine import Engine
-from engine.hooks import HookError
+from engine.hooks import HookError, hookimpl
 from engine.hooks.loader import unload_plugins
+from engine.hooks.runtime import plugin_manager, register
 from engine_test_plugin import BANNED, HOLD_STEPS
 
 PLUGIN = "engine_test_plugin:plugin"
@@ -118,6 +121,15 @@ def test_lifecycle_hooks_ran_in_all_three_processes(probe):
     for hook in ("engine_process_start", "engine_process_ready", "engine_process_stop"):
         roles = {e["arg_role"]: e["pid"] for e in ev if e["hook"] == hook}
         assert roles == {"user": pids["user"], "scheduler": pids["scheduler"], "detokenizer": pids["detokenizer"]}, (hook, roles)
+        # the user process ran them for the second engine although the first still serves: once per Engine
+        assert sorted(e["arg_role"] for e in ev if e["hook"] == hook) == ["detokenizer", "scheduler", "user"], hook
+    from engine.hooks.specs import EngineSpecs
+
+    rows = [line for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
+            if line.startswith("| lifecycle |")]  # fmt: skip
+    for hook, row in zip(("engine_process_start", "engine_process_ready", "engine_process_stop"), rows):
+        assert f"`{hook}`" in row and "once per Engine" in row, row  # the docs say what the code does
+        assert "once per Engine" in " ".join(getattr(EngineSpecs, hook).__doc__.split()), hook
 
 
 def test_rewrite_prompt_hook_changes_the_output(probe):
@@ -345,3 +357,164 @@ def test_a_plugin_provides_the_grammar_backend(probe):
     assert re.fullmatch(" (19|20)[0-9]{2}", out["text"])
     compiles = [e for e in events(path) if e["hook"] == "grammar_compile"]
     assert compiles and compiles[-1]["kind"] == "regex" and compiles[-1]["role"] == "scheduler"
+
+
+# ------------------------------------------------------------------ review fixes: isolation, services, docs
+
+
+class _BrokenStats:
+    """A user-process plugin whose engine_stats fails."""
+
+    @hookimpl
+    def engine_stats(self, role):
+        raise RuntimeError("stats refused on purpose")
+
+
+class _Reporter:
+    def __init__(self) -> None:
+        self.reports: list[dict] = []
+
+    @hookimpl
+    def engine_shutdown_report(self, stats):
+        self.reports.append(stats)
+
+
+def test_a_failing_user_stats_hook_breaks_neither_get_stats_nor_the_shutdown_report(probe):
+    """Before: get_stats() raised the HookError, and with it the shutdown report (no plugin got one)."""
+    from engine.entrypoint import _shutdown_report
+
+    eng, _ = probe
+    eng.generate(PROMPTS[0], {"max_new_tokens": 2})  # figures for stagetimer in every process
+    broken, reporter = _BrokenStats(), _Reporter()
+    register(broken, "brokenstats")
+    register(reporter, "reporter")
+    try:
+        stats = eng.get_stats()
+        user = stats["plugins"]["user"]
+        assert "'brokenstats' failed in hook engine_stats" in user["brokenstats"]["error"]
+        assert "stats refused on purpose" in user["brokenstats"]["error"]
+        assert user["stagetimer"]["calls"]["tokenize"] > 0  # the other plugins' figures are kept
+        assert stats["plugins"]["scheduler"]["stagetimer"]["calls"]["forward"] > 0
+        _shutdown_report(eng._resources.tokenizer_manager)  # what Engine.shutdown() runs first
+        (report,) = reporter.reports
+        assert "error" in report["plugins"]["user"]["brokenstats"]
+    finally:
+        for name in ("brokenstats", "reporter"):
+            plugin_manager().unregister(name=name)
+
+
+def test_a_hook_raising_systemexit_in_the_scheduler_fails_only_its_request(probe):
+    """Before: SystemExit got past the hook isolation and the step's, and the scheduler died."""
+    eng, _ = probe
+    params = {"max_new_tokens": 3, "temperature": 0}
+    outs = eng.generate([PROMPTS[0], PROMPTS[1]], params, rid=["exit-1", "fine-exit"])
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "engine_request_admitted: SystemExit" in reason["message"], reason
+    assert PLUGIN in reason["message"] and "exits on purpose" in reason["message"]
+    assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
+    assert eng.alive and eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
+
+
+def test_noop_implements_every_hook_and_does_nothing():
+    """docs/plugins.md: noop implements every hook (a template). Before: two were missing."""
+    import inspect
+
+    from engine.hooks import specs
+    from engine.plugins import noop
+
+    spec_names = {name for name in vars(specs.EngineSpecs) if name.startswith("engine_")}
+    implemented = {name for name, fn in vars(noop).items() if getattr(fn, "engine_impl", None) is not None}
+    assert implemented == spec_names, spec_names ^ implemented
+    for name in spec_names:
+        fn = getattr(noop, name)
+        assert fn(**{arg: None for arg in inspect.signature(fn).parameters}) is None, name
+
+
+def test_grammar_backend_hook_is_called_once_and_fatal_errors_reach_the_serving_thread(monkeypatch):
+    """The hook runs in the compile thread: before, its FatalHookError stayed in the compile's Future
+    (one request failed, the process went on) and after a failure it was called again per request."""
+    from concurrent.futures import wait
+
+    from engine.grammar.stage import Grammars
+    from engine.hooks import FatalHookError
+
+    calls: list[int] = []
+
+    class FailingBackend:
+        @hookimpl
+        def engine_grammar_backend(self, tokenizer, vocab_size, stop_ids):
+            calls.append(vocab_size)
+            raise RuntimeError("no backend on purpose")
+
+    monkeypatch.setattr("engine.tokenizer.load_hf_tokenizer", lambda model_dir: object())
+    register(FailingBackend(), "failingbackend")
+    grammars = Grammars("unused", 1024, [2])
+    try:
+        futures = [grammars.request("regex", "[0-9]"), grammars.request("regex", "[a-z]")]
+        wait(futures)
+        for future in futures:  # both requests fail with the one error; the hook ran once
+            assert "'failingbackend' failed in hook engine_grammar_backend" in Grammars.problem(future, "regex")
+        assert calls == [1024]
+        grammars.close()
+        monkeypatch.setenv("ENGINE_PLUGIN_ERRORS", "raise")
+        grammars = Grammars("unused", 1024, [2])
+        future = grammars.request("regex", "[0-9]")
+        wait([future])
+        with pytest.raises(FatalHookError, match="no backend on purpose"):  # in the thread that asks: it stops
+            Grammars.problem(future, "regex")
+    finally:
+        grammars.close()
+        plugin_manager().unregister(name="failingbackend")
+
+
+def test_stagetimer_keeps_concurrent_callers_apart():
+    """Two threads tokenizing at once: before, the second start overwrote the first (one shared timer
+    per stage), the first stop took it, the second found none: one call counted instead of two."""
+    from engine.plugins import stagetimer
+
+    before = stagetimer.engine_stats("user")["calls"].get("tokenize", 0)
+    a_started, b_started, a_stopped = threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        stagetimer.engine_tokenize_before(request=None)
+        a_started.set()
+        b_started.wait(10)
+        stagetimer.engine_tokenize_after(request=None)
+        a_stopped.set()
+
+    def b() -> None:
+        a_started.wait(10)
+        stagetimer.engine_tokenize_before(request=None)
+        b_started.set()
+        a_stopped.wait(10)
+        stagetimer.engine_tokenize_after(request=None)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert stagetimer.engine_stats("user")["calls"]["tokenize"] - before == 2
+
+
+def test_forward_after_rows_and_rids_follow_the_documented_layout(probe):
+    """engine_forward_after's logits: sampling rows, then beam rows, then prompt-logprob rows; in a
+    decode step a beam search's rid comes once per live beam (docs/plugins.md, the hookspec)."""
+    from engine.hooks.specs import EngineSpecs
+
+    eng, path = probe
+    path.write_text("")
+    k = 3
+    eng.beam_search(PROMPTS[6], rid="layout-beams", beam_width=k, max_new_tokens=3, ignore_eos=True)
+    ev = [e for e in events(path) if e["hook"] == "engine_forward_after" and "layout-beams" in e["rids"]]
+    prefill, *decode = ev
+    assert prefill["rids"] == ["layout-beams"] and prefill["logits_shape"][0] == 1  # the search's first row
+    assert len(decode) == 2 and all(e["rids"] == ["layout-beams"] * k and e["logits_shape"][0] == k for e in decode)
+    out = eng.generate(PROMPTS[6], {"max_new_tokens": 1}, rid="layout-lp", return_logprob=True, logprob_start_len=0)
+    (row,) = [e for e in events(path) if e["hook"] == "engine_forward_after" and e["rids"] == ["layout-lp"]]
+    assert row["logits_shape"][0] == 1 + out["meta_info"]["prompt_tokens"] - 1  # its token's row, then the prompt's
+    doc = " ".join(EngineSpecs.engine_forward_after.__doc__.split())
+    assert "beam" in doc and "once per live beam" in doc
+    table = next(line for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
+                 if line.startswith("| forward | `engine_forward_after`"))  # fmt: skip
+    assert "beam" in table and "once per live beam" in table

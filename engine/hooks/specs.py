@@ -5,8 +5,9 @@ implementation may change. Arguments are passed by keyword; an implementation ma
 of them (pluggy's rule). Requests are seen as `Req` objects in the scheduler (engine/scheduler/request.py:
 rid, input_ids, output_ids, sampling, ...); treat them as read-only unless the hook says otherwise.
 
-A hook that raises fails only the requests it was called for (the error names the plugin and the
-hook); with ENGINE_PLUGIN_ERRORS=raise, it stops the process instead (for development).
+A hook that raises (anything: SystemExit too; only KeyboardInterrupt in the user process passes)
+fails only the requests it was called for (the error names the plugin and the hook); with
+ENGINE_PLUGIN_ERRORS=raise, it stops the process instead (for development).
 
 Hooks marked `firstresult` stop at the first non-None result (pluggy's rule); the others return
 every implementation's non-None result. Wrappers (`@hookimpl(wrapper=True)`, or the older
@@ -37,19 +38,22 @@ class EngineSpecs:
 
     @hookspec
     def engine_process_start(self, role: str, pid: int) -> None:
-        """A process of the engine starts. Runs in every process ("user", "scheduler", "detokenizer"),
-        once, before the process builds anything (the user process: when an Engine is created).
-        Changes nothing."""
+        """A process of the engine starts. Runs in every process ("user", "scheduler", "detokenizer"):
+        a child once, before it builds anything; the user process, which may hold several engines,
+        once per Engine, when it is created (guard what must happen once per process). Changes
+        nothing."""
 
     @hookspec
     def engine_process_ready(self, role: str, pid: int, info: dict) -> None:
-        """The process is built and about to serve. Once per process. `info` (the scheduler's: pool size,
-        dtype, ...) is read-only."""
+        """The process is built and about to serve: a child once; the user process once per Engine,
+        when that engine serves. `info` (the scheduler's: pool size, dtype, ...; in the user process
+        that engine's server_info, with "model") is read-only."""
 
     @hookspec
     def engine_process_stop(self, role: str, pid: int) -> None:
-        """The process is about to stop on a regular shutdown (not after a crash or SIGKILL). Once. In
-        the user process it runs last, after the children stopped and every request ended."""
+        """The process is about to stop on a regular shutdown (not after a crash or SIGKILL): a child
+        once; the user process once per Engine, when that engine shuts down, last (after its
+        children stopped and every request ended)."""
 
     # ------------------------------------------------------------------ tokenize (user process)
 
@@ -118,10 +122,13 @@ class EngineSpecs:
 
     @hookspec
     def engine_forward_after(self, batch: ForwardBatch, rids: list[str], logits: torch.Tensor) -> None:
-        """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32: first one
-        row per request that samples this step, then, in a prefill, rows for prompt logprobs; `rids`
-        are all requests in the step (a prompt chunk that samples nothing yet has no row). Read-only
-        (change logits in engine_process_logits)."""
+        """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32, in this
+        order: one row per ordinary request that samples this step; then the beam searches' rows (a
+        prefill: one per search whose prompt completes; a decode: one per live beam); then, in a
+        prefill, the rows for prompt logprobs. `rids`: a prefill's are every request in the step,
+        once each (a prompt chunk that samples nothing yet has no row); a decode's follow the rows,
+        so a beam search's rid comes once per live beam. Read-only (change logits in
+        engine_process_logits)."""
 
     # ------------------------------------------------------------------ sample (scheduler)
 
@@ -205,7 +212,8 @@ class EngineSpecs:
     def engine_grammar_backend(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any | None:
         """Provide the grammar backend for structured output (json_schema, regex, ebnf) instead of
         the built-in xgrammar one. Scheduler, once, when the first constrained request arrives (in
-        the compile worker thread). Return an object with compile(kind, text), matcher(compiled),
+        the compile worker thread); if it raises it is not called again, and its error fails every
+        constrained request. Return an object with compile(kind, text), matcher(compiled),
         new_bitmask(rows), fill_masks(matchers, bitmask, rows) and apply_masks(logits, bitmask,
         rows), whose matchers have accept_token, is_terminated and fork
         (engine/grammar/backend.py), or None to leave it to the next plugin / xgrammar.
@@ -214,7 +222,8 @@ class EngineSpecs:
     @hookspec
     def engine_stats(self, role: str) -> dict[str, Any] | None:
         """Figures for engine.get_stats()["plugins"][role][plugin name]. Called in every process
-        whenever stats are asked for; per plugin (keyed by its name), so it cannot be wrapped."""
+        whenever stats are asked for; per plugin (keyed by its name), so it cannot be wrapped. If
+        it raises, {"error": message} stands in its place; the other plugins' figures stay."""
 
     @hookspec
     def engine_shutdown_report(self, stats: dict[str, Any]) -> None:
