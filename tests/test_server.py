@@ -171,6 +171,11 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": []}, None, 400, "messages", "messages"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, None, 400, "temperature", "temperature"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, None, 400, "temperature", "temperature"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": "0"}, None, 400, "temperature", "temperature"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": True}, None, 400, "temperature", "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": "1"}, None, 400, "top_p", "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "min_p": False}, None, 400, "min_p", "min_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}, None, 400, "logit_bias", "logit_bias.5"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, None, 400, "max_tokens", "max_tokens"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 0}, None, 400, "n must", "n"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 100000}, None, 400, "n must", "n"),
@@ -225,6 +230,34 @@ def test_405_says_allow_and_the_auth_scheme_is_case_insensitive(server):
     for scheme in ("bearer", "BEARER"):  # RFC 9110: auth schemes are case-insensitive
         assert http(server, "GET", "/v1/models", key=None, headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
     assert http(server, "GET", "/v1/models", key=None, headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+
+
+NULLABLE = {"model": None, "max_tokens": None, "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None,
+            "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "user": None, "stream": None,
+            "stream_options": None, "response_format": None, "top_k": None, "min_p": None, "repetition_penalty": None,
+            "min_tokens": None, "ignore_eos": None, "stop_token_ids": None, "skip_special_tokens": None,
+            "spaces_between_special_tokens": None, "custom_logit_processor": None, "custom_params": None, "regex": None,
+            "ebnf": None, "use_beam_search": None, "beam_width": None, "length_penalty": None, "early_stopping": None}  # fmt: skip
+
+
+def test_null_means_the_default_in_every_nullable_field(server):
+    """OpenAI types these fields "X or null"; clients (and the openai client's model_dump) send null."""
+    chat = {**NULLABLE, "messages": [{"role": "user", "content": "Hi", "name": None}], "max_completion_tokens": 3,
+            "logprobs": None, "top_logprobs": None, "temperature": 0}  # fmt: skip
+    r = http(server, "POST", "/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None  # n and logprobs: defaults
+    comp = {**NULLABLE, "prompt": "The sky is", "max_tokens": 3, "temperature": 0, "logprobs": None, "echo": None,
+            "suffix": None, "best_of": None}  # fmt: skip
+    r = http(server, "POST", "/v1/completions", json=comp)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+    streamed = {**comp, "stream": True, "stream_options": {"include_usage": None}}
+    r = http(server, "POST", "/v1/completions", json=streamed)
+    assert r.status_code == 200 and '"usage"' not in r.text and r.text.rstrip().endswith("data: [DONE]"), r.text
+    schema = {**comp, "response_format": {"type": "json_schema", "json_schema": {"name": "o", "description": None,
+                                                                                "strict": None, "schema": None}}}  # fmt: skip
+    r = http(server, "POST", "/v1/completions", json=schema)  # a schema of null is no schema: still a 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
 
 
 def test_server_serves_on_after_bad_requests(client):

@@ -1,16 +1,32 @@
 """The request bodies the OpenAI API and SGLang's /generate take, as pydantic models (FastAPI
 validates them; a wrong type is a 400 naming the field). Unknown fields are refused rather than
-silently ignored, so a client never believes a parameter took effect when it did not."""
+silently ignored, so a client never believes a parameter took effect when it did not.
+
+Types are strict: a number is a JSON number (an integer where a float is asked, as JSON does not
+tell them apart), never a string or a bool. null in any known field means its default, as OpenAI
+types them "X or null" and clients send null for what they leave out."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+
+Number = StrictFloat  # an int or a float; "0" and true are refused (pydantic's lax float would take them)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """Drop the known fields sent as null, so they take their defaults; an unknown field stays
+        (refused, even as null)."""
+        if not isinstance(data, dict):
+            return data
+        known = {*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)}
+        return {k: v for k, v in data.items() if v is not None or k not in known}
 
 
 class StreamOptions(_Body):
@@ -22,8 +38,8 @@ class _EngineExtras(_Body):
     client), named as SGLang and vLLM name them."""
 
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
     min_tokens: StrictInt | None = None
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
@@ -36,7 +52,7 @@ class _EngineExtras(_Body):
     ebnf: str | None = None
     use_beam_search: StrictBool = False
     beam_width: StrictInt | None = None
-    length_penalty: float | None = None
+    length_penalty: Number | None = None
     early_stopping: StrictBool | Literal["never"] | None = None
 
 
@@ -57,14 +73,14 @@ class ResponseFormat(_Body):
 class _Sampling(_EngineExtras):
     model: str | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     n: StrictInt = 1
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
