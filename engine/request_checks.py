@@ -19,6 +19,16 @@ def _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, 
         raise ValueError("top_logprobs_num and logprob_start_len need return_logprob=True")
 
 
+def _check_unique_rids(rids: list[str]) -> None:
+    """ValueError naming the ids a call would use twice once n > 1 expands them (rid ["x", "x-0"], the
+    first with n=2): the user process keeps one state per id, so the other request's caller waited forever."""
+    seen: set[str] = set()
+    twice = sorted({r for r in rids if r in seen or seen.add(r)})
+    if twice:
+        raise ValueError(f"request id(s) {twice} occur more than once in this call (a prompt with n > 1 uses "
+                         "ids <rid>-0 .. <rid>-<n-1>): choose rids that stay distinct")  # fmt: skip
+
+
 def _unicode(text: str, where: str) -> str:
     """text itself, or a ValueError naming where it holds what UTF-8 cannot encode (a lone surrogate such
     as "\\ud800", which json.loads and surrogateescape decoding both produce): the tokenizer raised a

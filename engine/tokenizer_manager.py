@@ -42,7 +42,7 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
-from engine.request_checks import _check_logprob_options, _malformed, _unicode, _unicode_messages
+from engine.request_checks import _check_logprob_options, _check_unique_rids, _malformed, _unicode, _unicode_messages
 from engine.request_state import ReqState
 from engine.tracing.context import normalize_trace_context
 
@@ -408,6 +408,7 @@ class TokenizerManager:
                     r, ids, seq, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
                     on_finish=on_finish, listener=listener, beam=beam,
                 ))  # fmt: skip
+        _check_unique_rids([s.rid for s in states])
         with self.states_lock:  # before the hooks see them (checked again, atomically, when registering)
             self._check_clash(states)
         announced: list[TokenizedRequest] = []

@@ -278,3 +278,34 @@ def test_n_samples_of_a_chunked_prompt_share_its_prefill(engine):
     after = engine.get_stats()
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(ids) + 2
     assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0, len(ids) - 1, len(ids) - 1]
+
+
+def test_request_ids_colliding_after_n_expansion_are_refused(engine):
+    """rid ["x", "x-0"] with n=2 on the first prompt made two requests "x-0": one state was kept, the
+    scheduler ended the other as superseded, and generate waited forever (even across shutdown)."""
+    import threading
+
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append(engine.generate(["The sky is", "Hello"], [{"n": 2, "max_new_tokens": 3}, {"max_new_tokens": 3}],
+                                           rid=["x", "x-0"]))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the test's point
+            outcome.append(exc)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "generate hung on two requests with the same id"
+    assert isinstance(outcome[0], ValueError) and "x-0" in str(outcome[0]), outcome
+    # an expanded id that a running request holds is refused too
+    tm = engine._resources.tokenizer_manager
+    states, _ = tm.submit("Hi", {"max_new_tokens": 40, "ignore_eos": True}, rid="y-1")
+    try:
+        with pytest.raises(ValueError, match="y-1"):
+            engine.generate("Hi", {"n": 2, "max_new_tokens": 2}, rid="y")
+    finally:
+        tm.abort(["y-1"])
+        assert states[0].done.wait(30)
+    assert engine.get_stats()["tracked"]["user"]["states"] == 0
