@@ -88,3 +88,22 @@ def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):
     assert finishes["runner"].type == "length"
     run.submit(TokenizedRequest("after", [1, 2], GOOD))
     assert dict(run.finish_all())["after"].type == "length"
+
+
+def test_arrival_checks_do_not_parse_grammars_again(monkeypatch):
+    """The user process validated the constraint (jsonschema's meta-schema check and an xgrammar parse,
+    34-66 ms a request); the scheduler's receive stage, which blocks the step loop, did it again for each
+    of the n copies. It checks only what could break a step: the compile fails such a request alone."""
+    import engine.grammar.constraints as constraints
+    from engine.scheduler.admission import check_request
+
+    parsed: list[str] = []
+    monkeypatch.setattr(constraints, "check", lambda kind, text: parsed.append(kind))
+    monkeypatch.setattr(constraints, "grammar_of", lambda kind, text: parsed.append(kind))
+    schema = msgspec.structs.replace(GOOD, ignore_eos=False, json_schema='{"type": "boolean"}')
+    assert check_request(TokenizedRequest("g", [1, 2, 3], schema), VOCAB, 2048) is None
+    assert parsed == []
+    two = msgspec.structs.replace(schema, regex="a+")  # what is cheap to check still is
+    assert "at most one" in check_request(TokenizedRequest("g2", [1, 2, 3], two), VOCAB, 2048)
+    with_ignore_eos = msgspec.structs.replace(schema, ignore_eos=True)
+    assert "ignore_eos" in check_request(TokenizedRequest("g3", [1, 2, 3], with_ignore_eos), VOCAB, 2048)

@@ -1,9 +1,10 @@
 """Structured-output constraints as sampling parameters (SGLang's names): `json_schema`, `regex`, `ebnf`.
 
-Checked in the user process before anything is queued, and again where a request reaches the
-scheduler: at most one per request, and each must parse (a JSON Schema must also be a valid schema
-by the `jsonschema` library's own meta-schema check). The grammar engine is imported only when a
-request carries a constraint.
+Checked in the user process before anything is queued: at most one per request, and each must parse
+(a JSON Schema must also be a valid schema by the `jsonschema` library's own meta-schema check). Where
+a request reaches the scheduler only `normalize` runs again: a parse there would block the step loop,
+and a constraint that fails to compile fails its request alone. The grammar engine is imported only
+when a request carries a constraint.
 """
 
 from __future__ import annotations

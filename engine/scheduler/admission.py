@@ -36,10 +36,11 @@ def check_request(req: TokenizedRequest, vocab_size: int, context_len: int) -> s
         return f"input_ids holds {bad!r}, not a token id in [0, {vocab_size})"
     if n >= context_len:
         return f"input_ids has {n} tokens but context_length is {context_len}"
-    try:  # the user process's own parser: every sampling field, its range, and the same messages
+    try:  # the user process's own parser: every sampling field, its range, and the same messages; not a
+        # grammar's parse (the user process did it; a compile that fails fails the request alone, off the loop)
         params = msgspec.structs.asdict(req.sampling)
         params["logit_bias"] = dict(params["logit_bias"])
-        parse_sampling_params(params, vocab_size, get_logit_processor)
+        parse_sampling_params(params, vocab_size, get_logit_processor, parse_grammar=False)
     except (ValueError, TypeError) as exc:
         return f"sampling: {exc}"
     if not 0 <= req.top_logprobs_num <= min(MAX_TOP_LOGPROBS, vocab_size):
