@@ -29,11 +29,11 @@ scalars = st.one_of(st.none(), numbers, texts)
 values = st.one_of(scalars, st.lists(scalars, max_size=4), st.dictionaries(st.one_of(st.text(max_size=5), st.integers(-5, 70000)), scalars, max_size=3))
 param_names = st.one_of(st.sampled_from(sorted(FIELDS)), st.text(max_size=8))
 edge = {  # values at and near the edges of what is allowed: numbers the sampler must survive
-    "temperature": st.sampled_from([0.0, 1e-30, 1e-7, 0.01, 1.0, 100.0, 1e30]),
+    "temperature": st.sampled_from([0.0, 1e-30, 1e-7, 0.01, 1.0, 100.0, 1e6, 1e30]),
     "top_p": st.sampled_from([1e-30, 1e-6, 0.5, 1.0]),
-    "top_k": st.sampled_from([-1, 0, 1, 2, 49151, 10**9]),
+    "top_k": st.sampled_from([-1, 0, 1, 2, 49151, 10**9, 2**63]),
     "min_p": st.sampled_from([0.0, 1e-9, 0.999999, 1.0]),
-    "repetition_penalty": st.sampled_from([1e-9, 0.5, 1.0, 10.0]),
+    "repetition_penalty": st.sampled_from([1e-9, 0.01, 0.5, 1.0, 10.0]),
     "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
     "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
     "logit_bias": st.dictionaries(st.integers(0, 49151), st.sampled_from([-100.0, -1e-3, 100.0]), max_size=3),
