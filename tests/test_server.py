@@ -175,7 +175,7 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": CHAT, "temperature": True}, None, 400, "temperature", "temperature"),
     ("POST", "/v1/completions", {"prompt": "x", "top_p": "1"}, None, 400, "top_p", "top_p"),
     ("POST", "/v1/completions", {"prompt": "x", "min_p": False}, None, 400, "min_p", "min_p"),
-    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}, None, 400, "logit_bias", "logit_bias.5"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}, None, 400, "logit_bias", "logit_bias"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, None, 400, "max_tokens", "max_tokens"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 0}, None, 400, "n must", "n"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 100000}, None, 400, "n must", "n"),
@@ -192,7 +192,23 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, None, 400, "logit_bias", "logit_bias"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 40}, None, 400, "stop", "stop"),
     ("POST", "/v1/completions", {"prompt": []}, None, 400, "", None),
-    ("POST", "/v1/completions", {"prompt": [-5, 3]}, None, 400, "", None),
+    ("POST", "/v1/completions", {"prompt": [-5, 3]}, None, 400, "", "prompt"),  # the engine's input_ids is the prompt here
+    ("POST", "/v1/completions", {"prompt": [[1], [99999999]]}, None, 400, "", "prompt"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None, 400, "content", "messages.0.content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, None, 400,
+     "text", "messages.0.content.0.text"),
+    ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}, "regex": "a"}, None, 400,
+     "at most one", "regex"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, None, 400, "max_completion_tokens",
+     "max_completion_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "min_tokens": 9, "max_completion_tokens": 5}, None, 400,
+     "max_completion_tokens=5", "min_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "min_tokens": 9, "max_tokens": 5}, None, 400, "max_tokens=5",
+     "min_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "seed": 2**63}, None, 400, "seed", "seed"),
+    ("POST", "/v1/completions", {"prompt": "x", "best_of": 2}, None, 400, "best_of", "best_of"),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "x"}, None, 400, "suffix", "suffix"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p", "top_p"),  # documented: (0, 1]
     ("POST", "/v1/completions", {"prompt": "x", "custom_logit_processor": "nope"}, None, 400, "nope", "custom_logit_processor"),
     ("POST", "/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo", "echo"),
     ("POST", "/v1/completions", b"{not json", None, 400, "not valid JSON", None),
@@ -219,7 +235,7 @@ def test_bad_requests_get_openai_error_bodies(server, method, path, body, header
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"], error
-    assert "Traceback" not in r.text
+    assert "Traceback" not in r.text and "_new_tokens" not in r.text  # the engine's own names never leak
     if param is not None:
         assert error["param"] == param, error
 
@@ -258,6 +274,16 @@ def test_null_means_the_default_in_every_nullable_field(server):
                                                                                 "strict": None, "schema": None}}}  # fmt: skip
     r = http(server, "POST", "/v1/completions", json=schema)  # a schema of null is no schema: still a 400
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_values_openai_accepts_are_accepted(client):
+    """Any int64 seed (mapped onto the engine's [0, 2**63) the same way each time), best_of equal
+    to n and an empty suffix (both no-ops)."""
+    kwargs = dict(model="smol", messages=CHAT, max_tokens=3, temperature=1.0, seed=-1, n=2)
+    first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    out = client.completions.create(model="smol", prompt="Hi", max_tokens=2, temperature=0, best_of=1, suffix="")
+    assert out.usage.completion_tokens <= 2
 
 
 def test_server_serves_on_after_bad_requests(client):

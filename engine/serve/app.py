@@ -120,8 +120,10 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         check_model(model_id)
         return {"id": name, "object": "model", "created": 0, "owned_by": "engine"}
 
-    def opening(body: ChatCompletionRequest | CompletionRequest, prefix: str) -> tuple[dict, bool, int, str]:
-        """What both OpenAI routes do first: the model, the sampling parameters, logprobs, an id."""
+    def opening(body: ChatCompletionRequest | CompletionRequest, request: Request, prefix: str) -> tuple[dict, bool, int, str]:
+        """What both OpenAI routes do first: the model, the sampling parameters, logprobs, an id,
+        and the names the engine's errors must use for this body (errors.install reads them)."""
+        request.state.openai_names = translate.openai_names(body)
         check_model(body.model)
         params = translate.sampling_params(body, engine.server_info.get("context_length"))
         want_logprobs, top = translate.logprob_options(body)
@@ -129,7 +131,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        params, want_logprobs, top, rid = opening(body, "chatcmpl")
+        params, want_logprobs, top, rid = opening(body, request, "chatcmpl")
         if beams.wants_beams(body):
             args = dict(messages=translate.chat_messages(body), rid=rid, **beams.beam_kwargs(body, params))
             return await beam_response(request, body, args, rid, "chat.completion", [rid])
@@ -155,7 +157,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        params, want_logprobs, top, rid = opening(body, "cmpl")
+        params, want_logprobs, top, rid = opening(body, request, "cmpl")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             inputs, prompts = {"prompt": prompt, "rid": [f"{rid}-p{i}" for i in range(len(prompt))]}, len(prompt)

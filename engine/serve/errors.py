@@ -32,9 +32,26 @@ def response(status: int, message: str, param: str | None = None, code: str | No
     return JSONResponse(body(status, message, param, code), status_code=status, headers=headers or None)
 
 
+def _path(error: dict) -> list[str]:
+    """An error's location as the client wrote it: field names and list indices, without the
+    "body" prefix, pydantic's union member tags ("str", "list[TextPart]", "TextPart") or dict keys;
+    an unknown field keeps its own name."""
+    from engine.serve.protocol import FIELD_NAMES
+
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    last = len(loc) - 1
+    return [str(p) for i, p in enumerate(loc)
+            if isinstance(p, int) or p in FIELD_NAMES or (i == last and error.get("type") == "extra_forbidden")]  # fmt: skip
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    errors = exc.errors()
+    # a union reports each member's failure: the deepest is the member the client meant (a content
+    # list whose part has a bad text fails as a string too, less usefully)
+    first = max(errors, key=lambda e: len(_path(e))) if errors else {}
+    loc = _path(first)
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
@@ -65,7 +82,7 @@ def install(app: FastAPI) -> None:
         if request.url.path.startswith("/v1/"):
             from engine.serve.translate import openai_error
 
-            mapped = openai_error(exc)
+            mapped = openai_error(exc, getattr(request.state, "openai_names", None))
             return response(400, mapped.message, mapped.param)
         return response(400, str(exc))
 

@@ -118,8 +118,8 @@ class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: StrictInt | None = None
     echo: Literal[False] = False
-    suffix: None = None
-    best_of: None = None
+    suffix: str | None = None  # only "" (no fill-in-the-middle): translate.sampling_params says so
+    best_of: StrictInt | None = None  # only n (no choosing among more samples): likewise
 
 
 class GenerateRequest(_Body):
@@ -133,3 +133,13 @@ class GenerateRequest(_Body):
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = 0
     logprob_start_len: StrictInt = -1
+
+
+def _field_names(cls: type[BaseModel]) -> set[str]:
+    names = {*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)}
+    for sub in cls.__subclasses__():
+        names |= _field_names(sub)
+    return names
+
+
+FIELD_NAMES = frozenset(_field_names(_Body))  # what a validation error's location may name (the rest are pydantic's tags)

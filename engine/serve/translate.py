@@ -16,13 +16,23 @@ from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 # OpenAI name -> engine name, for the fields that are only renamed
 _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
-_PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+_PASSED = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
            "spaces_between_special_tokens", "custom_logit_processor", "custom_params", "regex", "ebnf")  # fmt: skip
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
-_ENGINE_NAMES = {**{v: k for k, v in _RENAMED.items()}, "json_schema": "response_format"}
-_KNOWN_PARAMS = {*_PASSED, *_RENAMED, "stop", "logit_bias", "prompt", "messages", "input_ids", "top_logprobs_num",
-                 "response_format"}  # fmt: skip
+SEED_RANGE = 1 << 63  # the engine's seeds are in [0, 2**63); OpenAI's are any int64, mapped onto it modulo 2**63
+_ENGINE_NAMES = {**{v: k for k, v in _RENAMED.items()}, "json_schema": "response_format", "input_ids": "prompt"}
+_KNOWN_PARAMS = {*_PASSED, *_RENAMED, "seed", "stop", "logit_bias", "prompt", "messages", "top_logprobs_num",
+                 "response_format", "max_completion_tokens"}  # fmt: skip
+_ENGINE_WORDS = re.compile(r"\b(" + "|".join(_ENGINE_NAMES) + r")\b")
+
+
+def openai_names(body: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """Engine name -> the OpenAI name this body used (max_new_tokens came from max_completion_tokens
+    when the client sent that)."""
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return {**_ENGINE_NAMES, "max_new_tokens": "max_completion_tokens"}
+    return _ENGINE_NAMES
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
@@ -43,9 +53,24 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
     if context_length is not None and isinstance(limit, int) and limit > context_length:
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
         raise OpenAIError(400, f"{name} is {limit}, more than the model's context of {context_length} tokens", param=name)
+    if body.seed is not None:
+        if not -SEED_RANGE <= body.seed < SEED_RANGE:
+            raise OpenAIError(400, f"seed must be a 64-bit integer, got {body.seed}", param="seed")
+        params["seed"] = body.seed % SEED_RANGE
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            raise OpenAIError(400, "suffix is not supported (no fill-in-the-middle); leave it out or give \"\"", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise OpenAIError(400, f"best_of must equal n ({body.n}): choosing the best of more samples is not supported, "
+                                   f"got {body.best_of}", param="best_of")  # fmt: skip
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     schema = response_schema(body)
+    constraints = [name for name, on in (("response_format", schema is not None), ("regex", body.regex is not None),
+                                         ("ebnf", body.ebnf is not None)) if on]  # fmt: skip
+    if len(constraints) > 1:
+        raise OpenAIError(400, f"give at most one of response_format (json_object or json_schema), regex and ebnf, "
+                               f"got {' and '.join(constraints)}", param=constraints[1])  # fmt: skip
     if schema is not None:
         params["json_schema"] = schema
     if body.logit_bias:
@@ -71,19 +96,15 @@ def response_schema(body: ChatCompletionRequest | CompletionRequest) -> dict | N
     return fmt.json_schema.schema_
 
 
-def openai_error(exc: ValueError) -> OpenAIError:
-    """The engine's ValueError (it names the engine's field first) as a 400 naming the OpenAI
-    parameter: max_new_tokens -> max_tokens, min_new_tokens -> min_tokens."""
-    message = str(exc)
-    found = re.match(r"(request \d+: )?([a-z_]+)\b", message)
-    param = None
-    if found:
-        engine_name = found.group(2)
-        openai_name = _ENGINE_NAMES.get(engine_name, engine_name)
-        if openai_name in _KNOWN_PARAMS:
-            param = openai_name
-            message = message[: found.start(2)] + openai_name + message[found.end(2):]
-    return OpenAIError(400, message, param=param)
+def openai_error(exc: ValueError, names: dict[str, str] | None = None) -> OpenAIError:
+    """The engine's ValueError (it names the engine's field first) as a 400 in OpenAI's words:
+    every engine name in the message becomes the client's (max_new_tokens -> max_tokens, or
+    max_completion_tokens when the client sent that; input_ids -> prompt), and the first is the param."""
+    names = names or _ENGINE_NAMES
+    found = re.match(r"(request \d+: )?([a-z_]+)\b", str(exc))
+    message = _ENGINE_WORDS.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
+    param = names.get(found.group(2), found.group(2)) if found else None
+    return OpenAIError(400, message, param=param if param in _KNOWN_PARAMS else None)
 
 
 def logprob_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
