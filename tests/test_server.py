@@ -286,6 +286,38 @@ def test_values_openai_accepts_are_accepted(client):
     assert out.usage.completion_tokens <= 2
 
 
+def test_a_history_replayed_from_openai_responses_is_accepted(server, client, engine):
+    """An assistant message as the openai client models it (message.model_dump(): refusal, tool_calls,
+    function_call, audio, annotations, all null) or holding a refusal: the fields that say nothing are
+    ignored, a refusal is the assistant's text, tool calls are refused by name."""
+    from openai.types.chat import ChatCompletionMessage
+
+    said = ChatCompletionMessage(role="assistant", content="Paris.").model_dump()
+    said["annotations"] = []
+    history = [CHAT[0], said, {"role": "user", "content": "And Germany?"}]
+    out = client.chat.completions.create(model="smol", messages=history, max_tokens=3, temperature=0)
+    plain = [CHAT[0], {"role": "assistant", "content": "Paris."}, history[2]]
+    assert out.choices[0].message.content == engine.generate(messages=plain, sampling_params={"max_new_tokens": 3,
+                                                                                              "temperature": 0})["text"]  # fmt: skip
+    refused = "I can't help with that."
+    as_text = [CHAT[0], {"role": "assistant", "content": refused}, history[2]]
+    want = engine.generate(messages=as_text, sampling_params={"max_new_tokens": 1})["meta_info"]["prompt_tokens"]
+    for message in ({"role": "assistant", "content": None, "refusal": refused},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": refused}]}):  # fmt: skip
+        r = http(server, "POST", "/v1/chat/completions", json={"messages": [CHAT[0], message, history[2]], "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == want, r.text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message, param in (({**said, "tool_calls": [call]}, "messages.1.tool_calls"),
+                           ({**said, "function_call": call["function"]}, "messages.1.function_call"),
+                           ({**said, "audio": {"id": "a1"}}, "messages.1.audio")):  # fmt: skip
+        r = http(server, "POST", "/v1/chat/completions", json={"messages": [CHAT[0], message], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "not supported" in r.json()["error"]["message"], r.text
+    user_refusal = {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}  # only an assistant refuses
+    r = http(server, "POST", "/v1/chat/completions", json={"messages": [user_refusal], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content"), r.text
+
+
 def test_server_serves_on_after_bad_requests(client):
     out = client.completions.create(model="smol", prompt="Still there?", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3

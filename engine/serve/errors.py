@@ -62,7 +62,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if param is None:
             return "the request body is missing (send a JSON object)", None
         return f"missing required parameter: {param}", param
-    return f"invalid value for {param or 'the request body'}: {first.get('msg', 'invalid')}", param
+    reason = str(first["ctx"]["error"]) if kind == "value_error" and "error" in first.get("ctx", {}) else first.get("msg", "invalid")
+    return f"invalid value for {param or 'the request body'}: {reason}", param
 
 
 def install(app: FastAPI) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator,
+                      model_validator)  # fmt: skip
 
 Number = StrictFloat  # an int or a float; "0" and true are refused (pydantic's lax float would take them)
 
@@ -98,10 +99,44 @@ class TextPart(_Body):
     text: str
 
 
+class RefusalPart(_Body):
+    """An assistant's refusal as OpenAI's responses carry it: the assistant's text all the same."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None  # accepted, as OpenAI does, and not shown to the model (chat templates have no place for it)
+    # what OpenAI puts in an assistant message (a history replayed from its responses holds them):
+    # a refusal is the assistant's text, annotations (citations) say nothing to the model, and the
+    # rest must be null or empty, as this server has no tools nor audio
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("content", "refusal")
+    @classmethod
+    def _refusals_are_the_assistants(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "refusal":
+            refuses = value is not None
+        else:
+            refuses = isinstance(value, list) and any(isinstance(p, RefusalPart) for p in value)
+        if refuses and info.data.get("role") != "assistant":
+            raise ValueError("a refusal belongs in an assistant message only")
+        return value
+
+    @field_validator("tool_calls", "function_call", "audio")
+    @classmethod
+    def _no_tools_nor_audio(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            what = "audio" if info.field_name == "audio" else "tool calls"
+            raise ValueError(f"{what} are not supported by this server (send null or leave it out)")
+        return value
 
 
 class ChatCompletionRequest(_Sampling):

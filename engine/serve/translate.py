@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from engine.serve.errors import OpenAIError
-from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
+from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, TextPart
 
 # OpenAI name -> engine name, for the fields that are only renamed
 _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
@@ -124,10 +124,15 @@ def logprob_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[bo
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: text only; an assistant's refusal (a part, or
+    the refusal field of a message without content) is its text."""
     out = []
     for m in body.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        if isinstance(m.content, list):
+            content = "".join(p.text if isinstance(p, TextPart) else p.refusal for p in m.content)
+        else:
+            content = m.content or ""
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or m.refusal or ""})
     return out
 
 
