@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from google.protobuf import json_format
+from google.rpc import status_pb2  # googleapis-common-protos, a dependency of the OTLP exporters
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from engine.tracing.otlp_json import SpanRecord, ids_to_base64, records_from_dict, request_to_dict
@@ -131,28 +132,37 @@ def _handler(receiver: OTLPReceiver):
                 return
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             encoding = (self.headers.get("Content-Encoding") or "").lower()
+            as_json = "json" in (self.headers.get("Content-Type") or "")  # the reply is encoded the same way
             request = ExportRequest()
             try:
                 if encoding == "gzip":
                     body = gzip.decompress(body)
                 elif encoding == "deflate":
                     body = zlib.decompress(body)
-                if "json" in (self.headers.get("Content-Type") or ""):
+                if as_json:
                     data = json.loads(body)
                     ids_to_base64(data)
                     json_format.ParseDict(data, request, ignore_unknown_fields=True)
                 else:
                     request.ParseFromString(body)
             except Exception as exc:  # noqa: BLE001 - a bad body is the client's problem
-                self.send_error(400, f"not an ExportTraceServiceRequest: {exc}")
+                self._reply(400, as_json, status_pb2.Status(code=3, message=f"not an ExportTraceServiceRequest: {exc}"))
                 return
             receiver.add(request, "http")
-            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
+            self._reply(200, as_json, trace_service_pb2.ExportTraceServiceResponse())
+
+        def _reply(self, code: int, as_json: bool, message) -> None:
+            """OTLP/HTTP: the response's Content-Type is the request's (JSON or protobuf); an error
+            carries a google.rpc.Status."""
+            if as_json:
+                body, kind = json.dumps(json_format.MessageToDict(message)).encode(), "application/json"
+            else:
+                body, kind = message.SerializeToString(), "application/x-protobuf"
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(reply)
+            self.wfile.write(body)
 
         def log_message(self, *args) -> None:
             """Quiet: one line per export would drown the caller's output."""
