@@ -94,6 +94,10 @@ class TokenizerManager:
         self.context_length = 0
         self.max_total_tokens = 0
         self.max_running_requests = 0
+        self.model = ""  # this engine's model name: its requests carry it (PromptRequest.model)
+        # rids of calls between their clash check and registration: checked and taken under
+        # states_lock, so two calls giving one rid at once never both reach the submit hooks
+        self._reserved: set[str] = set()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ life cycle
@@ -104,6 +108,7 @@ class TokenizerManager:
         self.max_total_tokens = info["max_total_tokens"]
         self.max_running_requests = info["max_running_requests"]
         self.vocab_size = info["vocab_size"]  # the model's, which may exceed the tokenizer's
+        self.model = str(info.get("model", ""))
         self._on_dead = on_dead
         self._thread = threading.Thread(target=self._recv_loop, args=(sentinels,), name="engine-recv", daemon=True)
         self._thread.start()
@@ -275,6 +280,7 @@ class TokenizerManager:
         out = []
         for item in items:
             item.tokenize_start_ns = time.time_ns()
+            item.model = self.model
             if before:
                 hooks.call("engine_tokenize_before", request=item)
             if item.input_ids is None:
@@ -409,8 +415,9 @@ class TokenizerManager:
                     on_finish=on_finish, listener=listener, beam=beam,
                 ))  # fmt: skip
         _check_unique_rids([s.rid for s in states])
-        with self.states_lock:  # before the hooks see them (checked again, atomically, when registering)
+        with self.states_lock:  # taken before the hooks see them, until registered (or the call fails)
             self._check_clash(states)
+            self._reserved.update(s.rid for s in states)
         announced: list[TokenizedRequest] = []
         try:
             if hooks.has("engine_request_submitted"):
@@ -420,6 +427,8 @@ class TokenizerManager:
                                trace_context=req.trace_context)  # fmt: skip
             self._register(states, base_rids, params)
         except BaseException as exc:
+            with self.states_lock:
+                self._reserved.difference_update(s.rid for s in states)
             _not_sent(announced, exc)
             raise
         with self.send_lock:
@@ -455,8 +464,8 @@ class TokenizerManager:
     def _register(self, states: list[ReqState], base_rids: list[str], params: list[SamplingParams]) -> None:
         with self.states_lock:
             if self.dead is not None:  # checked under the lock that _mark_dead takes: no state is orphaned
-                raise EngineDeadError(self.dead)
-            self._check_clash(states)
+                raise EngineDeadError(self.dead)  # (the caller then gives up the rids it reserved)
+            self._reserved.difference_update(s.rid for s in states)
             for state in states:
                 self.states[state.rid] = state
             for base, p in zip(base_rids, params):
@@ -464,7 +473,7 @@ class TokenizerManager:
                     self.groups[base] = [f"{base}-{j}" for j in range(p.n)]
 
     def _check_clash(self, states: list[ReqState]) -> None:
-        clash = [s.rid for s in states if s.rid in self.states]
+        clash = [s.rid for s in states if s.rid in self.states or s.rid in self._reserved]
         if clash:
             raise ValueError(f"request id(s) already running: {clash}")
 
