@@ -340,7 +340,8 @@ class TokenizerManager:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, ids: list[int], params: SamplingParams, index: int) -> SamplingParams:
-        """Check one tokenized request against the model and pool; may shorten max_new_tokens to the context."""
+        """Check one tokenized request against the model and pool; may shorten max_new_tokens to what
+        the context and the pool leave (the server's default max_tokens relies on it)."""
         where = f"request {index}: " if index else ""
         if not ids:
             raise ValueError(f"{where}the prompt is empty (0 tokens)")
@@ -354,6 +355,8 @@ class TokenizerManager:
             )
         room = self.context_length - len(ids)
         if params.max_new_tokens > room:  # min_new_tokens with it: it may never exceed max_new_tokens
+            # more than the context leaves can only mean "as many as fit": what the KV pool holds too
+            room = max(1, min(room, self.max_total_tokens + 1 - len(ids)))
             params = msgspec.structs.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
         if len(ids) + params.max_new_tokens - 1 > self.max_total_tokens:
             raise ValueError(

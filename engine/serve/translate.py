@@ -36,9 +36,9 @@ def openai_names(body: ChatCompletionRequest | CompletionRequest) -> dict[str, s
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
-    """The engine's sampling_params for an OpenAI body (unset fields keep the engine's defaults).
-    max_tokens beyond the model's context is refused here, as OpenAI does (the engine itself
-    would clip it to what the context leaves)."""
+    """The engine's sampling_params for an OpenAI body (unset fields keep the engine's defaults, but
+    max_tokens: what the context leaves, as OpenAI's). max_tokens beyond the model's context is
+    refused here, as OpenAI does (the engine itself would clip it to what the context leaves)."""
     fields = body.model_fields_set
     params: dict[str, Any] = {}
     for name in _PASSED:
@@ -49,6 +49,10 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
             params[engine_name] = getattr(body, name)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         params["max_new_tokens"] = body.max_completion_tokens
+    if "max_new_tokens" not in params and context_length is not None and not body.use_beam_search:
+        # OpenAI's default: what the context leaves. The engine shortens a max_new_tokens of the whole
+        # context to what the context (and the KV pool) leave after the prompt; beams keep their default
+        params["max_new_tokens"] = context_length
     limit = params.get("max_new_tokens")
     if context_length is not None and isinstance(limit, int) and limit > context_length:
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
