@@ -224,3 +224,131 @@ def test_failing_custom_processor_fails_only_its_requests(tiny_llama_dir):
         assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
     finally:
         run.close()
+
+
+def _counting_order_waiting(monkeypatch) -> list[int]:
+    """Patch prefill's order_waiting to count its calls (each is a match_prefix, slices and a radix
+    insert per waiting request: 17.7 ms a step for 128 waiting 1,000-token requests)."""
+    import engine.scheduler.prefill as prefill
+
+    calls: list[int] = []
+    real = prefill.order_waiting
+
+    def counting(waiting, *args, **kwargs):
+        calls.append(len(waiting))
+        return real(waiting, *args, **kwargs)
+
+    monkeypatch.setattr(prefill, "order_waiting", counting)
+    return calls
+
+
+def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, monkeypatch):
+    """With every request slot taken, or the pool's headroom all reserved for the running requests,
+    a prefill step cannot admit anyone: the queue is not ordered (SGLang skips it the same way)."""
+    run, sched = tiny_scheduler, tiny_scheduler.sched  # 4 slots, 512 tokens
+    calls = _counting_order_waiting(monkeypatch)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    run.submit(*(TokenizedRequest(f"slot{i}", [1, 10 + i, 20 + i], params) for i in range(4)))
+    assert sched.run_once(block=False) and len(sched.running) == 4 and not sched.req_to_token.available
+    run.submit(TokenizedRequest("waits-for-a-slot", [1, 2, 3], params))
+    calls.clear()
+    for _ in range(3):
+        assert sched.run_once(block=False)  # decode steps of the four
+    assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-a-slot"]
+    assert dict(run.finish_all())["waits-for-a-slot"].type == "length"
+    assert calls  # ordered once a slot was free
+    # the pool: three requests whose new tokens, estimated at ratio 1 (as after a retraction), reserve it all
+    long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    run.submit(*(TokenizedRequest(f"pool{i}", [1, 30 + i, 40 + i], long) for i in range(3)))
+    assert sched.run_once(block=False) and len(sched.running) == 3 and sched.req_to_token.available
+    run.submit(TokenizedRequest("waits-for-memory", [1, 2, 3], params))
+    calls.clear()
+    sched.new_token_ratio = 1.0
+    assert sched.run_once(block=False)
+    assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-memory"]
+    assert {rid: f.type for rid, f in run.finish_all()}["waits-for-memory"] == "length"
+    stats = sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+
+
+def test_a_request_that_cannot_start_now_holds_back_no_one_sharing_its_prefix():
+    """order_waiting holds back a request that shares 32 or more uncached tokens with one admitted
+    before it in the step. A request whose grammar is still compiling (or a beam search lacking slots)
+    is not admitted this step: it must not hold back the requests that share its prefix."""
+    from concurrent.futures import Future
+
+    import torch
+
+    from engine.ipc.messages import BeamParams
+    from engine.memory.radix_cache import RadixCache
+    from engine.scheduler.policy import order_waiting
+    from engine.scheduler.request import Req
+
+    cache = RadixCache(lambda _: None)
+    shared = list(range(100, 140))
+    pending: Future = Future()
+    a = Req("A", shared + [1, 2], SamplingParams(regex="[0-9]+"), (2,))
+    a.grammar = pending
+    b = Req("B", shared + [3, 4], SamplingParams(), (2,))
+    assert [r.rid for r in order_waiting([a, b], "lpm", cache, free_slots=4)] == ["A", "B"]
+    pending.set_result(object())  # compiled: A goes first, B waits for A's prefix in the cache
+    assert [r.rid for r in order_waiting([a, b], "lpm", cache, free_slots=4)] == ["A"]
+    beam = Req("beam", shared + [5, 6], SamplingParams(), (2,), beam=BeamParams(4))
+    assert [r.rid for r in order_waiting([beam, b], "fcfs", cache, free_slots=2)] == ["beam", "B"]
+    assert [r.rid for r in order_waiting([beam, b], "fcfs", cache, free_slots=4)] == ["beam"]
+    cache.insert(shared, torch.arange(1, 41))  # cached: no holding back
+    assert [r.rid for r in order_waiting([a, b], "lpm", cache, free_slots=4)] == ["A", "B"]
+
+
+def test_a_matcher_that_fails_at_admission_fails_its_request_alone(tiny_scheduler, monkeypatch):
+    """grammars.matcher() raising after the request got its slot left it waiting with the slot and a
+    prefix lock (overwritten without release at its next admission) and failed the requests admitted
+    before it in the step."""
+    from concurrent.futures import Future
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    compiled: Future = Future()
+    compiled.set_result(object())
+    monkeypatch.setattr(sched.grammars, "request", lambda kind, text: compiled)
+    monkeypatch.setattr(sched.grammars, "problem", lambda future, kind: None)
+
+    def matcher(future):
+        raise RuntimeError("matcher broke")
+
+    monkeypatch.setattr(sched.grammars, "matcher", matcher)
+    plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    run.submit(TokenizedRequest("before", [1, 2, 3], plain),
+               TokenizedRequest("grammar", [1, 5, 6], SamplingParams(max_new_tokens=3, temperature=0.0, regex="[0-9]+")),
+               TokenizedRequest("after", [1, 7, 8], plain))  # fmt: skip
+    finishes = dict(run.finish_all())
+    assert finishes["grammar"].type == "abort" and "matcher broke" in finishes["grammar"].message, finishes
+    assert finishes["before"].type == "length" and finishes["after"].type == "length", finishes
+    assert not sched.waiting
+    stats = sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+
+
+def test_sampling_tensors_that_fail_to_build_fail_only_their_request(tiny_scheduler, monkeypatch):
+    """Building the prefill step's sampling tensors for one request raising (as top_k 2**63 did) aborted
+    every request admitted in that step."""
+    from engine.sampling import batch_params
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    real = batch_params.SamplingTensors.build.__func__
+
+    def build(cls, params, *args, **kwargs):
+        if any(p.seed == 666 for p in params):
+            raise ValueError("Overflow when unpacking long long")
+        return real(cls, params, *args, **kwargs)
+
+    monkeypatch.setattr(batch_params.SamplingTensors, "build", classmethod(build))
+    plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    run.submit(TokenizedRequest("first", [1, 2, 3], plain),
+               TokenizedRequest("cursed", [1, 5, 6], SamplingParams(max_new_tokens=3, seed=666, ignore_eos=True)),
+               TokenizedRequest("last", [1, 7, 8], plain))  # fmt: skip
+    finishes = dict(run.finish_all())
+    assert finishes["cursed"].type == "abort" and "Overflow" in finishes["cursed"].message, finishes
+    assert finishes["first"].type == "length" and finishes["last"].type == "length", finishes
+    stats = sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+    assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens

@@ -24,9 +24,12 @@ LPM_MAX_QUEUE = 128
 IN_BATCH_DEFER = 32  # a request sharing this many uncached tokens (or all of them) with an earlier one waits
 
 
-def order_waiting(waiting: list[Req], policy: str, cache, in_progress: Req | None = None) -> list[Req]:
+def order_waiting(waiting: list[Req], policy: str, cache, in_progress: Req | None = None,
+                  free_slots: int | None = None) -> list[Req]:  # fmt: skip
     """The waiting requests in the order admission should try them (held-back ones left out).
-    `in_progress` is a prompt part-way through chunked prefill."""
+    `in_progress` is a prompt part-way through chunked prefill; `free_slots` the request slots free now.
+    A request that cannot start this step (its grammar compiling, a beam search short of slots) holds
+    back no one: its prompt will not be computed now."""
     if not cache.enabled or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
     scored = [(len(cache.match_prefix(r.fill_ids[: r.max_prefix()])[0]), i, r) for i, r in enumerate(waiting)]
@@ -45,6 +48,14 @@ def order_waiting(waiting: list[Req], policy: str, cache, in_progress: Req | Non
         uncached = req.max_prefix() - matched
         if uncached > 0 and shared >= min(IN_BATCH_DEFER, uncached):
             continue
-        add(req)
+        if startable(req, free_slots):
+            add(req)
         out.append(req)
     return out
+
+
+def startable(req: Req, free_slots: int | None) -> bool:
+    """Whether admission could start the request now, as far as it depends on the request alone."""
+    if req.grammar is not None and req.matcher is None and not req.grammar.done():
+        return False
+    return req.beam is None or free_slots is None or free_slots >= req.beam.width

@@ -16,8 +16,9 @@ from engine import hooks
 from engine.beam_search import stage as beam_stage
 from engine.grammar.stage import constraint_of
 from engine.hooks import HookError
-from engine.scheduler.batch import RunningBatch
-from engine.scheduler.endings import abort_rids, finish_unstarted
+from engine.sampling.batch_params import SamplingTensors
+from engine.scheduler.batch import RunningBatch, sampling_tensors
+from engine.scheduler.endings import abort_reqs, abort_rids, finish_unstarted
 from engine.scheduler.policy import order_waiting
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
@@ -54,10 +55,11 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
         if req.kv_len + take < len(req.fill_ids):
             return entries
         sched.chunked_req = None
-    if not sched.waiting or budget <= 0:
+    if not sched.waiting or budget <= 0 or not admissible(sched, reserved, entries):
         return entries
     taken: set[int] = set()
-    ordered = order_waiting(sched.waiting, sched.config.schedule_policy, kv.cache, in_progress)
+    free_slots = sched.req_to_token.available
+    ordered = order_waiting(sched.waiting, sched.config.schedule_policy, kv.cache, in_progress, free_slots)
     if hooks.has("engine_schedule"):
         shown = list(ordered)
         try:
@@ -103,10 +105,18 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
             kv.unlend(req)
             break
         kv.assign_slot(req)
+        sched._planned.append(req)  # it holds a slot and a prefix lock now: schedule_failed must free them
         if req.beam is not None:
             beam_stage.take_slots(sched, req)
         if req.grammar is not None and req.matcher is None:
-            req.matcher = sched.grammars.matcher(req.grammar)
+            try:
+                req.matcher = sched.grammars.matcher(req.grammar)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone, before any work
+                kv.free_request(req, req.kv_len)
+                taken.add(id(req))
+                finish_unstarted(sched, req, f"{constraint_of(req.sampling)[0]}: the grammar matcher could not be "
+                                             f"made: {type(exc).__name__}: {exc}")  # fmt: skip
+                continue
         if req.admissions == 0:
             req.admitted_ns = time.time_ns()
             req.cached_tokens = min(prefix, req.prompt_len)
@@ -122,7 +132,6 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
                 continue
         sched.counters["cache_hit_tokens"] += prefix
         entries.append((req, prefix, take))
-        sched._planned.append(req)
         taken.add(id(req))
         budget -= take
         reserved += need
@@ -132,6 +141,40 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
     if taken:
         sched.waiting = [r for r in sched.waiting if id(r) not in taken]
     return entries
+
+
+def admissible(sched: Scheduler, reserved: int, entries: list) -> bool:
+    """Whether a waiting request could be admitted at all: a request slot is free, and the pool has a
+    token left beyond what the running requests reserve (a request alone may use it all). Else the queue
+    is not ordered (a prefix match, slices and a tree insert per waiting request) for nothing."""
+    if not sched.req_to_token.available:
+        return False
+    alone = not entries and not len(sched.running) and not sched.beams
+    return alone or sched.kv.headroom - reserved >= 1
+
+
+def build_sampling(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> tuple[list, SamplingTensors]:
+    """The sampling tensors of the requests whose prompt this step completes, built before anything is
+    allocated. If building them raises, each is built alone and only those that fail are aborted (they
+    hold a slot and a prefix, nothing more yet), not every request admitted with them."""
+    vocab, dev = sched.model_config.vocab_size, sched.device
+    completing = [r for r, prefix, take in entries if r.beam is None and prefix + take == len(r.fill_ids)]
+    try:
+        return entries, sampling_tensors(completing, vocab, dev)
+    except Exception:  # noqa: BLE001 - found below, request by request
+        pass
+    failed: dict[int, str] = {}
+    for req in completing:
+        try:
+            sampling_tensors([req], vocab, dev)
+        except Exception as exc:  # noqa: BLE001 - this request alone
+            failed[id(req)] = f"sampling: {type(exc).__name__}: {exc}"
+    for req in completing:
+        if id(req) in failed:
+            abort_reqs(sched, [req], [req.kv_len], failed[id(req)])
+    entries = [e for e in entries if id(e[0]) not in failed]
+    completing = [r for r in completing if id(r) not in failed]
+    return entries, sampling_tensors(completing, vocab, dev)
 
 
 def never_fits(sched: Scheduler, req: Req) -> str | None:
@@ -150,7 +193,11 @@ def never_fits(sched: Scheduler, req: Req) -> str | None:
     return None
 
 
-def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step:
+def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step | None:
+    """The EXTEND step for the planned entries (None if none is left: each failed building its sampling)."""
+    entries, sampling = build_sampling(sched, entries)
+    if not entries:
+        return None
     dev = sched.device
     takes = [take for _, _, take in entries]
     total = sum(takes)
@@ -196,5 +243,5 @@ def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step:
         extend_lens=takes,
         prefix_lens=[p for _, p, _ in entries],
     )
-    rows = RunningBatch(completing, sched.model_config.vocab_size, dev)
+    rows = RunningBatch(completing, sched.model_config.vocab_size, dev, sampling)
     return Step(batch, rows, [req for req, _, _ in entries], prompt_logprobs, beam_starts=beam_starts)

@@ -23,9 +23,10 @@ def schedule(sched: Scheduler) -> Step | None:
     interleave = sched.chunked_req is not None and running and sched.last_mode is ForwardMode.EXTEND
     if not interleave:
         entries = plan_prefill(sched)
-        if entries:
+        step = prefill_step(sched, entries) if entries else None
+        if step is not None:
             sched.last_mode = ForwardMode.EXTEND
-            return prefill_step(sched, entries)
+            return step
     sched._phase = ForwardMode.DECODE
     if running and make_room_for_decode(sched):
         sched.last_mode = ForwardMode.DECODE
