@@ -100,6 +100,12 @@ def test_profile_writes_three_flamegraphs_and_a_breakdown(plain_profile):
         assert p["reading"] and p["top_own"]
     assert report["processes"]["scheduler"]["stages_pct"]["forward"] > 0
     assert "per-stage share of samples (%, of all thread samples, idle included)" in proc.stdout
+    # py-spy recorded threads: a child's serving thread alone is shared out, the user's engine threads
+    counted = {role: {t["thread"].split(": ", 1)[1] for t in p["threads"] if t["counted"]}
+               for role, p in report["processes"].items()}  # fmt: skip
+    assert counted["scheduler"] == counted["detokenizer"] == {"MainThread"}, counted
+    assert {"MainThread", "engine-recv"} <= counted["user"], counted
+    assert all(p["samples"] <= p["all_samples"] for p in report["processes"].values())
 
 
 def test_detokenizer_heavy_workload_and_skipdetok(plain_profile, skipdetok_profile):
@@ -200,3 +206,62 @@ def test_readings_say_when_samples_are_too_few_or_idle_was_not_sampled():
     assert "too few" in reading("scheduler", sched)
     sched = breakdown(_stacks(wait=500, forward=400, other=20), idle=True)
     assert "compute-bound" in reading("scheduler", sched)
+
+
+def _line(func, marker: str) -> int:
+    """The line of `func` holding `marker`, as py-spy names it in a frame."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(func)
+    return first + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def _serve_forever_line(marker: str) -> int:
+    from engine.scheduler.scheduler import Scheduler
+
+    return _line(Scheduler.serve_forever, marker)
+
+
+def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
+    """A scheduler profile as `engine profile` records it (py-spy --threads): before, the grammar
+    pool's idle worker counted as "other" work, the scheduler's 1 ms hold-back sleep as work, and
+    OpenTelemetry's export thread (a Condition.wait) as "waiting on ZMQ"."""
+    main, grammar, otel = "thread (100): MainThread", "thread (101): engine-grammar_0", "thread (102): OtelBatchSpanProcessor"
+    loop = ("<module> (<string>:1)", "run_child (engine/processes/child.py:110)",
+            f"Scheduler.serve_forever (engine/scheduler/scheduler.py:{_serve_forever_line('self.run_once()')})")
+    sleeping = f"Scheduler.serve_forever (engine/scheduler/scheduler.py:{_serve_forever_line('time.sleep(0.001)')})"
+    idle_worker = ("Thread._bootstrap (threading.py:1002)", "Thread.run (threading.py:982)",
+                   "_worker (concurrent/futures/thread.py:81)")
+    stacks = Counter({
+        (main, *loop, "Scheduler.run_once (engine/scheduler/scheduler.py:150)", "Scheduler.forward (engine/scheduler/scheduler.py:202)"): 100,
+        (main, *loop[:2], sleeping): 300,
+        (grammar, *idle_worker): 1000,
+        (otel, "Thread._bootstrap (threading.py:1002)", "BatchProcessor.worker (opentelemetry/sdk/_shared_internal/__init__.py:170)",
+         "Condition.wait (threading.py:331)"): 1000,
+    })  # fmt: skip
+    b = breakdown(stacks, role="scheduler")
+    assert b["samples"] == 400 and b["all_samples"] == 2400  # the serving thread's samples are shared out
+    assert b["stages_pct"]["forward"] == pytest.approx(25.0) and b["stages_pct"]["waiting on ZMQ"] == pytest.approx(75.0)
+    assert b["stages_pct"]["other"] == 0.0 and b["busy_stages_pct"]["forward"] == pytest.approx(100.0)
+    threads = {t["thread"]: (t["samples"], t["counted"]) for t in b["threads"]}
+    assert threads == {main: (400, True), grammar: (1000, False), otel: (1000, False)}
+    # without thread ids (py-spy run by hand, without --threads): an idle pool worker still waits
+    b = breakdown(Counter({tuple(f for f in s if not f.startswith("thread (")): n for s, n in stacks.items()}), role="scheduler")
+    assert b["stage_samples"]["other"] == 0 and b["stage_samples"]["forward"] == 100
+    # the user process: every thread that ran the engine's code counts (the callers, the receiver)
+    from engine.tokenizer_manager import TokenizerManager
+
+    polls = _line(TokenizerManager._recv_loop, "poller.poll(")
+    user = Counter({
+        ("thread (1): MainThread", "<module> (run.py:5)", "Engine.generate (engine/entrypoint.py:193)", "Event.wait (threading.py:622)"): 50,
+        ("thread (2): engine-recv", "Thread._bootstrap (threading.py:1002)", f"TokenizerManager._recv_loop (engine/tokenizer_manager.py:{polls})"): 50,
+        (otel, "Thread._bootstrap (threading.py:1002)", "Condition.wait (threading.py:331)"): 900,
+    })  # fmt: skip
+    b = breakdown(user, role="user")
+    assert b["samples"] == 100 and b["stages_pct"]["waiting on ZMQ"] == pytest.approx(100.0)
+
+
+def test_profile_records_thread_ids():
+    from engine.profiling.pyspy import record_args
+
+    assert "--threads" in record_args("py-spy", 1, "out.txt", 100, None, True, False)

@@ -1,11 +1,16 @@
 """Samples -> the engine's stages, the top functions by own time, and a one-line reading.
 
-A sample belongs to the outermost stage function on its stack (TokenizerManager.tokenize,
+Only the threads that do the engine's work are shared out (py-spy records each sample's thread:
+`engine profile` runs it with --threads): in the scheduler and detokenizer the serving thread (the
+loop), in the user process every thread that ran the engine's code (the callers, the receiver).
+Other threads (the grammar compile pool, OpenTelemetry's export thread, a child's parent lifeline)
+are listed with their sample counts, not shared out: idle all the time, they would read as waiting
+or as work. A sample belongs to the outermost stage function on its stack (TokenizerManager.tokenize,
 Scheduler.schedule / forward / sample / process_results, DetokenizerManager.detokenize); a stack
-with none whose innermost frames wait on a socket, a poll or an event is "waiting on ZMQ"; the
-rest is "other" (start-up, imports, model loading, message handling). A child's parent-lifeline
-thread, asleep all the time, is left out. `busy_stages_pct` shares out the samples that neither
-wait nor belong to start-up: where the process's work goes once it serves.
+with none whose innermost frames wait on a socket, a poll, an event, an idle pool worker or the
+scheduler's hold-back sleep is "waiting on ZMQ"; the rest is "other" (start-up, imports, model
+loading, message handling). `busy_stages_pct` shares out the samples that neither wait nor belong
+to start-up: where the process's work goes once it serves.
 """
 
 from __future__ import annotations
@@ -23,23 +28,31 @@ STAGE_FUNCTIONS = {
     "DetokenizerManager.detokenize_beams": "detokenize",
 }
 WAIT_HINTS = ("poll", "recv", "wait", "select", "sleep", "zmq/sugar/poll")
+# innermost frames of a thread with nothing to do: a ThreadPoolExecutor worker waiting for work (its
+# queue's get runs in C, so the worker's own frame is the innermost)
+IDLE_FRAMES = ("_worker (concurrent/futures/thread.py:",)
 HOUSEKEEPING = ("_watch_parent",)  # a child's parent-lifeline thread: always asleep, not the process's work
+THREAD = "thread ("  # py-spy --threads: a stack's first frame, "thread (<tid>): <name>"
+SERVING = ("run_child", ".serve_forever")  # a child's serving thread: it built the process, then serves
 
 
 def _blocking_lines() -> set[str]:
-    """"Function (file:line)" of the engine's own blocking socket calls. zmq's recv and poll run in C,
-    so a sample waiting there shows the calling line as its innermost Python frame."""
+    """"Function (file:line)" of the engine's own blocking calls. zmq's recv and poll and time.sleep
+    run in C, so a sample waiting there shows the calling line as its innermost Python frame: the
+    sockets, and the scheduler's 1 ms sleep while requests wait that none can start."""
     import inspect
     import os
 
     import engine
     from engine.detokenizer.manager import DetokenizerManager
     from engine.scheduler import receive
+    from engine.scheduler.scheduler import Scheduler
     from engine.tokenizer_manager import TokenizerManager
 
     out = set()
     for func, marker in ((DetokenizerManager.serve_forever, ".recv("), (receive.recv_requests, ".poll("),
-                         (TokenizerManager._recv_loop, "poller.poll(")):  # fmt: skip
+                         (TokenizerManager._recv_loop, "poller.poll("),
+                         (Scheduler.serve_forever, "time.sleep(")):  # fmt: skip
         lines, first = inspect.getsourcelines(func)
         root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
         short = os.path.relpath(inspect.getsourcefile(func), root)  # py-spy shows paths relative to sys.path
@@ -64,9 +77,33 @@ def stage_of(stack: tuple[str, ...]) -> str:
     global _BLOCKING
     if _BLOCKING is None:
         _BLOCKING = _blocking_lines()
-    if stack[-1] in _BLOCKING or any(hint in _func(stack[-1]).lower() for hint in WAIT_HINTS):
+    inner = stack[-1]
+    if inner in _BLOCKING or inner.startswith(IDLE_FRAMES) or any(hint in _func(inner).lower() for hint in WAIT_HINTS):
         return "waiting on ZMQ"
     return "other"
+
+
+def split_thread(stack: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """(the thread, as py-spy --threads names it, or None; the frames)."""
+    if stack and stack[0].startswith(THREAD):
+        return stack[0], stack[1:]
+    return None, stack
+
+
+def _engine_frame(frame: str) -> bool:
+    return " (engine/" in frame
+
+
+def counted_threads(role: str | None, threads: dict[str | None, Counter]) -> set[str | None]:
+    """The threads whose samples are shared out (see the module's docstring); all of them when none
+    qualifies (no thread ids, or a profile that ended before the engine served)."""
+    if role in ("scheduler", "detokenizer"):
+        chosen = {t for t, st in threads.items() if any(_func(f).endswith(SERVING) for s in st for f in s)}
+    elif role == "user":
+        chosen = {t for t, st in threads.items() if any(map(_engine_frame, (f for s in st for f in s)))}
+    else:
+        chosen = set()
+    return chosen or set(threads)
 
 
 def _startup(stack: tuple[str, ...]) -> bool:
@@ -74,10 +111,19 @@ def _startup(stack: tuple[str, ...]) -> bool:
     return any(_func(f).endswith((".build", "Engine.__init__")) for f in stack)
 
 
-def breakdown(stacks: Counter, top: int = 10, idle: bool = True) -> dict:
+def breakdown(stacks: Counter, top: int = 10, idle: bool = True, role: str | None = None) -> dict:
     """idle: the samples include waiting threads (py-spy --idle). Without them there is no wall
-    time to share out: the shares are of on-CPU samples and "waiting on ZMQ" is not measured."""
-    stacks = Counter({k: v for k, v in stacks.items() if not any(_func(f).endswith(HOUSEKEEPING) for f in k)})
+    time to share out: the shares are of on-CPU samples and "waiting on ZMQ" is not measured.
+    role: which threads count (counted_threads); None counts every thread."""
+    threads: dict[str | None, Counter] = {}
+    for key, count in stacks.items():
+        thread, frames = split_thread(key)
+        if frames and not any(_func(f).endswith(HOUSEKEEPING) for f in frames):
+            threads.setdefault(thread, Counter())[frames] += count
+    counted = counted_threads(role, threads)
+    stacks = Counter()
+    for thread in counted:
+        stacks.update(threads[thread])
     total = sum(stacks.values())
     per_stage: Counter = Counter()
     own: Counter = Counter()
@@ -92,8 +138,11 @@ def breakdown(stacks: Counter, top: int = 10, idle: bool = True) -> dict:
     busy = total - per_stage["waiting on ZMQ"] - startup
     per_stage["other"] -= startup  # start-up is "other" in the shares of all samples, left out of the busy ones
     busy_shares = {s: (100.0 * per_stage[s] / busy if busy else 0.0) for s in STAGES if s != "waiting on ZMQ"}
+    listed = sorted(((sum(st.values()), t) for t, st in threads.items() if t is not None), key=lambda x: (-x[0], x[1]))
     return {
-        "samples": total,
+        "samples": total,  # of the counted threads: what the shares are of
+        "all_samples": sum(sum(st.values()) for st in threads.values()),  # every thread's (the lifeline's left out)
+        "threads": [{"thread": t, "samples": n, "counted": t in counted} for n, t in listed],
         "idle_sampled": idle,  # False: shares are of on-CPU samples, not of wall time
         "busy_samples": busy,
         "stages_pct": shares,  # of all samples: sums to 100 (of wall time only when idle_sampled)

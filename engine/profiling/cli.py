@@ -103,7 +103,7 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
         stacks = parse_collapsed(open(raw).read())
         write_flamegraph(stacks, f"engine::{role} (pid {pids[role]})", os.path.join(args.output, f"{role}.svg"))
         write_speedscope(stacks, f"engine::{role}", os.path.join(args.output, f"{role}.speedscope.json"))
-        b = breakdown(stacks, idle=args.idle)
+        b = breakdown(stacks, idle=args.idle, role=role)
         b["reading"] = reading(role, b)
         report["processes"][role] = b
     with open(os.path.join(args.output, "breakdown.json"), "w") as f:
@@ -125,7 +125,9 @@ def _print(report: dict) -> None:
                  for p in report["processes"].values()]  # fmt: skip
         print(f"  {stage:<18}" + "".join(cells))
     for role, p in report["processes"].items():
-        print(f"\n{role} ({p['samples']} samples): {p['reading']}")
+        left = p["all_samples"] - p["samples"]
+        others = f", {left} more in other threads, left out (breakdown.json lists them)" if left else ""
+        print(f"\n{role} ({p['samples']} samples{others}): {p['reading']}")
         for entry in p["top_own"][:5]:
             print(f"  {entry['pct']:5.1f}%  {entry['function']}")
 

@@ -46,7 +46,9 @@ def explain(stderr: str, pid: int) -> str:
 
 
 def record_args(pyspy: str, pid: int, out: str, rate: int, duration: float | None, idle: bool, native: bool) -> list[str]:
-    args = [pyspy, "record", "--pid", str(pid), "--format", "raw", "--output", out, "--rate", str(rate)]
+    # --threads: each stack starts with its thread, so the breakdown shares out only the threads that
+    # do the engine's work (an idle pool worker or exporter thread is neither work nor waiting on ZMQ)
+    args = [pyspy, "record", "--pid", str(pid), "--format", "raw", "--output", out, "--rate", str(rate), "--threads"]
     if not native:  # native unwinding needs the process paused while a sample is taken
         args.append("--nonblocking")
     if duration:
