@@ -6,6 +6,7 @@ ENGINE_TEST_PROBE, and changes behaviour for marked requests:
 - requests whose rid starts "ban-" never get token BANNED (engine_process_logits), and those whose
   rid starts "force-" always get it, whatever else (a grammar) allowed;
 - a request whose rid starts "boom-" makes engine_request_admitted raise, "exit-" raise SystemExit;
+- a request whose rid starts "noarrive-" makes engine_request_arrived raise;
 - a prompt containing "EXPLODE" makes engine_tokenize_before raise;
 - a batch with a rid starting "badtexts-" gets one text too many from engine_detokenize;
 - a result whose rid starts "badoutput-" makes engine_output raise;
@@ -73,6 +74,13 @@ def engine_schedule(waiting, running):
             _held[req.rid] = _held.get(req.rid, 0) + 1
             waiting.remove(req)
     _record("engine_schedule", rids=[r.rid for r in waiting], running=running)
+
+
+@hookimpl
+def engine_request_arrived(req):
+    if req.rid.startswith("noarrive-"):
+        raise RuntimeError("arrival refused on purpose")
+    _record("engine_request_arrived", rid=req.rid, arrived_ns=req.arrived_ns)
 
 
 @hookimpl

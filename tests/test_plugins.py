@@ -42,7 +42,7 @@ def events(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-SCHEDULER_HOOKS = ("engine_schedule", "engine_request_admitted", "engine_forward_before", "engine_forward_after",
+SCHEDULER_HOOKS = ("engine_request_arrived", "engine_schedule", "engine_request_admitted", "engine_forward_before", "engine_forward_after",
                    "engine_process_logits", "engine_sample_after", "engine_request_finished", "engine_step_end")  # fmt: skip
 
 
@@ -72,8 +72,8 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     def last(hook):
         return max(e["t"] for e in ev if e["hook"] == hook)
 
-    order = ["engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_schedule",
-             "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
+    order = ["engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_request_arrived",
+             "engine_schedule", "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
              "engine_sample_after", "engine_detokenize", "engine_detokenize_after", "engine_detokenize_output"]  # fmt: skip
     assert [first(h) for h in order] == sorted(first(h) for h in order)
     # after the step's output was sent: the detokenizer may already be at work on it
@@ -85,6 +85,8 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     assert by["engine_tokenize_before"][0]["prompt"] == PROMPTS[0]
     assert by["engine_tokenize_after"][0]["n_ids"] == out["meta_info"]["prompt_tokens"]
     assert by["engine_request_admitted"][0]["rid"] == "probe-1"
+    (arrived,) = by["engine_request_arrived"]
+    assert arrived["rid"] == "probe-1" and arrived["arrived_ns"] >= by["engine_request_submitted"][0]["tokenize_ns"][1]
     modes = [e["mode"] for e in by["engine_forward_before"]]
     assert modes == ["extend"] + ["decode"] * 3
     assert all(e["logits_shape"] == [1, eng.server_info["vocab_size"]] for e in by["engine_forward_after"])
@@ -413,6 +415,18 @@ def test_a_hook_raising_systemexit_in_the_scheduler_fails_only_its_request(probe
     assert PLUGIN in reason["message"] and "exits on purpose" in reason["message"]
     assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
     assert eng.alive and eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
+
+
+def test_a_failing_arrival_hook_fails_only_its_request(probe):
+    eng, _ = probe
+    params = {"max_new_tokens": 3, "temperature": 0}
+    outs = eng.generate([PROMPTS[0], PROMPTS[1]], params, rid=["noarrive-1", "fine-arrive"])
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "engine_request_arrived" in reason["message"] and PLUGIN in reason["message"]
+    assert outs[0]["meta_info"]["completion_tokens"] == 0
+    assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
+    stats = eng.get_stats()
+    assert stats["running"] == stats["waiting"] == stats["cache_lock_refs"] == 0
 
 
 def test_noop_implements_every_hook_and_does_nothing():

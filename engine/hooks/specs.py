@@ -100,6 +100,13 @@ class EngineSpecs:
         requests."""
 
     @hookspec
+    def engine_request_arrived(self, req: Req) -> None:
+        """A request reached the scheduler and joins the waiting queue (it passed the arrival
+        checks). Scheduler, once per request, as it is read from the socket; every request later
+        seen by engine_request_finished was seen here first. Changes nothing; if it raises, that
+        request fails alone, before it waits."""
+
+    @hookspec
     def engine_request_admitted(self, req: Req, cached_tokens: int) -> None:
         """A request got memory and a slot and will be prefilled. Scheduler, once per admission (again
         after a retraction). Changes nothing."""

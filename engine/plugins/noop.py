@@ -37,6 +37,11 @@ def engine_schedule(waiting, running):
 
 
 @hookimpl
+def engine_request_arrived(req):
+    return None
+
+
+@hookimpl
 def engine_request_admitted(req, cached_tokens):
     return None
 
