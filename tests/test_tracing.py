@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -60,6 +61,9 @@ def test_otlp_json_lines_round_trip_and_http_json_body():
                                       headers={"Content-Type": "application/json"})  # fmt: skip
         with urllib.request.urlopen(post, timeout=10) as reply:
             assert reply.status == 200
+            # OTLP/HTTP: the response is encoded as the request was (before: a protobuf body for JSON)
+            assert reply.headers["Content-Type"] == "application/json"
+            assert json.loads(reply.read()) == {}  # an ExportTraceServiceResponse, nothing rejected
         received = {r.name: r for r in rx.spans()}
     assert {n: (r.trace_id, r.span_id, r.parent_span_id) for n, r in received.items()} == {
         n: (r.trace_id, r.span_id, r.parent_span_id) for n, r in records.items()
@@ -506,3 +510,153 @@ def test_one_trace_per_beam_search_with_its_width_and_steps(traced, receiver):
         assert s[name].attributes["engine.beam.width"] == 3
         assert s[name].attributes["engine.beam.steps"] == out["meta_info"]["steps"] == 6
     assert s["beam_search"].role == "scheduler"
+
+
+class _HoldSubmit:
+    """Holds the first submit of rid "dup" in its hook (after tracing's, which began the root) until
+    the test releases it."""
+
+    def __init__(self) -> None:
+        self.entered, self.release, self.calls = threading.Event(), threading.Event(), 0
+
+    @hookimpl(trylast=True)
+    def engine_request_submitted(self, rid, request, sampling, trace_context):
+        if rid == "dup":
+            self.calls += 1
+            if self.calls == 1:
+                self.entered.set()
+                self.release.wait(60)
+
+
+def test_two_calls_with_one_rid_at_once_leave_no_root_open(traced, receiver):
+    """Before: both calls passed the clash check before either registered; the second's root replaced
+    the first's in the plugin (never ended) and the first then failed, ending the second's root."""
+    from engine.hooks.runtime import register
+
+    holder = _HoldSubmit()
+    register(holder, "holdsubmit")
+    results: dict = {}
+
+    def first() -> None:
+        try:
+            results["first"] = traced.generate("One", {"max_new_tokens": 2, "temperature": 0}, rid="dup")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            results["first"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert holder.entered.wait(60)
+        with pytest.raises(ValueError, match="already running"):  # refused before any hook saw it
+            traced.generate("Two", {"max_new_tokens": 2, "temperature": 0}, rid="dup")
+    finally:
+        holder.release.set()
+        thread.join(60)
+        from engine.hooks.runtime import plugin_manager
+
+        plugin_manager().unregister(name="holdsubmit")
+    assert results["first"]["meta_info"]["completion_tokens"] == 2, results
+    assert receiver.wait_for(_complete(["dup"], STAGES), SPAN_WAIT)
+    s = _request_spans(receiver.spans(), "dup")  # one root (and one of each stage), ended, no error
+    assert s["root"].status_code != 2 and s["root"].attributes["gen_ai.response.finish_reasons"] == ["length"]
+
+
+class _FailOutput:
+    @hookimpl
+    def engine_output(self, result):
+        if result["meta_info"]["id"] == "output-fails":
+            raise KeyError("output refused on purpose")
+
+
+def test_a_result_a_failing_output_hook_aborts_shows_the_error_in_its_trace(traced, receiver):
+    """engine_output runs after the request ended (its root too); before, the trace of a result it
+    marked aborted showed no error at all. Now an `output` span under the root carries it."""
+    from engine.hooks.runtime import plugin_manager, register
+
+    register(_FailOutput(), "failoutput")
+    try:
+        out = traced.generate("Hi", {"max_new_tokens": 2, "temperature": 0}, rid="output-fails")
+    finally:
+        plugin_manager().unregister(name="failoutput")
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert receiver.wait_for(_complete(["output-fails"], STAGES | {"output"}), SPAN_WAIT)
+    s = _request_spans(receiver.spans(), "output-fails")
+    output = s["output"]
+    assert output.role == "user" and output.parent_span_id == s["root"].span_id and output.trace_id == s["root"].trace_id
+    assert output.status_code == 2 and output.attributes["error.type"] == "abort"
+    assert "'failoutput' failed in hook engine_output" in output.status_message
+    assert "output refused on purpose" in output.status_message
+    assert s["root"].end_ns <= output.start_ns <= output.end_ns
+
+
+CUT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from engine import Engine
+
+    if __name__ == "__main__":
+        a_dir, b_dir = sys.argv[1], sys.argv[2]
+        a = Engine(model_path=a_dir, dtype="float32", max_running_requests=1, max_total_tokens=4096)
+        b = Engine(model_path=b_dir, dtype="float32", max_total_tokens=1024)  # started last
+        a.generate("Hello", {"max_new_tokens": 2, "temperature": 0}, rid="on-a")
+        b.generate("Hello", {"max_new_tokens": 2, "temperature": 0}, rid="on-b")
+        b.shutdown()
+        params = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        running = a.generate("One two", params, stream=True, rid="running")
+        next(running)  # admitted: the next one waits for the only slot
+        waiting = a.generate("Three four", params, stream=True, rid="waiting")
+        for _ in range(4):
+            next(running)
+        pids = a.pids
+        a.shutdown()  # cuts both
+        print("RESULT " + json.dumps(pids))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def cut_run(tmp_path_factory) -> tuple[dict, list[SpanRecord]]:
+    """Two tiny engines in one script, traced to a file with ENGINE_TRACE_STEPS=0: a request on each,
+    then a shutdown of the first while one request runs and another waits."""
+    import shutil
+
+    from conftest import save_tiny_model
+    from engine.model.resolve import resolve_model_dir
+
+    folder = tmp_path_factory.mktemp("cut")
+    save_tiny_model("llama3-rope", folder / "model-a", resolve_model_dir(None))
+    shutil.copytree(folder / "model-a", folder / "model-b")
+    (folder / "run.py").write_text(CUT_SCRIPT)
+    trace_file = folder / "spans.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "ENGINE_PLUGINS"}
+    env.update(ENGINE_TRACING="1", ENGINE_TRACE_FILE=str(trace_file), ENGINE_TRACE_STEPS="0")
+    run = subprocess.run([sys.executable, "run.py", str(folder / "model-a"), str(folder / "model-b")], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=folder)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    pids = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return pids, read_spans(str(trace_file))
+
+
+def test_requests_cut_by_a_shutdown_get_their_scheduler_spans(cut_run):
+    """Before: only requests in a traced step were known at the scheduler's stop, so with
+    ENGINE_TRACE_STEPS=0 the running request lost its queue, prefill and decode, and a waiting one
+    (in no step at all) its queue, whatever the setting."""
+    pids, spans = cut_run
+    run, wait = _request_spans(spans, "running"), _request_spans(spans, "waiting")
+    assert set(run) == {"root", "tokenize", "queue", "prefill", "decode", "detokenize"}, set(run)
+    assert set(wait) == {"root", "tokenize", "queue"}, set(wait)
+    for s in (run, wait):
+        assert s["root"].status_code == 2 and s["root"].attributes["error.type"] == "engine_stopped"
+        assert all(x.parent_span_id == s["root"].span_id for name, x in s.items() if name != "root")
+    assert run["decode"].attributes["engine.cut_by_shutdown"] is True and run["decode"].pid == pids["scheduler"]
+    assert "engine.cut_by_shutdown" not in run["queue"].attributes and "engine.cut_by_shutdown" not in run["prefill"].attributes
+    assert wait["queue"].attributes["engine.cut_by_shutdown"] is True and wait["queue"].pid == pids["scheduler"]
+    assert not any("engine.step.mode" in s.attributes for s in spans)  # ENGINE_TRACE_STEPS=0
+
+
+def test_root_spans_name_the_model_of_their_own_engine(cut_run):
+    """Before: the root took the model of the process's most recently started Engine."""
+    _, spans = cut_run
+    for rid, model in (("on-a", "model-a"), ("on-b", "model-b"), ("running", "model-a")):
+        root = _root(spans, rid)
+        assert root.name == f"text_completion {model}" and root.attributes["gen_ai.request.model"] == model, rid

@@ -10,7 +10,8 @@ trace with a link per request served (ENGINE_TRACE_STEPS=N keeps one step in N, 
     |- queue                scheduler: arrival to first admission
     |- prefill              scheduler: admission to first token (all chunks)
     |- decode               scheduler: first token to finish
-    '- detokenize           detokenizer: first output to last
+    |- detokenize           detokenizer: first output to last
+    '- output               user process, only when another plugin's engine_output failed (the error)
     <mode> step             scheduler, one trace per step, linked to each request it served
     |- schedule, forward, sample (linked too), process_results
 """
@@ -18,6 +19,7 @@ trace with a link per request served (ENGINE_TRACE_STEPS=N keeps one step in N, 
 from __future__ import annotations
 
 import atexit
+import collections
 import threading
 import time
 
@@ -26,13 +28,14 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 from opentelemetry.trace import set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.hooks import hookimpl
+from engine.hooks import HookError, hookimpl
 from engine.tracing.context import parse_traceparent
 
 SCOPE = "engine"
 FLUSH_SECONDS = 4.0  # a child has 5 s to stop before it is terminated
 CUT = "engine.cut_by_shutdown"  # on the last span of a request the engine stopped before it finished here
 LINKED_STAGES = ("schedule", "forward", "sample")  # besides the step span: the stages that serve the batch
+ENDED_KEPT = 4096  # user process: roots ended lately, for an engine_output that fails after the end
 _propagator = TraceContextTextMapPropagator()
 
 
@@ -86,10 +89,16 @@ class TracingPlugin:
         self.provider = None
         self.tracer = None
         self.role = ""
-        self.model = ""
+        self.model = ""  # the process's last engine's: only for a request that does not carry its own
         self.lock = threading.Lock()
         self.roots: dict[str, object] = {}  # user process: rid -> open root span
+        # user process: rid -> the context of its ended root, for a failing engine_output (streams never
+        # reach that hook, so the oldest are dropped)
+        self.ended: collections.OrderedDict[str, SpanContext] = collections.OrderedDict()
         self.detok: dict[str, tuple[int, dict, str]] = {}  # detokenizer: rid -> (first output ns, trace headers, rid)
+        # scheduler: every request from its arrival to its finish, whatever ENGINE_TRACE_STEPS keeps, so
+        # the stop hook can make the spans of those a shutdown cuts off, queued ones too
+        self.live: dict[str, object] = {}
         self.links: dict[str, tuple] = {}  # scheduler: rid -> (link to its root span, Req), while it runs
         self.stopped = False  # the stop hook made the spans of what was still running
         self.dirty = False  # user process: spans ended since the last flush
@@ -122,12 +131,14 @@ class TracingPlugin:
         if self.tracer is not None:
             with self.lock:
                 self.stopped = True
-                live = [req for _, req in self.links.values() if req.finished is None]
+                live = list(self.live.values())
                 pending = list(self.detok.values())
+                self.live.clear()
                 self.links.clear()
                 self.detok.clear()
-            for req in live:
-                self._request_spans(req, None)
+            for req in live:  # finished here but not yet through its finish hook: it ends as it did
+                finished = req.finished
+                self._request_spans(req, None if finished is None else finished.to_dict())
             for start, headers, rid in pending:
                 self._detokenize_span(rid, start, headers, None, None)
         self.flush()
@@ -153,10 +164,11 @@ class TracingPlugin:
             return
         parent = _propagator.extract(trace_context) if "traceparent" in trace_context else None  # None: current
         operation = "chat" if request.messages is not None else "text_completion"
-        attrs = _request_attributes(sampling, self.model, operation)
+        model = getattr(request, "model", "") or self.model  # the request's own engine's model
+        attrs = _request_attributes(sampling, model, operation)
         attrs["engine.request_id"] = attrs["gen_ai.response.id"] = rid
         start = request.tokenize_start_ns or time.time_ns()
-        root = self.tracer.start_span(f"{operation} {self.model}".strip(), context=parent, attributes=attrs, start_time=start)
+        root = self.tracer.start_span(f"{operation} {model}".strip(), context=parent, attributes=attrs, start_time=start)
         ctx = set_span_in_context(root)
         tokenize = self.tracer.start_span(
             "tokenize", context=ctx, start_time=start,
@@ -191,7 +203,31 @@ class TracingPlugin:
         elif finish.get("type") == "abort":
             _set_error(root, str(finish.get("message", "aborted")))
         root.end()
+        if error is None:
+            with self.lock:
+                self.ended[rid] = root.get_span_context()
+                if len(self.ended) > ENDED_KEPT:
+                    self.ended.popitem(last=False)
         self.dirty = True
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def engine_output(self, result: dict):
+        """Around the other plugins' engine_output: the request ended (its root too) before this stage,
+        so a result a failing hook marks aborted gets an `output` span with the error, under its root."""
+        with self.lock:
+            sc = self.ended.pop(result.get("meta_info", {}).get("id"), None)
+        start = time.time_ns()
+        try:
+            return (yield)
+        except HookError as exc:
+            if sc is not None and self.tracer is not None:
+                rid = result["meta_info"]["id"]
+                span = self.tracer.start_span("output", context=set_span_in_context(NonRecordingSpan(sc)),
+                                              start_time=start, attributes={"engine.request_id": rid})  # fmt: skip
+                _set_error(span, str(exc))
+                span.end()
+                self.dirty = True
+            raise
 
     # ------------------------------------------------------------------ scheduler
 
@@ -207,6 +243,14 @@ class TracingPlugin:
         return entry[0]
 
     @hookimpl
+    def engine_request_arrived(self, req) -> None:
+        if self.tracer is None:
+            return
+        with self.lock:
+            if not self.stopped:
+                self.live[req.rid] = req
+
+    @hookimpl
     def engine_request_finished(self, req, finish_reason: dict) -> None:
         if self.tracer is None:
             return
@@ -214,6 +258,8 @@ class TracingPlugin:
             self.links.pop(req.rid, None)
             if self.stopped:  # the stop hook made its spans already
                 return
+            if self.live.get(req.rid) is req:  # a rid reused after this one is another request
+                del self.live[req.rid]
         self._request_spans(req, finish_reason)
 
     def _request_spans(self, req, finish_reason: dict | None) -> None:
