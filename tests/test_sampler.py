@@ -225,3 +225,24 @@ def test_penalty_and_bias_state_goes_when_the_last_row_using_it_leaves():
     # and a later merge with a penalized row still works from None
     merged = neither.merge(tensors([SamplingParams(frequency_penalty=0.5)]))
     assert merged.counts.shape == (3, V) and merged.bias is None
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_complete_grammar_ends_the_output_before_min_new_tokens(greedy):
+    """Once a grammar is complete it allows only EOS, which min_new_tokens masks: the row was all -inf,
+    drew token 0, and the grammar's refusal of it aborted a finished output. Grammar completion wins;
+    a row with anything else allowed still cannot stop early."""
+    logits = torch.randn(3, V)
+    eos = 2
+
+    def grammar(lg: torch.Tensor) -> None:  # row 0: complete (EOS only); rows 1 and 2: EOS or token 9
+        allowed = torch.zeros_like(lg, dtype=torch.bool)
+        allowed[:, eos] = True
+        allowed[1:, 9] = True
+        lg.masked_fill_(~allowed, float("-inf"))
+
+    logits[:, eos] = 10.0  # EOS is the most likely wherever it is allowed
+    st = tensors([SamplingParams(min_new_tokens=6, temperature=0.0 if greedy else 1.0)] * 3)
+    out = sample(logits.clone(), st, torch.tensor([1, 1, 6]), torch.full((3, 1), eos), [[]] * 3, ProcessorSet(),
+                 grammar=grammar)  # fmt: skip
+    assert out.next_ids.tolist() == [eos, 9, eos]

@@ -105,6 +105,17 @@ def test_grammar_compiles_once_per_constraint(engine):
     assert stats["grammar_mask_steps"] > 0 and stats["grammar_mask_seconds"] > 0
 
 
+def test_a_complete_grammar_is_not_held_open_by_min_new_tokens(engine):
+    """A boolean is complete after a token or two; min_new_tokens=6 then masked the only token left
+    (EOS), and the complete output ended as an abort. The grammar's completion wins over min_new_tokens."""
+    outs = engine.generate([PROMPT] * 2, [{"json_schema": {"type": "boolean"}, "min_new_tokens": 6, "max_new_tokens": 12,
+                                           "temperature": t} for t in (0, 1.0)])  # fmt: skip
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert json.loads(out["text"]) in (True, False)
+        assert out["meta_info"]["completion_tokens"] < 6
+
+
 @pytest.mark.parametrize("params,field", [
     ({"json_schema": PERSON, "regex": "a+"}, "at most one"),
     ({"json_schema": "{not json"}, "json_schema"),

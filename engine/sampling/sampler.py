@@ -1,9 +1,9 @@
 """The sample stage: batched logits in, one token per row out, with logprobs when asked.
 
 Order, as in transformers and vLLM: logprobs are taken from the model's own distribution (raw
-logits); then logit bias, repetition / frequency / presence penalties, min_new_tokens (stop tokens
-masked), custom logit processors; greedy rows take the argmax of that; sampled rows divide by their
-temperature, keep top-k, top-p and min-p, and draw. Every step is one tensor operation over the
+logits); then logit bias, repetition / frequency / presence penalties, custom logit processors,
+grammar masks, min_new_tokens (stop tokens masked, unless nothing else is left); greedy rows take
+the argmax of that; sampled rows divide by their temperature, keep top-k, top-p and min-p, and draw. Every step is one tensor operation over the
 batch, skipped when no row needs it. Custom processors are the exception: one call per processor
 name, with all the rows that selected it.
 
@@ -43,12 +43,26 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits - st.frequency[:, None] * counts - st.presence[:, None] * (counts > 0).to(logits.dtype)
 
 
-def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor) -> None:
-    """min_new_tokens: rows that have not generated enough yet cannot pick EOS or a stop token."""
+def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+                         keep_last: bool = False) -> None:  # fmt: skip
+    """min_new_tokens: rows that have not generated enough yet cannot pick EOS or a stop token.
+
+    `keep_last` (a grammar or a custom processor masked tokens before): a row this would leave with no
+    token at all keeps its stop tokens. A complete grammar allows only EOS; masking it too drew token 0,
+    which the grammar then refused, and a finished output ended as an abort."""
     active = (out_lens < st.min_new)[:, None] & (stop_table >= 0)
     rows, cols = active.nonzero(as_tuple=True)
-    if rows.numel():
-        logits[rows, stop_table[rows, cols]] = NEG_INF
+    if not rows.numel():
+        return
+    ids = stop_table[rows, cols]
+    saved = logits[rows, ids] if keep_last else None
+    logits[rows, ids] = NEG_INF
+    if saved is not None:
+        touched = rows.unique()
+        empty = touched[torch.isneginf(logits[touched]).all(dim=-1)]
+        if empty.numel():
+            back = torch.isin(rows, empty)
+            logits[rows[back], ids[back]] = saved[back]
 
 
 def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, output_ids: list[list[int]],
@@ -91,20 +105,20 @@ def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tenso
 def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
                    output_ids: list[list[int]], processors: ProcessorSet, failed: dict[int, str],
                    beams: list[int | None] | None = None, grammar=None) -> torch.Tensor:  # fmt: skip
-    """The engine's own processing, in order: logit bias, penalties, min_new_tokens, custom processors,
-    grammar masks (`grammar(logits)`, in place). Sampling applies it to logits; beam search to
-    log-probabilities, as transformers does. `beams`: each row's beam index (None: not a beam), for
-    the custom processors."""
+    """The engine's own processing, in order: logit bias, penalties, custom processors, grammar masks
+    (`grammar(logits)`, in place), min_new_tokens (last, so that it can see what the masks left: it never
+    takes a row's last tokens). Sampling applies it to logits; beam search to log-probabilities, as
+    transformers does. `beams`: each row's beam index (None: not a beam), for the custom processors."""
     if st.bias is not None:
         logits = logits + st.bias
     if st.counts is not None:
         logits = apply_penalties(logits, st)
-    if st.any_min_new:
-        suppress_stop_tokens(logits, st, out_lens, stop_table)
     if st.any_processor:
         run_processors(logits, st, out_lens, output_ids, processors, failed, beams)
     if grammar is not None:
         grammar(logits)
+    if st.any_min_new:
+        suppress_stop_tokens(logits, st, out_lens, stop_table, keep_last=grammar is not None or st.any_processor)
     return logits
 
 
