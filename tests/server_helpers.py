@@ -1,4 +1,5 @@
-"""Starting `engine serve` as a real subprocess on 127.0.0.1 for the server tests."""
+"""Starting `engine serve` as a real subprocess on 127.0.0.1 for the server tests, and the plugin a
+test server can load to hold or refuse marked requests (what no HTTP request can do by itself)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from engine.hooks import hookimpl
 
 
 def free_port() -> int:
@@ -72,3 +75,32 @@ def stop_server(server: Server, timeout: float = 60.0) -> int:
     if server.proc.poll() is None:
         server.proc.terminate()
     return server.proc.wait(timeout)
+
+
+# ---------------------------------------------------------------------- the test server's plugin
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PLUGIN = "server_helpers:plugin"  # engine serve --plugins PLUGIN, with TESTS_DIR on PYTHONPATH
+HOLD = "HOLD "  # a prompt "HOLD <path>\n...": tokenizing it waits for <path>.release, after making <path>.entered
+UNSENT = "UNSENT"  # a prompt starting so is refused by engine_request_submitted: it is never sent
+
+
+class _ServerTestPlugin:
+    """Marked prompts only; every other request passes untouched."""
+
+    @hookimpl
+    def engine_tokenize_before(self, request) -> None:
+        if isinstance(request.prompt, str) and request.prompt.startswith(HOLD):
+            path = request.prompt[len(HOLD):].split("\n", 1)[0]
+            open(path + ".entered", "w").close()
+            deadline = time.monotonic() + 60  # a test that died never holds a server for long
+            while not os.path.exists(path + ".release") and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    @hookimpl
+    def engine_request_submitted(self, rid, request, sampling, trace_context) -> None:
+        if isinstance(request.prompt, str) and request.prompt.startswith(UNSENT):
+            raise RuntimeError("refused on purpose by the test plugin")
+
+
+plugin = _ServerTestPlugin()

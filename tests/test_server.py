@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from helpers import engine_idle
-from server_helpers import start_server, stop_server
+from server_helpers import PLUGIN, TESTS_DIR, UNSENT, start_server, stop_server
 
 KEY = "test-key-123"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -24,7 +24,7 @@ GREEDY = {"max_new_tokens": 16, "temperature": 0}
 @pytest.fixture(scope="module")
 def server():
     srv = start_server("--max-total-tokens", "16384", "--api-key", KEY, "--max-request-bytes", "65536",
-                       "--served-model-name", "smol")  # fmt: skip
+                       "--served-model-name", "smol", "--plugins", PLUGIN, env={"PYTHONPATH": TESTS_DIR})  # fmt: skip
     yield srv
     assert stop_server(srv) == 0, srv.output()
     assert KEY not in srv.output()  # the API key is never logged
@@ -397,6 +397,22 @@ def test_metrics_move_as_requests_finish(server, client):
     assert after["engine:num_requests_running"] == 0 and after["engine:num_requests_waiting"] == 0
     assert 0 < after["engine:kv_cache_usage_perc"] <= 1  # the prefix cache holds what ran
     assert 0 <= after["engine:prefix_cache_hit_rate"] <= 1
+
+
+def test_metrics_count_a_prompt_once_and_never_a_request_never_sent(server, client):
+    """n > 1: the prompt once, as usage says; a request a plugin refused before it was sent (the
+    engine tells the metrics plugin it ended, with an error) is no finished request at all."""
+    before = _metrics(server)
+    out = client.completions.create(model="smol", prompt="Three guesses:", max_tokens=2, temperature=1.0, n=3)
+    after = _metrics(server)
+    assert after["engine:prompt_tokens_total"] - before["engine:prompt_tokens_total"] == out.usage.prompt_tokens
+    assert after["engine:generation_tokens_total"] - before["engine:generation_tokens_total"] == out.usage.completion_tokens
+    r = http(server, "POST", "/v1/completions", json={"prompt": UNSENT + " please", "max_tokens": 2})
+    assert r.status_code == 500 and "HookError" in r.json()["error"]["message"], r.text
+    final = _metrics(server)
+    success = {k: v for k, v in final.items() if k.startswith("engine:request_success_total")}
+    assert success == {k: v for k, v in after.items() if k.startswith("engine:request_success_total")}
+    assert final["engine:prompt_tokens_total"] == after["engine:prompt_tokens_total"]
 
 
 def test_grafana_dashboard_queries_only_exported_metrics(server):

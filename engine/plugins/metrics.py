@@ -4,7 +4,10 @@ Names and meanings follow the SGLang / vLLM dashboards users know, under one pre
 (docs/server.md lists them). Where each figure comes from:
 
 - user process: engine_request_done gives every finished request's meta_info: token counters,
-  finished requests by reason, time to first token, time per output token, end-to-end latency;
+  finished requests by reason, time to first token, time per output token, end-to-end latency. A
+  prompt with n > 1 counts its prompt tokens once (its first copy), as usage does; a request that
+  ends with an error (never sent, or cut off by the engine stopping or dying) never finished and
+  counts nowhere;
 - scheduler: engine_request_admitted gives each request's queue time (sent by the user process ->
   first admission), kept as histogram buckets and handed over through engine_stats;
 - at scrape time, engine.get_stats() of the engines alive in this process: requests running and
@@ -19,6 +22,7 @@ from __future__ import annotations
 import bisect
 import sys
 import threading
+import weakref
 
 from engine import envvars
 from engine.hooks import hookimpl
@@ -33,6 +37,8 @@ _lock = threading.Lock()
 _user = None  # the user process's metrics (prometheus_client objects), made on first use
 _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # scheduler: queue time
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
+_copies: set[str] = set()  # user process: rids of the 2nd..nth copies of an n > 1 prompt, until done
+_announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
 
 
 class _UserMetrics:
@@ -56,13 +62,15 @@ class _UserMetrics:
                              buckets=E2E_BUCKETS, registry=r)  # fmt: skip
         r.register(_ScrapeCollector())
 
-    def observe(self, meta: dict) -> None:
+    def observe(self, meta: dict, copy: bool = False) -> None:
+        """A finished request; a copy (of an n > 1 prompt, not the first) adds no prompt tokens."""
         reason = (meta.get("finish_reason") or {}).get("type", "abort")
         self.finished.labels(finished_reason=reason).inc()
-        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        if not copy:
+            self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+            self.cached_tokens.inc(meta.get("cached_tokens", 0))
         completion = meta.get("completion_tokens", 0)
         self.generation_tokens.inc(completion)
-        self.cached_tokens.inc(meta.get("cached_tokens", 0))
         e2e, first = meta.get("e2e_latency"), meta.get("first_token_latency")
         if e2e is not None:
             self.e2e.observe(e2e)
@@ -171,8 +179,23 @@ def engine_process_stop(role: str, pid: int) -> None:
 
 
 @hookimpl
+def engine_request_submitted(rid: str, request, sampling, trace_context: dict) -> None:
+    """User process: the copies of an n > 1 prompt are announced one after another, in one thread,
+    with the same PromptRequest; those after the first are marked, so the prompt counts once."""
+    last = getattr(_announcing, "request", None)
+    if last is not None and last() is request:
+        with _lock:
+            _copies.add(rid)
+    _announcing.request = weakref.ref(request)
+
+
+@hookimpl
 def engine_request_done(rid: str, meta_info: dict, error: str | None) -> None:
-    user_metrics().observe(meta_info)
+    with _lock:
+        copy = rid in _copies
+        _copies.discard(rid)
+    if error is None:  # else it never finished: not sent, or cut off by the engine stopping or dying
+        user_metrics().observe(meta_info, copy)
 
 
 @hookimpl
