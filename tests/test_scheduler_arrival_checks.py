@@ -107,3 +107,40 @@ def test_arrival_checks_do_not_parse_grammars_again(monkeypatch):
     assert "at most one" in check_request(TokenizedRequest("g2", [1, 2, 3], two), VOCAB, 2048)
     with_ignore_eos = msgspec.structs.replace(schema, ignore_eos=True)
     assert "ignore_eos" in check_request(TokenizedRequest("g3", [1, 2, 3], with_ignore_eos), VOCAB, 2048)
+
+
+def test_an_arrival_check_that_raises_fails_only_its_request(run, monkeypatch):
+    """A check raising something other than ValueError/TypeError (here a processor's validate_params)
+    escaped admit_arrivals: the rest of that GenerateBatch was dropped with a log line and its callers
+    waited forever."""
+    from engine.sampling.processors import CustomLogitProcessor, _registry
+
+    class Explodes(CustomLogitProcessor):
+        def validate_params(self, params: dict, vocab_size: int) -> None:
+            raise RuntimeError("validate_params blew up")
+
+    monkeypatch.setitem(_registry, "explodes_on_validate", Explodes)
+    odd = msgspec.structs.replace(GOOD, custom_logit_processor="explodes_on_validate")
+    run.submit(TokenizedRequest("first", [1, 2, 3], GOOD), TokenizedRequest("odd", [1, 2, 3], odd),
+               TokenizedRequest("last", [1, 4, 5], GOOD))  # fmt: skip
+    finishes = dict(run.finish_all())
+    assert finishes["odd"].type == "abort" and "blew up" in finishes["odd"].message, finishes
+    assert finishes["first"].type == "length" and finishes["last"].type == "length", finishes
+    stats = run.sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+
+
+def test_a_refused_request_reusing_a_running_rid_ends_the_old_one(run):
+    """The user process reuses a rid only after it saw that request finish (by a stop string whose abort
+    may still be on its way): the old request must end as superseded even when the new one is refused,
+    or it runs on under a rid whose outputs nobody reads."""
+    long = msgspec.structs.replace(GOOD, max_new_tokens=40)
+    run.submit(TokenizedRequest("reused", [1, 2, 3], long, seq=1))
+    assert run.sched.run_once(block=False)  # prefilled: it runs
+    bad = msgspec.structs.replace(GOOD, stop_token_ids=(VOCAB,))
+    run.submit(TokenizedRequest("reused", [1, 2, 3], bad, seq=2))
+    finishes = run.finish_all()
+    assert [(rid, f.type) for rid, f in finishes] == [("reused", "abort"), ("reused", "abort")], finishes
+    assert "superseded" in finishes[0][1].message and "stop_token_ids" in finishes[1][1].message
+    stats = run.sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0

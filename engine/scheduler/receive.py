@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from engine import hooks
 from engine.beam_search import stage as beam_stage
+from engine.hooks import HookError
 from engine.ipc.messages import (
     AbortRequest, BatchTokenOut, FinishReason, FlushCache, GenerateBatch, NO_TOKEN, RequestMeta, StatsRequest,
 )  # fmt: skip
 from engine.grammar.stage import constraint_of
 from engine.scheduler.admission import check_request, clip_to_context
-from engine.scheduler.endings import abort_rids
+from engine.scheduler.endings import abort_rids, finish_unstarted
 from engine.scheduler.request import Req
 
 if TYPE_CHECKING:
@@ -68,26 +70,57 @@ def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
     now = time.time_ns()
     vocab = sched.model_config.vocab_size
     live = live_rids(sched)
+    arrived_hook = hooks.has("engine_request_arrived")
     for r in arrivals:
-        problem = check_request(r, vocab, sched.context_len)
-        if problem is None and r.beam is not None:
-            problem = beam_stage.arrival_problem(sched, r)
+        if r.rid in live:  # reused: the user process only reuses a rid whose request it saw finish,
+            # here by a stop string whose abort is still on its way from the detokenizer; ended first,
+            # even if the new one is refused, or it would run on under a rid nobody reads
+            abort_rids(sched, {r.rid: {live.pop(r.rid)}}, SUPERSEDED)
+        problem = arrival_problem(sched, r, vocab)
+        if problem is None:
+            try:
+                req = new_req(sched, r, eos, now)
+            except Exception as exc:  # noqa: BLE001 - as in arrival_problem: this request alone
+                problem = f"the request could not be queued: {type(exc).__name__}: {exc}"
         if problem is not None:
             refuse(sched, r, problem)
             continue
-        if r.rid in live:  # reused: the user process only reuses a rid whose request it saw finish,
-            # here by a stop string whose abort is still on its way from the detokenizer
-            abort_rids(sched, {r.rid: {live[r.rid]}}, SUPERSEDED)
-        r = clip_to_context(r, sched.context_len)  # the user process does this too; be safe
-        req = Req(
-            r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
-            r.trace_context, r.submitted_ns or now, now, r.seq, r.beam,
-        )  # fmt: skip
-        constraint = constraint_of(r.sampling)
-        if constraint is not None:  # compiled off the loop; the request waits for it, the others do not
-            req.grammar = sched.grammars.request(*constraint)
+        if arrived_hook:
+            try:
+                hooks.call("engine_request_arrived", req=req)
+            except HookError as exc:  # this request fails alone, before it waits
+                finish_unstarted(sched, req, str(exc))
+                continue
+        try:
+            constraint = constraint_of(r.sampling)
+            if constraint is not None:  # compiled off the loop; the request waits for it, the others do not
+                req.grammar = sched.grammars.request(*constraint)
+        except Exception as exc:  # noqa: BLE001 - this request alone
+            finish_unstarted(sched, req, f"{type(exc).__name__}: {exc}")
+            continue
         sched.waiting.append(req)
         live[r.rid] = r.seq
+
+
+def arrival_problem(sched: Scheduler, r, vocab: int) -> str | None:
+    """Why this arrival cannot be queued, or None. A check that raises refuses this request alone: an
+    exception escaping here would drop the rest of its GenerateBatch, whose callers would wait forever."""
+    try:
+        problem = check_request(r, vocab, sched.context_len)
+        if problem is None and r.beam is not None:
+            problem = beam_stage.arrival_problem(sched, r)
+        return problem
+    except Exception as exc:  # noqa: BLE001 - one request's failure is not its neighbours'
+        return f"the arrival checks failed: {type(exc).__name__}: {exc}"
+
+
+def new_req(sched: Scheduler, r, eos, now: int) -> Req:
+    """The scheduler's request for an arrival that passed the checks."""
+    r = clip_to_context(r, sched.context_len)  # the user process does this too; be safe
+    return Req(
+        r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
+        r.trace_context, r.submitted_ns or now, now, r.seq, r.beam,
+    )  # fmt: skip
 
 
 def live_rids(sched: Scheduler) -> dict[str, int]:
