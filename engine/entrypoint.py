@@ -207,7 +207,7 @@ class Engine:
         submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
                               logprob_start_len, trace_context)  # fmt: skip
         if stream:
-            return async_stream(tm, submit)
+            return await async_stream(tm, submit)
         return await async_collect(tm, submit)
 
     def beam_search(

@@ -3,12 +3,20 @@
 The receiver thread calls a request's listener after each output; here it becomes a chunk dict that
 goes to a queue.SimpleQueue (sync streams) or, through call_soon_threadsafe, an asyncio.Queue. A
 stream abandoned by its consumer, and an async call cancelled while it waits, abort their requests.
+
+An async call submits on a worker thread, not on the event loop: tokenizing a long prompt, a chat
+template or a grammar check takes seconds for a megabyte, and every stream of the loop would wait.
+One worker per tokenizer manager, so calls are sent in the order they were made; a call cancelled
+while its submission runs has its requests aborted once they are sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import queue
+import threading
 import weakref
 from typing import AsyncIterator, Callable, Iterator
 
@@ -105,10 +113,38 @@ def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: set
         _abort_left(tm, remaining)
 
 
-def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Queue, list[ReqState], bool]:
+_submitters: "weakref.WeakKeyDictionary[TokenizerManager, concurrent.futures.ThreadPoolExecutor]" = weakref.WeakKeyDictionary()
+_submitters_lock = threading.Lock()
+
+
+def _submitter(tm: TokenizerManager) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that submits tm's async calls (made on first use; it ends with tm)."""
+    with _submitters_lock:
+        executor = _submitters.get(tm)
+        if executor is None:
+            executor = _submitters[tm] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-submit")
+        return executor
+
+
+def _abort_sent(tm: TokenizerManager, done: concurrent.futures.Future) -> None:
+    """The caller was cancelled while its submission ran: abort what it sent."""
+    if not done.cancelled() and done.exception() is None:
+        states, _ = done.result()
+        _abort_left(tm, {s.rid for s in states})
+
+
+async def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Queue, list[ReqState], bool]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    states, is_batch = tm.submit(**submit, listener=_listener(lambda e: loop.call_soon_threadsafe(events.put_nowait, e)))
+    listener = _listener(lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+    context = contextvars.copy_context()  # the caller's (its current span parents the request's, when traced)
+    future = _submitter(tm).submit(context.run, lambda: tm.submit(**submit, listener=listener))
+    try:
+        states, is_batch = await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if not future.cancel():  # running or done: its requests are (or will be) sent
+            future.add_done_callback(lambda done: _abort_sent(tm, done))
+        raise
     return events, states, is_batch
 
 
@@ -127,16 +163,16 @@ async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: 
 
 async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict:
     """Wait for every request of one call without blocking the event loop."""
-    events, states, is_batch = _async_submit(tm, submit)
+    events, states, is_batch = await _async_submit(tm, submit)
     async for _ in _async_chunks(tm, events, {s.rid for s in states}):
         pass
     results = [tm.output(s.result()) for s in states]
     return results if is_batch else results[0]
 
 
-def async_stream(tm: TokenizerManager, submit: dict) -> AsyncStream:
-    """Submit now (bad input raises here), then an async iterator over the chunks."""
-    events, states, _ = _async_submit(tm, submit)
+async def async_stream(tm: TokenizerManager, submit: dict) -> AsyncStream:
+    """Submit (bad input raises here), then an async iterator over the chunks."""
+    events, states, _ = await _async_submit(tm, submit)
     remaining = {s.rid for s in states}
     return AsyncStream(tm, _chunks_only(_async_chunks(tm, events, remaining)), remaining)
 

@@ -61,7 +61,9 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._fast is None:
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
-        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it: a megabyte held every
+        # other thread, an async caller's event loop included, for a second or two); same ids
+        return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def __len__(self) -> int:
         if self._fast is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from helpers import engine_idle
-from server_helpers import PLUGIN, TESTS_DIR, UNSENT, start_server, stop_server
+from server_helpers import HOLD, PLUGIN, TESTS_DIR, UNSENT, start_server, stop_server
 
 KEY = "test-key-123"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -41,7 +42,8 @@ def http(server, method: str, path: str, key: str | None = KEY, **kwargs) -> htt
     headers = kwargs.pop("headers", {})
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
-    return httpx.request(method, server.url + path, headers=headers, timeout=120, **kwargs)
+    kwargs.setdefault("timeout", 120)
+    return httpx.request(method, server.url + path, headers=headers, **kwargs)
 
 
 def test_models_health_and_server_info(server, client):
@@ -365,6 +367,59 @@ def test_a_client_leaving_a_plain_request_frees_its_kv(server):
     stats = _wait_idle(server)
     assert engine_idle(stats), stats
     assert stats["aborted_requests"] == before["aborted_requests"] + 1
+
+
+def _held(server, path, body: dict, timeout: float = 120) -> tuple[threading.Thread, dict]:
+    """Send body with a prompt whose tokenizing the test plugin holds until path.release; return
+    once it is held (the thread that sent it, and where its outcome lands)."""
+    outcome: dict = {}
+
+    def send() -> None:
+        try:
+            outcome["response"] = http(server, "POST", "/v1/completions", timeout=timeout,
+                                       json={**body, "prompt": f"{HOLD}{path}\n{body['prompt']}"})  # fmt: skip
+        except httpx.HTTPError as exc:
+            outcome["error"] = exc
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 60
+    while not path.with_suffix(".entered").exists():
+        assert time.monotonic() < deadline and sender.is_alive(), outcome
+        time.sleep(0.01)
+    return sender, outcome
+
+
+def test_tokenizing_runs_off_the_event_loop(server, tmp_path):
+    """While a prompt is being tokenized (held there by the test plugin, as a megabyte prompt holds
+    it for seconds) the server goes on answering; the request then completes as usual."""
+    hold = tmp_path / "hold"
+    sender, outcome = _held(server, hold, {"prompt": "Hello", "max_tokens": 1})
+    try:
+        assert http(server, "GET", "/health", key=None, timeout=30).status_code == 200
+        assert http(server, "GET", "/v1/models", timeout=30).status_code == 200
+        assert sender.is_alive() and not outcome  # answered while the tokenizing still waited
+    finally:
+        hold.with_suffix(".release").touch()
+        sender.join(60)
+    assert outcome["response"].status_code == 200, outcome
+
+
+def test_a_client_leaving_while_its_prompt_is_tokenized_aborts_it(server, tmp_path):
+    """The submission finishes on its worker thread after the client left: its request is aborted then."""
+    before = _wait_idle(server)
+    hold = tmp_path / "gone"
+    sender, outcome = _held(server, hold, {"prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True},
+                            timeout=1.0)  # fmt: skip
+    sender.join(60)
+    assert isinstance(outcome.get("error"), httpx.ReadTimeout), outcome  # gone, with its prompt still held
+    hold.with_suffix(".release").touch()
+    deadline = time.monotonic() + 60
+    while _stats(server)["aborted_requests"] == before["aborted_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = _wait_idle(server)
+    assert engine_idle(stats) and stats["aborted_requests"] == before["aborted_requests"] + 1, stats
+    assert stats["generated_tokens"] - before["generated_tokens"] < 1000
 
 
 def _metrics(server) -> dict[str, float]:
