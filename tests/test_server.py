@@ -167,6 +167,45 @@ def test_logprobs_equal_the_engines(client, engine):
         assert [got[k] for k in sorted(got)] == pytest.approx([want[k] for k in sorted(want)], abs=1e-4)
 
 
+JAPANESE = [{"role": "user", "content": "Write the Japanese word for thank you, in Japanese script only."}]
+
+
+def _as_openai_writes(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:  # part of a character: "bytes:" and escapes, as OpenAI's tokens show it
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_logprob_bytes_are_each_tokens_own_utf8_bytes(client, engine):
+    """Byte-level BPE tokens may hold part of a character (Japanese text is mostly such tokens): their
+    bytes are the token's own, so all of them together are the text's UTF-8; the token is its text, or
+    "bytes:\\xe3\\x81" for part of a character; completions' text_offset counts the characters completed."""
+    out = client.chat.completions.create(model="smol", messages=JAPANESE, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=2)  # fmt: skip
+    content, text = out.choices[0].logprobs.content, out.choices[0].message.content
+    raw = b"".join(bytes(c.bytes) for c in content)
+    assert raw.decode("utf-8", "replace") == text and any(ord(ch) > 0x3000 for ch in text), text
+    partial = [c for c in content if c.token.startswith("bytes:")]
+    assert partial, [c.token for c in content]  # the case this test is for
+    for c in content:
+        assert c.token == _as_openai_writes(bytes(c.bytes))
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].bytes) == (c.token, c.bytes)  # greedy: the best is the one taken
+    chat = engine.tokenizer.apply_chat_template(JAPANESE, add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer.encode(chat, add_special_tokens=False)  # the chat's prompt, as the engine makes it
+    comp = client.completions.create(model="smol", prompt=ids, max_tokens=8, temperature=0, logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert comp.choices[0].text == text and lp.tokens == [c.token for c in content]
+    done, offsets = b"", []
+    for c in content:
+        offsets.append(len(done.decode("utf-8", "ignore")))  # characters wholly before the token
+        done += bytes(c.bytes)
+    assert lp.text_offset == offsets
+    streamed = client.completions.create(model="smol", prompt=ids, max_tokens=8, temperature=0, logprobs=1, stream=True)
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == lp.tokens and [o for p in pieces for o in p.text_offset] == offsets
+
+
 BAD = [
     # (method, path, body or raw bytes, headers override (None: the key), status, words the message must hold, param)
     ("POST", "/v1/chat/completions", {"model": "smol"}, None, 400, "messages", "messages"),

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.serve import beams, errors, sse, translate
+from engine.serve import beams, errors, logprobs, sse, translate
 from engine.serve.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -96,7 +96,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip
     name = options.served_model_name
-    text_of = translate.TokenText(engine.tokenizer)
+    text_of = logprobs.TokenText(engine.tokenizer)
     inflight = app.state.inflight = InFlight(engine)
 
     def check_model(model: str | None) -> None:
@@ -150,7 +150,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
                       "finish_reason": translate.finish_reason(r["meta_info"]), "logprobs": None}  # fmt: skip
             if want_logprobs:
-                choice["logprobs"] = translate.chat_logprobs(r["meta_info"], text_of)
+                choice["logprobs"] = logprobs.chat_logprobs(r["meta_info"], text_of)
             choices.append(choice)
         return {"id": rid, "object": "chat.completion", "created": translate.now(), "model": name,
                 "choices": choices, "usage": translate.usage(results, 1, body.n)}  # fmt: skip
@@ -181,7 +181,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             out = await until_disconnect(request, engine.async_generate(**args))
         results = out if isinstance(out, list) else [out]
         choices = [{"index": i, "text": r["text"], "finish_reason": translate.finish_reason(r["meta_info"]),
-                    "logprobs": translate.completion_logprobs(r["meta_info"], text_of) if want_logprobs else None}
+                    "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of) if want_logprobs else None}
                    for i, r in enumerate(results)]  # fmt: skip
         return {"id": rid, "object": "text_completion", "created": translate.now(), "model": name,
                 "choices": choices, "usage": translate.usage(results, prompts, body.n)}  # fmt: skip

@@ -11,6 +11,7 @@ import json
 from typing import Any, AsyncIterator, Protocol
 
 from engine.serve import errors, translate
+from engine.serve.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 
 DONE = "data: [DONE]\n\n"
 
@@ -45,7 +46,7 @@ class _OpenAIChunks:
     """What chat and completion chunks share: ids, usage at the end, each chunk's own logprobs."""
 
     def __init__(self, rid: str, model: str, obj: str, prompts: int, n: int, include_usage: bool, logprobs: bool,
-                 text_of: translate.TokenText) -> None:  # fmt: skip
+                 text_of: TokenText) -> None:  # fmt: skip
         self.base = {"id": rid, "object": obj, "created": translate.now(), "model": model}
         self.extra = {"usage": None} if include_usage else {}
         self.prompts, self.n, self.include_usage, self.logprobs, self.text_of = prompts, n, include_usage, logprobs, text_of
@@ -91,7 +92,7 @@ class ChatChunks(_OpenAIChunks):
             out.append(self.payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}))  # fmt: skip
         if self.wants(chunk, reason):
-            lp = translate.chat_logprobs(_own_logprobs(chunk), self.text_of) if self.logprobs else None
+            lp = chat_logprobs(_own_logprobs(chunk), self.text_of) if self.logprobs else None
             delta = {"content": chunk["text"]} if chunk["text"] else {}
             out.append(self.payload({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}))
         self.finished(chunk, reason)
@@ -101,7 +102,7 @@ class ChatChunks(_OpenAIChunks):
 class CompletionChunks(_OpenAIChunks):
     def __init__(self, rid: str, model: str, prompts: int, n: int, include_usage: bool, logprobs: bool, text_of) -> None:
         super().__init__(rid, model, "text_completion", prompts, n, include_usage, logprobs, text_of)
-        self.offsets: dict[int, int] = {}
+        self.offsets: dict[int, TextOffsets] = {}  # each choice's, from chunk to chunk
 
     def chunk(self, chunk: dict) -> list[dict]:
         i, reason = chunk["index"], translate.finish_reason(chunk["meta_info"])
@@ -109,9 +110,8 @@ class CompletionChunks(_OpenAIChunks):
         if self.wants(chunk, reason):
             lp = None
             if self.logprobs:
-                lp = translate.completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.get(i, 0))
+                lp = completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.setdefault(i, TextOffsets()))
             out.append(self.payload({"index": i, "text": chunk["text"], "logprobs": lp, "finish_reason": reason}))
-        self.offsets[i] = self.offsets.get(i, 0) + len(chunk["text"])
         self.finished(chunk, reason)
         return out
 

@@ -158,50 +158,6 @@ def usage(results: list[dict], prompts: int, n: int) -> dict[str, int]:
     return out
 
 
-class TokenText:
-    """Token ids -> their text, for logprobs (each token decoded alone, as OpenAI reports them)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-
-def chat_logprobs(meta: dict, text_of: TokenText) -> dict | None:
-    tokens = meta.get("output_token_logprobs")
-    if tokens is None:
-        return None
-    tops = meta.get("output_top_logprobs") or [[] for _ in tokens]
-    content = []
-    for (lp, tid, _), top in zip(tokens, tops):
-        t = text_of(tid)
-        content.append({"token": t, "logprob": lp, "bytes": list(t.encode()),
-                        "top_logprobs": [{"token": text_of(i), "logprob": v, "bytes": list(text_of(i).encode())}
-                                         for v, i, _ in top]})  # fmt: skip
-    return {"content": content}
-
-
-def completion_logprobs(meta: dict, text_of: TokenText, offset: int = 0) -> dict | None:
-    tokens = meta.get("output_token_logprobs")
-    if tokens is None:
-        return None
-    tops = meta.get("output_top_logprobs") or [None for _ in tokens]
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for (lp, tid, _), top in zip(tokens, tops):
-        t = text_of(tid)
-        out["tokens"].append(t)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({text_of(i): v for v, i, _ in top} if top else None)
-        out["text_offset"].append(offset)
-        offset += len(t)
-    return out
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
