@@ -72,8 +72,9 @@ class EngineSpecs:
     def engine_request_submitted(
         self, rid: str, request: PromptRequest, sampling: SamplingParams, trace_context: dict[str, str]
     ) -> None:
-        """A request is about to be sent to the scheduler. User process, in the caller's thread, once per
-        request (n > 1: once per copy), after every request of the call was validated. `request` is its
+        """A request is about to be sent to the scheduler. User process, in the caller's thread (an
+        async call's: the engine's submit thread, in the caller's contextvars), once per request
+        (n > 1: once per copy, one after another), after every request of the call was validated. `request` is its
         PromptRequest (with tokenize_start_ns/tokenize_end_ns), `sampling` its SamplingParams.
         `trace_context` is the dict of W3C trace headers (strings) that travels with the request to the
         scheduler and detokenizer, holding what the caller passed; a plugin may replace its entries
