@@ -1,7 +1,9 @@
 """OpenAI requests -> the engine's generate arguments, and the engine's results -> OpenAI responses.
 
-Only renaming happens here: every value is checked by the engine itself (a ValueError naming the
-field becomes a 400), so the served and the offline engine accept and refuse the same things.
+Mostly renaming: every value is checked by the engine itself (a ValueError naming the field becomes
+a 400 in the client's words), so the served and the offline engine accept and refuse the same
+things. Checked here is only what the engine has no name for: max_tokens past the context, seed's
+int64 range, best_of, suffix, response_format beside regex or ebnf. Logprobs: engine/serve/logprobs.py.
 """
 
 from __future__ import annotations
