@@ -12,7 +12,7 @@ ENGINE_TEST_PROBE, and changes behaviour for marked requests:
 - a result whose rid starts "badoutput-" makes engine_output raise;
 - a beam search whose rid starts "boomstep-" makes engine_beam_step raise;
 - it provides the custom logit processor "explode_after", which raises once a row has generated
-  custom_params["after"] tokens.
+  custom_params["after"] tokens (SystemExit where custom_params["exit"] is true).
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ class ExplodeAfter(CustomLogitProcessor):
             raise ValueError("custom_params['after'] must be an integer")
 
     def __call__(self, logits, batch):
-        if any(int(n) >= p["after"] for n, p in zip(batch.out_lens, batch.params)):
-            raise RuntimeError("exploded on purpose")
+        for n, p in zip(batch.out_lens, batch.params):
+            if int(n) >= p["after"]:  # custom_params["exit"]: as a plugin's sys.exit() would
+                raise SystemExit("exited on purpose") if p.get("exit") else RuntimeError("exploded on purpose")
         return logits
 
 

@@ -352,6 +352,19 @@ def test_a_processor_failing_on_one_row_fails_only_that_request(probe):
     assert outs[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
 
 
+def test_a_processor_raising_systemexit_fails_only_its_request(probe):
+    """Before: SystemExit got past the sampler's and the step's `except Exception`, and the scheduler died."""
+    eng, _ = probe
+    params = [{"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "custom_logit_processor": "explode_after",
+               "custom_params": {"after": after, "exit": True}} for after in (2, 100)]  # fmt: skip
+    outs = eng.generate([PROMPTS[0], PROMPTS[1]], params)
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "SystemExit: exited on purpose" in reason["message"], reason
+    assert outs[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    after = eng.generate(PROMPTS[0], {"max_new_tokens": 2, "ignore_eos": True})
+    assert eng.alive and after["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
 def test_a_plugin_provides_the_grammar_backend(probe):
     eng, path = probe
     path.write_text("")

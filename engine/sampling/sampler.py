@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.hooks.runtime import FatalHookError
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorBatch, ProcessorSet
 
@@ -77,7 +78,9 @@ def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
                                [beams[r] for r in rows] if beams is not None else [None] * len(rows))  # fmt: skip
         try:
             logits[idx] = processors.get(name)(logits[idx], batch)
-        except Exception:  # noqa: BLE001 - a processor's failure fails only the rows it fails on
+        except BaseException as exc:  # noqa: BLE001 - a processor's failure (SystemExit too) fails only its rows
+            if isinstance(exc, FatalHookError):
+                raise
             _rows_alone(logits, rows, batch, processors.get(name), name, failed)
 
 
@@ -89,7 +92,9 @@ def _rows_alone(logits: torch.Tensor, rows: list[int], batch: ProcessorBatch, pr
         one = ProcessorBatch([batch.params[j]], [batch.output_ids[j]], batch.out_lens[j : j + 1], [batch.beams[j]])
         try:
             logits[r : r + 1] = proc(logits[r : r + 1].clone(), one)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - as the hooks' isolation: only FatalHookError stops the process
+            if isinstance(exc, FatalHookError):
+                raise
             failed[r] = f"custom_logit_processor {name!r} failed: {type(exc).__name__}: {exc}"
 
 
