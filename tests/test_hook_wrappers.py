@@ -6,6 +6,8 @@ refused at load time."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine import hooks
@@ -334,6 +336,18 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
     assert hooks.current_role() == "user"
     with pytest.raises(KeyboardInterrupt):
         hooks.call("engine_output", result={})
+    caught: list[BaseException] = []  # another thread of the user process (the async submit worker): no Ctrl-C there
+
+    def call_in_thread() -> None:
+        try:
+            hooks.call("engine_output", result={})
+        except BaseException as exc:  # noqa: BLE001 - what the call raised is the test's subject
+            caught.append(exc)
+
+    worker = threading.Thread(target=call_in_thread)
+    worker.start()
+    worker.join()
+    assert len(caught) == 1 and isinstance(caught[0], HookError) and "KeyboardInterrupt" in str(caught[0])
     set_role("scheduler")
     try:
         with pytest.raises(HookError, match="plugin 'interrupts' failed in hook engine_output: KeyboardInterrupt"):

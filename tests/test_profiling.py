@@ -256,6 +256,11 @@ def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
         ("thread (1): MainThread", "<module> (run.py:5)", "Engine.generate (engine/entrypoint.py:193)", "Event.wait (threading.py:622)"): 50,
         ("thread (2): engine-recv", "Thread._bootstrap (threading.py:1002)", f"TokenizerManager._recv_loop (engine/tokenizer_manager.py:{polls})"): 50,
         (otel, "Thread._bootstrap (threading.py:1002)", "Condition.wait (threading.py:331)"): 900,
+        # the plugins' service threads run engine code too, but none of the engine's own work: the export
+        # thread through the tracing plugin's file exporter, the metrics plugin's scrape server
+        (otel, "Thread._bootstrap (threading.py:1002)", "FileSpanExporter.export (engine/tracing/file_exporter.py:40)"): 5,
+        ("thread (3): metrics", "Thread._bootstrap (threading.py:1002)", "serve (engine/plugins/metrics.py:90)",
+         "select (selectors.py:415)"): 800,
     })  # fmt: skip
     b = breakdown(user, role="user")
     assert b["samples"] == 100 and b["stages_pct"]["waiting on ZMQ"] == pytest.approx(100.0)

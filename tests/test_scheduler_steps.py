@@ -263,7 +263,7 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     assert sched.run_once(block=False) and len(sched.running) == 3 and sched.req_to_token.available
     run.submit(TokenizedRequest("waits-for-memory", [1, 2, 3], params))
     calls.clear()
-    sched.new_token_ratio = 1.0
+    monkeypatch.setattr(sched, "new_token_ratio", 1.0)  # the module's scheduler: back as it was for the next test
     assert sched.run_once(block=False)
     assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-memory"]
     assert {rid: f.type for rid, f in run.finish_all()}["waits-for-memory"] == "length"

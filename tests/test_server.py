@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -423,9 +424,13 @@ def _held(server, path, body: dict, timeout: float = 120) -> tuple[threading.Thr
     sender = threading.Thread(target=send)
     sender.start()
     deadline = time.monotonic() + 60
-    while not path.with_suffix(".entered").exists():
-        assert time.monotonic() < deadline and sender.is_alive(), outcome
-        time.sleep(0.01)
+    try:
+        while not path.with_suffix(".entered").exists():
+            assert time.monotonic() < deadline and sender.is_alive(), outcome
+            time.sleep(0.01)
+    except BaseException:
+        path.with_suffix(".release").touch()  # never leave the shared submit worker held
+        raise
     return sender, outcome
 
 
@@ -448,11 +453,21 @@ def test_a_client_leaving_while_its_prompt_is_tokenized_aborts_it(server, tmp_pa
     """The submission finishes on its worker thread after the client left: its request is aborted then."""
     before = _wait_idle(server)
     hold = tmp_path / "gone"
-    sender, outcome = _held(server, hold, {"prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True},
-                            timeout=1.0)  # fmt: skip
-    sender.join(60)
-    assert isinstance(outcome.get("error"), httpx.ReadTimeout), outcome  # gone, with its prompt still held
-    hold.with_suffix(".release").touch()
+    body = json.dumps({"model": "smol", "prompt": f"{HOLD}{hold}\nTell me everything.", "max_tokens": 2000,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    url = httpx.URL(server.url)
+    client = socket.create_connection((url.host, url.port), timeout=60)  # a raw client, to leave at a known moment
+    try:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                       % (url.host.encode(), KEY.encode(), len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not hold.with_suffix(".entered").exists():  # its prompt is held in the tokenizer
+            assert time.monotonic() < deadline, "the held prompt never reached the tokenizer"
+            time.sleep(0.01)
+    finally:
+        client.close()  # gone, with its prompt still held
+        hold.with_suffix(".release").touch()  # even when an assertion failed: the submit worker is shared
     deadline = time.monotonic() + 60
     while _stats(server)["aborted_requests"] == before["aborted_requests"] and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -92,9 +92,12 @@ def plugin_manager() -> pluggy.PluginManager:
 
 def _passes(exc: BaseException) -> bool:
     """What request isolation must not catch: the project's fatal error, and Ctrl-C in the user
-    process (the caller stops). The children ignore SIGINT, so a KeyboardInterrupt there is a
-    plugin's own raise, isolated like SystemExit and every other BaseException."""
-    return isinstance(exc, FatalHookError) or (isinstance(exc, KeyboardInterrupt) and _role == "user")
+    process's main thread (the caller stops). Ctrl-C reaches no other thread (the async submit worker,
+    a server's threads) and the children ignore SIGINT, so a KeyboardInterrupt there is a plugin's own
+    raise, isolated like SystemExit and every other BaseException."""
+    return isinstance(exc, FatalHookError) or (
+        isinstance(exc, KeyboardInterrupt) and _role == "user" and threading.current_thread() is threading.main_thread()
+    )
 
 
 def _named(plugin: str, hook: str, exc: BaseException) -> BaseException:

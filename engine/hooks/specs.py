@@ -94,8 +94,9 @@ class EngineSpecs:
     @hookspec
     def engine_schedule(self, waiting: list[Req], running: int) -> None:
         """Before the scheduler picks requests for a prefill step, in the order it will try them.
-        Scheduler, each time it plans a prefill while requests wait and the step has budget left
-        (about once per step; more often while nothing can start). `waiting` is a list of Req the
+        Scheduler, each time it plans a prefill while requests wait, the step has budget left and one
+        of them could be admitted (a free slot, a pool the running requests do not reserve whole):
+        about once per step, not while nothing can start. `waiting` is a list of Req the
         hook may reorder or remove items from (a removed request is held back this time, not
         dropped; adding or duplicating requests is an error); `running` is the number of decoding
         requests."""

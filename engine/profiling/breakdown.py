@@ -91,7 +91,9 @@ def split_thread(stack: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
 
 
 def _engine_frame(frame: str) -> bool:
-    return " (engine/" in frame
+    """A frame of the engine's own work: the plugins' service threads (the tracing plugin's exporter under
+    OpenTelemetry's export thread, the metrics plugin's scrape server) run engine code too, but wait all day."""
+    return " (engine/" in frame and not frame.split(" (engine/", 1)[1].startswith(("tracing/", "plugins/"))
 
 
 def counted_threads(role: str | None, threads: dict[str | None, Counter]) -> set[str | None]:

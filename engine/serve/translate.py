@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from engine.sampling_params import SEED_RANGE  # the engine's seeds: [0, SEED_RANGE); OpenAI's any int64, taken modulo it
 from engine.serve.errors import OpenAIError
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, TextPart
 
@@ -22,7 +23,6 @@ _PASSED = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
            "spaces_between_special_tokens", "custom_logit_processor", "custom_params", "regex", "ebnf")  # fmt: skip
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
-SEED_RANGE = 1 << 63  # the engine's seeds are in [0, 2**63); OpenAI's are any int64, mapped onto it modulo 2**63
 _ENGINE_NAMES = {**{v: k for k, v in _RENAMED.items()}, "json_schema": "response_format", "input_ids": "prompt"}
 _KNOWN_PARAMS = {*_PASSED, *_RENAMED, "seed", "stop", "logit_bias", "prompt", "messages", "top_logprobs_num",
                  "response_format", "max_completion_tokens"}  # fmt: skip
