@@ -29,13 +29,14 @@ PER_REQUEST_HOOKS = ("engine_tokenize_before", "engine_tokenize_after", "engine_
 PARAMS = {"max_new_tokens": 6, "temperature": 0}
 # What each fault does to its request. The call raises for the user process's hooks before anything is
 # queued; the request aborts, naming the hook, where the hook's result was needed; the request completes
-# and the error is printed where the hook only watches what already happened (docs/plugins.md).
+# and the error is printed where the hook only watches what already happened; engine_stats's error is
+# recorded in the figures, in place of that plugin's own (docs/plugins.md).
 EXPECTED = {"engine_tokenize_before": "raised", "engine_tokenize_after": "raised", "engine_request_submitted": "raised",
             "engine_schedule": "abort", "engine_request_admitted": "abort", "engine_forward_before": "abort",
             "engine_forward_after": "abort", "engine_process_logits": "abort", "engine_sample_after": "abort",
             "engine_step_end": "length", "engine_request_finished": "length", "engine_detokenize": "abort",
             "engine_detokenize_after": "abort", "engine_detokenize_output": "length", "engine_output": "abort",
-            "engine_request_done": "length", "engine_stats": "raised", "engine_beam_step": "abort"}  # fmt: skip
+            "engine_request_done": "length", "engine_stats": "recorded", "engine_beam_step": "abort"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,13 @@ def outcome(eng, hook: str) -> str:
             reason = out["meta_info"]["finish_reason"]
             assert reason["type"] != "abort" or hook in reason["message"], reason
             return reason["type"]
-        if hook == "engine_stats":
-            eng.get_stats()
-            return "stats"
+        if hook == "engine_stats":  # a plugin's error is its entry in the figures; the others' stay (docs/plugins.md)
+            plugins = eng.get_stats()["plugins"]
+            errors = [entry["error"] for figures in plugins.values() for entry in figures.values()
+                      if isinstance(entry, dict) and "error" in entry]  # fmt: skip
+            assert len(errors) == len(plugins) == 3, plugins  # the plugin runs in all three processes
+            assert all(hook in e and "on purpose" in e for e in errors), errors
+            return "recorded"
         out = eng.generate("Hello there", PARAMS)
         reason = out["meta_info"]["finish_reason"]
         assert reason["type"] != "abort" or hook in reason["message"], reason
