@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import nn
 
 from engine import envvars
 from engine.model.config import ModelConfig
+from engine.model.f32_linear import KernelLinear
 
 PANEL = 16  # output rows a panel (f32_block_linear.c's NB)
 CHECKED_HEAD_ROWS = 4096  # the rows of a large layer (the lm_head's 49,152) checked at load; the tests check all
@@ -34,7 +34,7 @@ def runs_here(lib) -> bool:
     return lib is not None and hasattr(lib, "f32_block_linear") and lib.f32_blocks_support() == 1
 
 
-class F32BlockLinear(nn.Module):
+class F32BlockLinear(KernelLinear):
     """y = x W^T, W the float32 values of a GGUF tensor's blocks, held as the blocks in the kernel's panels."""
 
     def __init__(self, kind: int, blocks: torch.Tensor, shape: tuple[int, int], lib) -> None:
@@ -52,16 +52,6 @@ class F32BlockLinear(nn.Module):
             raise ValueError(f"f32_block_linear cannot pack {self.out_features} x {self.in_features} blocks")
         self._lib = lib
         self._bound: Callable[[int, int, int], None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"F32BlockLinear takes float32 CPU rows, got {x.dtype} on {x.device}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"F32BlockLinear takes {self.in_features} inputs a row, got {x.shape[-1]}")
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
-        return out.view(*x.shape[:-1], self.out_features)
 
     def kernel_call(self) -> Callable[[int, int, int], None]:
         """f(x_ptr, y_ptr, m), as F32Linear.kernel_call."""

@@ -33,7 +33,29 @@ def fits(linear: nn.Linear) -> bool:
     return linear.weight.dtype == torch.float32 and linear.bias is None and linear.out_features % PANEL == 0
 
 
-class F32Linear(nn.Module):
+class KernelLinear(nn.Module):
+    """A frozen float32 linear layer run by one of our kernels: forward on kernel_call(), which a subclass
+    binds to its weights (F32Linear's panels, f32_block_linear.F32BlockLinear's blocks)."""
+
+    in_features: int
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        name = type(self).__name__
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"{name} takes float32 CPU rows, got {x.dtype} on {x.device}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{name} takes {self.in_features} inputs a row, got {x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def kernel_call(self) -> Callable[[int, int, int], None]:
+        raise NotImplementedError
+
+
+class F32Linear(KernelLinear):
     """y = x W^T with W packed once into the kernel's panels of 16 columns (only ever multiplied)."""
 
     def __init__(self, linear: nn.Linear, lib, packed: torch.Tensor | None = None) -> None:
@@ -55,16 +77,6 @@ class F32Linear(nn.Module):
                 raise ValueError(f"f32_linear cannot pack a {self.out_features} x {self.in_features} weight")
         self._lib = lib
         self._bound: Callable[[int, int, int], None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"F32Linear takes float32 CPU rows, got {x.dtype} on {x.device}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"F32Linear takes {self.in_features} inputs a row, got {x.shape[-1]}")
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
-        return out.view(*x.shape[:-1], self.out_features)
 
     def kernel_call(self) -> Callable[[int, int, int], None]:
         """f(x_ptr, y_ptr, m): the kernel on m contiguous float32 rows at x_ptr into y_ptr, the packed weights'
