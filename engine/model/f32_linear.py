@@ -34,8 +34,8 @@ def fits(linear: nn.Linear) -> bool:
 
 
 class KernelLinear(nn.Module):
-    """A frozen float32 linear layer run by one of our kernels: forward on kernel_call(), which a subclass
-    binds to its weights (F32Linear's panels, f32_block_linear.F32BlockLinear's blocks)."""
+    """A frozen float32 linear layer run by one of our kernels: forward on kernel_call() -> f(x_ptr, y_ptr, m),
+    which each subclass defines, bound to its weights (F32Linear's panels, f32_block_linear.F32BlockLinear's blocks)."""
 
     in_features: int
     out_features: int
@@ -50,9 +50,6 @@ class KernelLinear(nn.Module):
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
         return out.view(*x.shape[:-1], self.out_features)
-
-    def kernel_call(self) -> Callable[[int, int, int], None]:
-        raise NotImplementedError
 
 
 class F32Linear(KernelLinear):

@@ -22,24 +22,12 @@ from engine.model.f32_block_linear import exact_blocks
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
 from engine.model.fused_decode import install_exact
-from engine.model.packed_linear import pack_linears, packing_available
+from engine.model.packed_linear import our_kernel_library, pack_linears, packing_available
 from engine.model.panel_cache import keep_panels, mapped_panels
 from engine.model.rope import rotary_tables
 from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
-
-def _f32_library():
-    """The native library where the exact float32 layers run on our kernels (packed_linear's choice), else None."""
-    from engine import envvars
-    from engine.kernels.cpu import load_native
-    from engine.model import f32_linear
-
-    if envvars.read("ENGINE_F32_LINEAR") == "0":
-        return None
-    lib = load_native()
-    return lib if f32_linear.runs_here(lib) else None
-
 
 def safetensors_files(model_dir: str) -> list[Path]:
     folder = Path(model_dir)
@@ -171,7 +159,7 @@ def load_model(
         try:
             # the GGUF blocks the float32 weights were converted from, where they are those weights exactly
             # (f32_block_linear.py); else the float panels, mapped from the panel cache or packed
-            blocks = exact_blocks(model_dir, cfg, shapes, reference, _f32_library()) if on_f32 else None
+            blocks = exact_blocks(model_dir, cfg, shapes, reference, our_kernel_library(dtype)) if on_f32 else None
             panels = mapped_panels(model_dir, shapes) if on_f32 and blocks is None else None
             pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None,
                          weights=weights if deferred else None, panels=panels, blocks=blocks)  # fmt: skip

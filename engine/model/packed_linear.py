@@ -47,6 +47,18 @@ BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measu
 FLOAT32_PACKED_ON = "AVX2"
 
 
+def our_kernel_library(dtype: torch.dtype):
+    """The native library where our own linear kernel of this dtype runs here and is not switched off (its
+    OUR_KERNELS switch), else None: oneDNN's packed kernel takes the layers."""
+    kernel = OUR_KERNELS.get(dtype)
+    if kernel is None or envvars.read(kernel.switch) == "0":
+        return None
+    from engine.kernels.cpu import load_native
+
+    native = load_native()
+    return native if kernel.module.runs_here(native) else None
+
+
 def packing_available(dtype: torch.dtype, device: str) -> bool:
     """Whether this torch build and CPU run oneDNN's packed linear in this dtype (float32 or bfloat16, the
     latter only where the CPU computes it natively) and ENGINE_PACK_WEIGHTS allows it."""
@@ -101,12 +113,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
 
-    kernel, lib = OUR_KERNELS[dtype], None  # ours where it runs and is not switched off, else oneDNN's
-    if envvars.read(kernel.switch) != "0":
-        from engine.kernels.cpu import load_native
-
-        native = load_native()
-        lib = native if kernel.module.runs_here(native) else None
+    kernel, lib = OUR_KERNELS[dtype], our_kernel_library(dtype)  # ours where it runs and is not switched off
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if blocks and name in blocks and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
