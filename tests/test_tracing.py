@@ -104,6 +104,31 @@ def test_trace_steps_keeps_one_step_in_n_and_every_failed_step(monkeypatch):
     assert memory.get_finished_spans() == ()
 
 
+def test_no_step_spans_after_the_stop_hook_flushed():
+    """A child's serving thread can end a step while its stop hook flushes, and the process then exits:
+    that step's spans would reach one exporter and not another (CI saw the file exporter get five
+    spans the collector never did). The stop hook is the last word: nothing is traced after it."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.hooks.types import StepRecord
+    from engine.tracing.plugin import TracingPlugin
+
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
+    plugin.tracer, plugin.role = plugin.provider.get_tracer("t"), "scheduler"
+    step = StepRecord("decode", [], 0, 1, 2, 3, 4, 5)
+    plugin.engine_step_end(step=step)
+    assert len(memory.get_finished_spans()) == 5  # the step and its four stages
+    plugin.engine_process_stop(role="scheduler", pid=os.getpid())
+    memory.clear()
+    plugin.engine_step_end(step=step)
+    assert memory.get_finished_spans() == ()
+
+
 # first: these load and unload the plugin themselves, before the module's traced engine exists
 @pytest.mark.parametrize("env, message", [
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"),

@@ -90,7 +90,7 @@ class TracingPlugin:
         self.tracer = None
         self.role = ""
         self.model = ""  # the process's last engine's: only for a request that does not carry its own
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # RLock: step spans are made under it, and _link takes it too
         self.roots: dict[str, object] = {}  # user process: rid -> open root span
         # user process: rid -> the context of its ended root, for a failing engine_output (streams never
         # reach that hook, so the oldest are dropped)
@@ -303,6 +303,11 @@ class TracingPlugin:
         self.steps_seen += 1
         if self.steps_seen % self.step_every and step.error is None:
             return
+        with self.lock:  # the stop hook sets `stopped` under this lock, then flushes: a step ends
+            if not self.stopped:  # wholly before that flush, or is not traced (the process exits after it)
+                self._step_spans(step)
+
+    def _step_spans(self, step) -> None:
         links = [link for link in map(self._link, step.reqs) if link is not None]
         attrs = {"engine.step.mode": step.mode, "engine.batch_size": len(step.reqs), "engine.step.tokens": step.tokens}
         root = self.tracer.start_span(
