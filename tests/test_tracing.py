@@ -129,6 +129,55 @@ def test_no_step_spans_after_the_stop_hook_flushed():
     assert memory.get_finished_spans() == ()
 
 
+@pytest.mark.parametrize("hook", ["engine_request_finished", "engine_detokenize_output"])
+def test_spans_a_hook_is_making_when_the_stop_hook_runs_are_in_its_flush(hook):
+    """The same race for a request's own spans: the hook takes the request off the live list, then makes
+    its spans; a stop hook running in between neither made them (the request was gone) nor flushed them
+    (not made yet), so they reached one exporter and not another. The hook makes them under the lock."""
+    import types
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.tracing.plugin import TracingPlugin
+
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
+    plugin.tracer = plugin.provider.get_tracer("t")
+    inside, go, at_flush = threading.Event(), threading.Event(), []
+
+    def make_spans(*args, **kwargs):  # stands in for the hook's own spans
+        inside.set()
+        go.wait(10)
+        plugin.tracer.start_span("the request's").end()
+
+    plugin._request_spans = plugin._detokenize_span = make_spans
+    plugin.flush = lambda: at_flush.append(len(memory.get_finished_spans()))
+    req = types.SimpleNamespace(rid="r", finished=None)
+    if hook == "engine_request_finished":
+        plugin.role = "scheduler"
+        plugin.engine_request_arrived(req=req)
+        call = lambda: plugin.engine_request_finished(req=req, finish_reason={"type": "length"})  # noqa: E731
+    else:
+        plugin.role = "detokenizer"
+        plugin.detok["r"] = (1, {}, "r")
+        out = types.SimpleNamespace(rids=["r"], headers=None, finished=[object()], meta=[None])
+        call = lambda: plugin.engine_detokenize_output(output=out)  # noqa: E731
+    worker = threading.Thread(target=call)
+    worker.start()
+    assert inside.wait(10)
+    stopper = threading.Thread(target=plugin.engine_process_stop, kwargs={"role": plugin.role, "pid": os.getpid()})
+    stopper.start()
+    stopper.join(0.3)  # in the race, the stop hook flushes now, before the spans exist
+    go.set()
+    worker.join(10)
+    stopper.join(10)
+    assert at_flush == [1]  # the flush came after the hook's spans
+
+
 # first: these load and unload the plugin themselves, before the module's traced engine exists
 @pytest.mark.parametrize("env, message", [
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"),

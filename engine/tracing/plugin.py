@@ -90,7 +90,9 @@ class TracingPlugin:
         self.tracer = None
         self.role = ""
         self.model = ""  # the process's last engine's: only for a request that does not carry its own
-        self.lock = threading.RLock()  # RLock: step spans are made under it, and _link takes it too
+        # spans a hook makes are made under it, so they are ended before the stop hook's flush or not
+        # made (RLock: _link takes it too, within the step's spans)
+        self.lock = threading.RLock()
         self.roots: dict[str, object] = {}  # user process: rid -> open root span
         # user process: rid -> the context of its ended root, for a failing engine_output (streams never
         # reach that hook, so the oldest are dropped)
@@ -260,7 +262,7 @@ class TracingPlugin:
                 return
             if self.live.get(req.rid) is req:  # a rid reused after this one is another request
                 del self.live[req.rid]
-        self._request_spans(req, finish_reason)
+            self._request_spans(req, finish_reason)  # under the lock: before the stop hook's flush, not after
 
     def _request_spans(self, req, finish_reason: dict | None) -> None:
         """queue, prefill, decode from the request's recorded times; finish_reason None: cut by shutdown."""
@@ -353,8 +355,8 @@ class TracingPlugin:
                 started = self.detok.pop(output.rids[i], None)
                 if started is not None:
                     ended.append((started, output.finished[i], output.meta[i]))
-        for (start, headers, rid), finish, meta in ended:
-            self._detokenize_span(rid, start, headers, finish, meta, now)
+            for (start, headers, rid), finish, meta in ended:  # under the lock: before the stop hook's flush
+                self._detokenize_span(rid, start, headers, finish, meta, now)
 
     def _detokenize_span(self, rid: str, start: int, headers: dict, finish, meta, end: int | None = None) -> None:
         parent = _parent_context(headers)
