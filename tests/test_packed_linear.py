@@ -16,6 +16,7 @@ from engine.kernels.cpu import load_native
 from engine.model import bf16_linear, f32_linear
 from engine.model.bf16_linear import Bf16Linear
 from engine.model.f32_linear import F32Linear
+from engine.model.llama import Linear  # the model's plain layers: nn.Linear without its random init
 from engine.model.loader import load_model
 from engine.model.packed_linear import PackedLinear, pack_linears, packing_available
 
@@ -145,14 +146,14 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
         assert linears(torch.float32)[2] == {PackedLinear}
         monkeypatch.undo()
     else:
-        assert kinds == {nn.Linear}
+        assert kinds == {Linear}
     monkeypatch.setenv("ENGINE_PACK_WEIGHTS", "0")
-    assert linears(torch.float32)[2] == {nn.Linear}
-    assert linears(torch.bfloat16)[2] == {nn.Linear}
+    assert linears(torch.float32)[2] == {Linear}
+    assert linears(torch.bfloat16)[2] == {Linear}
     monkeypatch.delenv("ENGINE_PACK_WEIGHTS")
     model, cfg, kinds = linears(torch.bfloat16)
     if not packing_available(torch.bfloat16, "cpu"):
-        assert kinds == {nn.Linear}
+        assert kinds == {Linear}
         return
     assert kinds == ({Bf16Linear} if _bf16_kernel_here() else {PackedLinear})
     monkeypatch.setenv("ENGINE_BF16_LINEAR", "0")  # the A/B switch: oneDNN's
