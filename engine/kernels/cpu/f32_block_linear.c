@@ -262,14 +262,15 @@ int f32_block_linear(int type, const float *x, int64_t m, int64_t k, const uint8
         const int64_t t = 0, threads = 1;
 #endif
         /* Up to MR rows, panels go to threads as they come free (guided: large chunks first, then smaller).
-         * With a static split, perf showed the scheduler's main thread waiting at the end of the layers for about
-         * a fifth of its samples (9.6% of both threads'), for a worker that had lost its core for a while (on 2
-         * cores: to the detokenizer, the user process or the host). On an AMD EPYC Zen 1, alternating: the kernel alone within 1-2% of the
-         * static split when the machine was quiet; the engine's one stream 2% faster over 5 quiet rounds. Chunks
-         * of a fixed size gave 7% over 5 noisy rounds but cost the kernel 2-3% when quiet; the same split in
-         * f32_linear.c, gguf_linear.c and int8_linear.c gained nothing measurable. Past MR rows each thread
-         * keeps its own range, so the rows it buffers stay in its L2 across its panels. Whichever thread
-         * computes a panel computes it the same way: the outputs are bitwise those of a static split. */
+         * With a static split, perf showed the scheduler's main thread waiting at the end of the layers for
+         * about a fifth of its samples (9.6% of both threads'), for a worker that had lost its core for a while
+         * (on 2 cores: to the detokenizer, the user process or the host). On an AMD EPYC Zen 1, alternating:
+         * the kernel alone within 1-2% of the static split when the machine was quiet; the engine's one stream
+         * 2% faster over 5 quiet rounds. Chunks of a fixed size gave 7% over 5 noisy rounds but cost the kernel
+         * 2-3% when quiet; the same split in f32_linear.c, gguf_linear.c and int8_linear.c gained nothing
+         * measurable. Past MR rows each thread keeps its own range, so the rows it buffers stay in its L2
+         * across its panels. Whichever thread computes a panel computes it the same way: the outputs are
+         * bitwise those of a static split. */
         if (m <= MR) {
             const int64_t pair = m == 1 ? 2 : 1, units = (count + pair - 1) / pair; /* m = 1: panels in twos */
 #pragma omp for schedule(guided, 1) nowait
