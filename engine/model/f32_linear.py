@@ -41,11 +41,10 @@ class KernelLinear(nn.Module):
     out_features: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        name = type(self).__name__
         if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"{name} takes float32 CPU rows, got {x.dtype} on {x.device}")
+            raise TypeError(f"{type(self).__name__} takes float32 CPU rows, got {x.dtype} on {x.device}")
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"{name} takes {self.in_features} inputs a row, got {x.shape[-1]}")
+            raise ValueError(f"{type(self).__name__} takes {self.in_features} inputs a row, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])

@@ -90,9 +90,8 @@ class TracingPlugin:
         self.tracer = None
         self.role = ""
         self.model = ""  # the process's last engine's: only for a request that does not carry its own
-        # spans a hook makes are made under it, so they are ended before the stop hook's flush or not
-        # made (RLock: _link takes it too, within the step's spans)
-        self.lock = threading.RLock()
+        # spans a hook makes are made under it, so they are ended before the stop hook's flush or not made
+        self.lock = threading.Lock()
         self.roots: dict[str, object] = {}  # user process: rid -> open root span
         # user process: rid -> the context of its ended root, for a failing engine_output (streams never
         # reach that hook, so the oldest are dropped)
@@ -234,14 +233,13 @@ class TracingPlugin:
     # ------------------------------------------------------------------ scheduler
 
     def _link(self, req) -> Link | None:
+        """Under the lock, before the stop hook (only _step_spans calls it)."""
         entry = self.links.get(req.rid)
         if entry is None:
             sc = remote_span_context(req.trace_context)
             entry = (None if sc is None else Link(sc), req)  # no link attributes: they triple a link's cost
             if req.finished is None:  # cached while it runs; dropped when it finishes
-                with self.lock:
-                    if not self.stopped:
-                        self.links[req.rid] = entry
+                self.links[req.rid] = entry
         return entry[0]
 
     @hookimpl
@@ -343,7 +341,6 @@ class TracingPlugin:
         if self.tracer is None:
             return
         now = time.time_ns()
-        ended = []
         with self.lock:
             if self.stopped:
                 return
@@ -353,10 +350,9 @@ class TracingPlugin:
                         self.detok[rid] = (now, header.trace_context, rid)
             for i in [i for i, f in enumerate(output.finished) if f is not None]:
                 started = self.detok.pop(output.rids[i], None)
-                if started is not None:
-                    ended.append((started, output.finished[i], output.meta[i]))
-            for (start, headers, rid), finish, meta in ended:  # under the lock: before the stop hook's flush
-                self._detokenize_span(rid, start, headers, finish, meta, now)
+                if started is not None:  # its span made under the lock: before the stop hook's flush
+                    start, headers, rid = started
+                    self._detokenize_span(rid, start, headers, output.finished[i], output.meta[i], now)
 
     def _detokenize_span(self, rid: str, start: int, headers: dict, finish, meta, end: int | None = None) -> None:
         parent = _parent_context(headers)
