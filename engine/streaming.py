@@ -113,16 +113,20 @@ def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: set
         _abort_left(tm, remaining)
 
 
+SUBMIT_WORKERS = 8  # calls tokenized at once (threads start as needed): more long ones at once queue the rest
 _submitters: "weakref.WeakKeyDictionary[TokenizerManager, concurrent.futures.ThreadPoolExecutor]" = weakref.WeakKeyDictionary()
 _submitters_lock = threading.Lock()
 
 
 def _submitter(tm: TokenizerManager) -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that submits tm's async calls (made on first use; it ends with tm)."""
+    """The threads that submit tm's async calls (made on first use; they end with tm). Several, so that
+    a call whose tokenizing takes seconds (a megabyte prompt, a batch of thousands) holds up no other
+    call: each is sent when its own tokenizing is done, as SGLang's and vLLM's servers do."""
     with _submitters_lock:
         executor = _submitters.get(tm)
         if executor is None:
-            executor = _submitters[tm] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-submit")
+            executor = _submitters[tm] = concurrent.futures.ThreadPoolExecutor(
+                SUBMIT_WORKERS, thread_name_prefix="engine-submit")  # fmt: skip
         return executor
 
 

@@ -436,12 +436,15 @@ def _held(server, path, body: dict, timeout: float = 120) -> tuple[threading.Thr
 
 def test_tokenizing_runs_off_the_event_loop(server, tmp_path):
     """While a prompt is being tokenized (held there by the test plugin, as a megabyte prompt holds
-    it for seconds) the server goes on answering; the request then completes as usual."""
+    it for seconds) the server goes on answering, other requests included: they are not queued
+    behind it; the held request then completes as usual."""
     hold = tmp_path / "hold"
     sender, outcome = _held(server, hold, {"prompt": "Hello", "max_tokens": 1})
     try:
         assert http(server, "GET", "/health", key=None, timeout=30).status_code == 200
         assert http(server, "GET", "/v1/models", timeout=30).status_code == 200
+        other = http(server, "POST", "/v1/completions", timeout=30, json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
+        assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] >= 1, other.text
         assert sender.is_alive() and not outcome  # answered while the tokenizing still waited
     finally:
         hold.with_suffix(".release").touch()
