@@ -9,7 +9,7 @@ import torch
 from engine.detokenizer.stop_strings import StopMatcher
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
-from engine.sampling.sampler import apply_penalties, sample
+from engine.sampling.sampler import apply_penalties, sample, top_k_top_p
 from engine.sampling_params import SamplingParams
 
 V = 64
@@ -121,6 +121,37 @@ def test_seeded_rows_ignore_their_neighbours():
         a = sample(logits[1:2].clone(), alone, lens, torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids
         b = sample(logits.clone(), mixed, lens.repeat(3), torch.full((3, 1), -1), [[]] * 3, ProcessorSet()).next_ids
         assert a.item() == b[1].item()
+
+
+def test_top_p_one_keeps_every_token_beside_a_row_that_cuts():
+    """top_p = 1.0 is off, also when a neighbour's top_k or top_p sends the batch through the sort: a float32
+    running sum over 49,152 probabilities passes 1.0 before the tail, which must not be cut."""
+    torch.manual_seed(6)
+    probs = torch.softmax(torch.randn(50, 49152) * 3, dim=-1)
+    top_k = torch.full((50,), 49152, dtype=torch.int64)
+    top_k[0] = 5  # the neighbour that sends the batch through the sort
+    kept = top_k_top_p(probs, top_k, torch.ones(50))
+    assert torch.equal(kept[1:], probs[1:])
+    assert int((kept[0] > 0).sum()) == 5
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it():
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125], [0.5, 0.25, 0.125, 0.125]])
+    top_p = torch.tensor([0.5, 0.75, 0.76])  # sums exact in float32: the first two reach 0.5 and 0.75
+    kept = top_k_top_p(probs, torch.full((3,), 4, dtype=torch.int64), top_p)
+    assert (kept > 0).sum(dim=-1).tolist() == [2, 2, 3]
+
+
+def test_top_p_matches_transformers():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    torch.manual_seed(7)
+    logits = torch.randn(4, V) * 2
+    top_ps = [0.1, 0.5, 0.9, 0.99]
+    kept = top_k_top_p(torch.softmax(logits, -1), torch.full((4,), V, dtype=torch.int64), torch.tensor(top_ps)) > 0
+    for row, top_p in enumerate(top_ps):
+        ref = TopPLogitsWarper(top_p)(None, logits[row : row + 1].clone())[0]
+        assert torch.equal(kept[row], torch.isfinite(ref)), top_p
 
 
 def test_sampling_follows_the_distribution():

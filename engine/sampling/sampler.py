@@ -127,6 +127,18 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
     return logits
 
 
+def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] with each row's tokens outside its top_k, or past its top_p, set to 0 (both measured on
+    the same distribution, as SGLang does). A token goes once the tokens before it reach top_p (the smallest
+    set that reaches it, as transformers and vLLM keep; never the top token). A row whose top_p is 1 loses
+    nothing to it: a float32 running sum over a large vocabulary passes 1 before its tail."""
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
            output_ids: list[list[int]], processors: ProcessorSet, on_logits=None, grammar=None) -> SampleOutput:  # fmt: skip
     """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
@@ -141,11 +153,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
     else:
         probs = torch.softmax(logits / st.temperature[:, None], dim=-1)
         if st.any_top_k_p:
-            sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-            ranks = torch.arange(probs.shape[-1], device=probs.device)
-            drop = ranks[None, :] >= st.top_k[:, None]
-            drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > st.top_p[:, None]  # keeps the top token
-            probs = probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+            probs = top_k_top_p(probs, st.top_k, st.top_p)
         if st.any_min_p:
             probs = probs.masked_fill(probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs).exponential_()
