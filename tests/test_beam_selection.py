@@ -64,3 +64,40 @@ def test_a_searchs_reservation_is_what_its_decode_steps_take():
         taken += k  # a decode step: one pool token per beam
         sel.step(torch.log_softmax(torch.randn(k, 100, generator=gen), -1))
     assert taken == k * (n - 1) and group.remaining_tokens() == 0
+
+
+def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_matcher():
+    """A grammar that leaves fewer continuations than beams: the beams kept to fill the width carry a stop
+    token at a pushed-down score. Their matchers must not accept it (a terminated matcher has no next mask:
+    xgrammar's fill raises, and the step failed every request in the batch); they keep their parent's state,
+    as a beam at -inf does."""
+    import xgrammar as xgr
+
+    from engine.beam_search.batch import advance_matchers
+
+    vocab = ["y", "ye", "yes", "n", "no", "e", "es", "s", "o", "</s>", "x"]
+    eos, k = vocab.index("</s>"), 4
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[eos])
+    grammar = xgr.GrammarCompiler(info, max_threads=1).compile_regex("(yes|no)")
+    fill = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def masked(logprobs: torch.Tensor, matchers: list) -> torch.Tensor:  # what Grammars.mask does
+        bitmask = xgr.allocate_token_bitmask(len(matchers), len(vocab))
+        fill.batch_fill_next_token_bitmask(matchers, bitmask, list(range(len(matchers))))
+        xgr.apply_token_bitmask_inplace(logprobs, bitmask, vocab_size=len(vocab), indices=list(range(len(matchers))))
+        return logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    sel = BeamSelection(k, 5, (eos,), 1.0, False)
+    root = xgr.GrammarMatcher(grammar)
+    _, tokens = sel.step(masked(torch.log_softmax(torch.randn(1, len(vocab), generator=gen), -1), [root]))
+    matchers = advance_matchers([root], [0] * k, tokens.tolist(), sel)
+    short = False
+    while not sel.done:
+        parents, tokens = sel.step(masked(torch.log_softmax(torch.randn(k, len(vocab), generator=gen), -1), matchers))
+        short |= bool((sel.scores <= PUSH_DOWN / 2).any())
+        matchers = advance_matchers(matchers, parents.tolist(), tokens.tolist(), sel)
+        assert not any(m.is_terminated() for m in matchers)
+    assert short  # the case this test is for happened
+    texts = {"".join(vocab[t] for t in h.output_ids[:-1]) for h in sel.results(2)}
+    assert texts <= {"yes", "no"} and all(h.output_ids[-1] == eos for h in sel.results(2)), texts

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine import hooks
-from engine.beam_search.selection import BeamSelection
+from engine.beam_search.selection import PUSH_DOWN, BeamSelection
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import process_logits
@@ -56,14 +56,15 @@ def start_sampling(reqs: list[Req], copies: int, vocab_size: int, device) -> Sam
 
 
 def advance_matchers(matchers: list, parents: list[int], tokens: list[int], selection: BeamSelection) -> list:
-    """Each next beam's grammar matcher: its parent's, forked, advanced by its token. A beam whose
-    score is -inf (the grammar left fewer candidates than beams) keeps its parent's state: it can
-    never win, and its token was never allowed."""
+    """Each next beam's grammar matcher: its parent's, forked, advanced by its token. A beam that can
+    never win keeps its parent's state: one at -inf (its token was never allowed) and one pushed down
+    (fewer continuations than beams that are not stop tokens: it carries a stop token, which would
+    terminate its matcher, and a terminated matcher has no next mask)."""
     scores = selection.scores.tolist()
     out = []
     for parent, token, score in zip(parents, tokens, scores):
         m = matchers[parent].fork()
-        if score != float("-inf") and not m.is_terminated():
+        if score > PUSH_DOWN / 2 and not m.is_terminated():
             m.accept_token(token)
         out.append(m)
     return out
