@@ -144,6 +144,11 @@ def test_small_pool_evicts_and_retracts_and_matches(workload, expected, engine):
     assert [o["output_ids"] for o in outs] == expected
     check_complete_once(outs, start, after, len(workload), beams["out"])
     assert after["retracted_requests"] > 0, after
+    # the prefix-cache hit rate (the metrics plugin's gauge) counts each prompt once, at its first
+    # admission: a retracted request's own tokens met again on its return are no prompt served from the cache
+    cached = [o["meta_info"]["cached_tokens"] for o in outs + beams["out"]]
+    hits = after["prompt_cache_hit_tokens"] - start["prompt_cache_hit_tokens"]
+    assert hits == sum(cached) <= after["prompt_tokens"] - start["prompt_tokens"], (hits, cached)
     assert after["cache_evicted_tokens"] > 0, after
     assert after["chunked_prefill_steps"] > 0, after
     assert flushed["free_tokens"] == flushed["max_total_tokens"]

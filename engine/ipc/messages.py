@@ -224,6 +224,9 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
     # role (scheduler, detokenizer, user) -> per-request structure -> its size now: all 0 when idle
     tracked: dict[str, dict[str, int]] = {}
+    # prompt tokens the cache served at their request's first admission (cache_hit_tokens also counts a
+    # retracted request's own tokens met again): the prefix-cache hit rate is this over prompt_tokens
+    prompt_cache_hit_tokens: int = 0
 
 
 ToScheduler = Union[GenerateBatch, StatsRequest, FlushCache, AbortRequest]

@@ -106,7 +106,7 @@ class _ScrapeCollector:
             totals["waiting"] += stats.get("waiting", 0)
             totals["size"] += stats.get("max_total_tokens", 0)
             totals["used"] += stats.get("max_total_tokens", 0) - stats.get("free_tokens", 0)
-            totals["hit"] += stats.get("cache_hit_tokens", 0)
+            totals["hit"] += stats.get("prompt_cache_hit_tokens", 0)
             totals["prompt"] += stats.get("prompt_tokens", 0)
             queue = stats.get("plugins", {}).get("scheduler", {}).get("metrics", {}).get("queue_time")
             if queue:

@@ -121,6 +121,7 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
             req.admitted_ns = time.time_ns()
             req.cached_tokens = min(prefix, req.prompt_len)
             sched.counters["prompt_tokens"] += req.prompt_len
+            sched.counters["prompt_cache_hit_tokens"] += req.cached_tokens
         req.admissions += 1
         if hooks.has("engine_request_admitted"):
             try:

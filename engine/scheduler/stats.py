@@ -33,6 +33,7 @@ def stats(sched: Scheduler, req_id: str, flushed_tokens: int = 0) -> Stats:
         prefill_tokens=c["prefill_tokens"],
         chunked_prefill_steps=c["chunked_prefill_steps"],
         cache_hit_tokens=c["cache_hit_tokens"],
+        prompt_cache_hit_tokens=c["prompt_cache_hit_tokens"],
         retracted_requests=c["retracted_requests"],
         flushed_tokens=flushed_tokens,
         beam_searches=len(sched.beams.groups),
