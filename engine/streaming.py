@@ -170,7 +170,8 @@ async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict
     events, states, is_batch = await _async_submit(tm, submit)
     async for _ in _async_chunks(tm, events, {s.rid for s in states}):
         pass
-    results = [tm.output(s.result()) for s in states]
+    # off the event loop: a result's lists of logprobs are built here, and the output hook may take its time
+    results = await asyncio.to_thread(lambda: [tm.output(s.result()) for s in states])
     return results if is_batch else results[0]
 
 

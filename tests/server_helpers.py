@@ -82,7 +82,16 @@ def stop_server(server: Server, timeout: float = 60.0) -> int:
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PLUGIN = "server_helpers:plugin"  # engine serve --plugins PLUGIN, with TESTS_DIR on PYTHONPATH
 HOLD = "HOLD "  # a prompt "HOLD <path>\n...": tokenizing it waits for <path>.release, after making <path>.entered
+HOLD_OUTPUT = "hold-output:"  # a request whose rid is "hold-output:<path>": its output hook waits as HOLD's tokenizing
 UNSENT = "UNSENT"  # a prompt starting so is refused by engine_request_submitted: it is never sent
+
+
+def _hold(path: str) -> None:
+    """Wait for <path>.release, after making <path>.entered."""
+    open(path + ".entered", "w").close()
+    deadline = time.monotonic() + 60  # a test that died never holds a server for long
+    while not os.path.exists(path + ".release") and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class _ServerTestPlugin:
@@ -91,11 +100,13 @@ class _ServerTestPlugin:
     @hookimpl
     def engine_tokenize_before(self, request) -> None:
         if isinstance(request.prompt, str) and request.prompt.startswith(HOLD):
-            path = request.prompt[len(HOLD):].split("\n", 1)[0]
-            open(path + ".entered", "w").close()
-            deadline = time.monotonic() + 60  # a test that died never holds a server for long
-            while not os.path.exists(path + ".release") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _hold(request.prompt[len(HOLD):].split("\n", 1)[0])
+
+    @hookimpl
+    def engine_output(self, result) -> None:
+        rid = result["meta_info"]["id"]
+        if rid.startswith(HOLD_OUTPUT):
+            _hold(rid[len(HOLD_OUTPUT):])
 
     @hookimpl
     def engine_request_submitted(self, rid, request, sampling, trace_context) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from helpers import engine_idle
-from server_helpers import HOLD, PLUGIN, TESTS_DIR, UNSENT, start_server, stop_server
+from server_helpers import HOLD, HOLD_OUTPUT, PLUGIN, TESTS_DIR, UNSENT, start_server, stop_server
 
 KEY = "test-key-123"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -450,6 +450,32 @@ def test_tokenizing_runs_off_the_event_loop(server, tmp_path):
         hold.with_suffix(".release").touch()
         sender.join(60)
     assert outcome["response"].status_code == 200, outcome
+
+
+def test_a_finished_answer_is_built_off_the_event_loop(server, tmp_path):
+    """Between the engine's last output and the response (the output hook, the result's lists of logprobs,
+    the choices, the JSON: seconds for a long prompt's logprobs, 20 top each), the server goes on
+    answering. The test plugin holds this request's output hook, as such a body holds the stage."""
+    hold = tmp_path / "out"
+    outcome: dict = {}
+    body = {"input_ids": [1, 2, 3], "rid": f"{HOLD_OUTPUT}{hold}", "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+    sender = threading.Thread(target=lambda: outcome.update(response=http(server, "POST", "/generate", json=body)))
+    sender.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not hold.with_suffix(".entered").exists():
+            assert time.monotonic() < deadline and sender.is_alive(), outcome
+            time.sleep(0.01)
+        assert http(server, "GET", "/health", key=None, timeout=30).status_code == 200
+        other = http(server, "POST", "/generate", timeout=30, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        assert other.status_code == 200 and other.json()["meta_info"]["completion_tokens"] >= 1, other.text
+        assert sender.is_alive() and not outcome  # answered while the first answer's stage still waited
+    finally:
+        hold.with_suffix(".release").touch()
+        sender.join(60)
+    answer = outcome["response"].json()
+    assert answer["meta_info"]["id"] == body["rid"] and len(answer["meta_info"]["output_token_logprobs"]) == 2, answer
 
 
 def test_a_client_leaving_while_its_prompt_is_tokenized_aborts_it(server, tmp_path):

@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import msgspec
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +30,13 @@ class ServeOptions:
     max_request_bytes: int = 1 << 20
     cors_origins: tuple[str, ...] = ()
     open_metrics: bool = False  # /metrics without the API key, for scrapers that cannot send one
+
+
+async def json_off_loop(build: Callable[[], Any]) -> Response:
+    """The answer built and encoded on a worker thread. On the event loop, where /health and every stream
+    wait, a body of megabytes (a long prompt's logprobs, 20 top each) took seconds in FastAPI's encoder.
+    msgspec writes a non-finite float as null, where the standard encoder's strict mode raised."""
+    return await asyncio.to_thread(lambda: Response(msgspec.json.encode(build()), media_type="application/json"))
 
 
 class ClientGone(Exception):
@@ -144,16 +153,20 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             return _sse_response(stream, fmt, inflight, [rid])
         with inflight.track([rid]):
             out = await until_disconnect(request, engine.async_generate(**args))
-        results = out if isinstance(out, list) else [out]
-        choices = []
-        for i, r in enumerate(results):
-            choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
-                      "finish_reason": translate.finish_reason(r["meta_info"]), "logprobs": None}  # fmt: skip
-            if want_logprobs:
-                choice["logprobs"] = logprobs.chat_logprobs(r["meta_info"], text_of)
-            choices.append(choice)
-        return {"id": rid, "object": "chat.completion", "created": translate.now(), "model": name,
-                "choices": choices, "usage": translate.usage(results, 1, body.n)}  # fmt: skip
+
+        def answer() -> dict:
+            results = out if isinstance(out, list) else [out]
+            choices = []
+            for i, r in enumerate(results):
+                choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
+                          "finish_reason": translate.finish_reason(r["meta_info"]), "logprobs": None}  # fmt: skip
+                if want_logprobs:
+                    choice["logprobs"] = logprobs.chat_logprobs(r["meta_info"], text_of)
+                choices.append(choice)
+            return {"id": rid, "object": "chat.completion", "created": translate.now(), "model": name,
+                    "choices": choices, "usage": translate.usage(results, 1, body.n)}  # fmt: skip
+
+        return await json_off_loop(answer)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -179,12 +192,16 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             return _sse_response(stream, fmt, inflight, bases)
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_generate(**args))
-        results = out if isinstance(out, list) else [out]
-        choices = [{"index": i, "text": r["text"], "finish_reason": translate.finish_reason(r["meta_info"]),
-                    "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of) if want_logprobs else None}
-                   for i, r in enumerate(results)]  # fmt: skip
-        return {"id": rid, "object": "text_completion", "created": translate.now(), "model": name,
-                "choices": choices, "usage": translate.usage(results, prompts, body.n)}  # fmt: skip
+
+        def answer() -> dict:
+            results = out if isinstance(out, list) else [out]
+            choices = [{"index": i, "text": r["text"], "finish_reason": translate.finish_reason(r["meta_info"]),
+                        "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of) if want_logprobs else None}
+                       for i, r in enumerate(results)]  # fmt: skip
+            return {"id": rid, "object": "text_completion", "created": translate.now(), "model": name,
+                    "choices": choices, "usage": translate.usage(results, prompts, body.n)}  # fmt: skip
+
+        return await json_off_loop(answer)
 
     async def beam_response(request: Request, body, args: dict, rid: str, kind: str, bases: list[str]) -> dict:
         if body.logprobs is not None and body.logprobs is not False:  # completions' logprobs: 0 asks for them too
@@ -215,7 +232,8 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             stream = await engine.async_generate(**args, stream=True)
             return _sse_response(stream, sse.NativeEvents(), inflight, bases)
         with inflight.track(bases):
-            return await until_disconnect(request, engine.async_generate(**args))
+            out = await until_disconnect(request, engine.async_generate(**args))
+        return await json_off_loop(lambda: out)
 
     @app.post("/flush_cache")
     async def flush_cache():
