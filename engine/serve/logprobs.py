@@ -3,7 +3,8 @@
 A byte-level BPE token (GPT-2's alphabet: SmolLM2, Llama 3, Qwen, ...) may hold part of a UTF-8
 character; decoding it alone gives U+FFFD, whose bytes are not the token's. Its bytes come from its
 vocabulary string instead, GPT-2's byte-to-unicode mapping reversed, so all the tokens' bytes
-together are the text's UTF-8. A token's `token` is its text; one that is not whole characters is
+together are the text's UTF-8. A sentencepiece token's ("▁world") are its piece's with "▁" as the space that
+decoding it alone would drop. A token's `token` is its text; one that is not whole characters is
 written as OpenAI writes it, "bytes:" and the bytes as \\xNN escapes ("bytes:\\xe3\\x81").
 """
 
@@ -36,13 +37,16 @@ def as_text(raw: bytes) -> str:
 
 
 class TokenText:
-    """Token id -> (token, bytes), cached; for a tokenizer that is not byte-level, bytes of
-    sentencepiece byte tokens ("<0xE3>") are that byte, the others' their decoded text's."""
+    """Token id -> (token, bytes), cached. For a sentencepiece vocabulary (Llama 2, Mistral: "▁" a space,
+    "<0xE3>" a byte token) the bytes are the piece's with "▁" as a space, or the byte token's byte: decoding
+    a piece alone drops its leading space, which the text in context keeps. Otherwise (not byte-level, not
+    sentencepiece) the token decoded alone."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self.byte_level = "ByteLevel" in repr(decoder)
+        decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+        self.byte_level = "ByteLevel" in decoder
+        self.sentencepiece = not self.byte_level and ("Metaspace" in decoder or '"▁"' in decoder)
         self.added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}  # special tokens: plain text
         self.cache: dict[int, tuple[str, bytes]] = {}
 
@@ -64,6 +68,8 @@ class TokenText:
                 byte = _BYTE_TOKEN.fullmatch(piece)
                 if byte:
                     return bytes([int(byte.group(1), 16)])
+                if self.sentencepiece:
+                    return piece.replace("▁", " ").encode("utf-8")
         return self.tokenizer.decode([token_id]).encode("utf-8")
 
 
