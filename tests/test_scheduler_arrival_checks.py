@@ -144,3 +144,28 @@ def test_a_refused_request_reusing_a_running_rid_ends_the_old_one(run):
     assert "superseded" in finishes[0][1].message and "stop_token_ids" in finishes[1][1].message
     stats = run.sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+
+
+def test_a_request_already_failed_in_admission_is_not_failed_again_when_admission_raises(run, monkeypatch):
+    """Admission fails a request that can never run (here: never_fits, as for a grammar that does not fit)
+    and goes on; when a later request then makes it raise, the queue it fails no longer holds the first:
+    one finish per request (a second would reach a later request reusing the rid)."""
+    import engine.scheduler.prefill as prefill
+
+    real_fits, real_lend = prefill.never_fits, run.sched.kv.lend_prefix
+    monkeypatch.setattr(prefill, "never_fits", lambda sched, req: "doomed here" if req.rid == "doomed" else real_fits(sched, req))
+
+    def lend(req):
+        if req.rid == "cursed":
+            raise KeyError("injected in schedule")
+        return real_lend(req)
+
+    run.sched.kv.lend_prefix = lend
+    try:
+        run.submit(TokenizedRequest("doomed", [3, 4, 5], GOOD), TokenizedRequest("cursed", [3, 3, 3], GOOD))
+        finishes = run.finish_all()
+    finally:
+        run.sched.kv.lend_prefix = real_lend
+    assert sorted(rid for rid, _ in finishes) == ["cursed", "doomed"], finishes
+    assert "doomed here" in dict(finishes)["doomed"].message
+    assert "injected in schedule" in dict(finishes)["cursed"].message

@@ -28,9 +28,11 @@ def schedule_failed(sched: Scheduler, message: str) -> None:
     """schedule() raised (a bug, or a plugin's hook): fail the requests it was working on. A prefill
     plan fails the requests it had admitted (they hold slots); a failure before any was admitted
     fails the waiting queue, which would otherwise fail the same way every turn; a decode step
-    fails the running batch, whose tensors may be half-updated."""
+    fails the running batch, whose tensors may be half-updated. Requests admission had already failed
+    this turn (and left in the queue until its end) are not failed again."""
     traceback.print_exc()
     planned, sched._planned = sched._planned, []
+    sched.waiting = [r for r in sched.waiting if r.finished is None]
     if sched._phase is ForwardMode.DECODE or not (planned or sched.waiting):
         rows = sched.running
         abort_reqs(sched, rows.reqs, rows.kv_lens.tolist(), message)
