@@ -6,8 +6,8 @@ stream abandoned by its consumer, and an async call cancelled while it waits, ab
 
 An async call submits on a worker thread, not on the event loop: tokenizing a long prompt, a chat
 template or a grammar check takes seconds for a megabyte, and every stream of the loop would wait.
-One worker per tokenizer manager, so calls are sent in the order they were made; a call cancelled
-while its submission runs has its requests aborted once they are sent.
+Up to eight at once, each sent when its own submission is done, so a long one holds up no other; a
+call cancelled while its submission runs has its requests aborted once they are sent.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
     if state.finish_reason is not None:
         meta = state.meta_info()
     else:
-        meta = {"id": state.rid, "finish_reason": None, "completion_tokens": len(state.output_ids)}
+        meta = {"id": state.rid, "finish_reason": None, "prompt_tokens": state.prompt_tokens,
+                "completion_tokens": len(state.output_ids)}  # fmt: skip
         if state.return_logprob and ids:  # the logprobs (and top alternatives) of this chunk's own tokens
             k = len(ids)
             meta["output_token_logprobs"] = lp_tuples(state.output_logprobs[-k:], ids)

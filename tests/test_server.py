@@ -581,6 +581,25 @@ def test_native_generate_and_flush_cache(server, engine):
     assert http(server, "POST", "/flush_cache").json()["flushed_tokens"] >= 0
 
 
+def test_native_stream_events_hold_everything_so_far(server):
+    """Each /generate event, as SGLang sends them, holds the request so far: its text, ids, token counts and
+    logprobs (not only the event's own); the last one is the whole plain answer."""
+    body = {"text": "The sky is", "sampling_params": {**GREEDY, "max_new_tokens": 6}, "return_logprob": True,
+            "top_logprobs_num": 2}  # fmt: skip
+    whole = http(server, "POST", "/generate", json=body).json()
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as s:  # fmt: skip
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(events) > 1
+    for e in events:
+        meta, n = e["meta_info"], len(e["output_ids"])
+        assert meta["prompt_tokens"] == whole["meta_info"]["prompt_tokens"] and meta["completion_tokens"] == n, meta
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == n, meta
+        assert [t[1] for t in meta["output_token_logprobs"]] == e["output_ids"]
+    assert events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
+    assert events[-1]["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(engine):
     """Many models' templates raise on some role orders (raise_exception): that is the caller's error."""
     import copy

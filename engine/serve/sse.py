@@ -117,17 +117,27 @@ class CompletionChunks(_OpenAIChunks):
 
 
 class NativeEvents:
-    """SGLang's /generate stream: each event holds the request's text and ids so far."""
+    """SGLang's /generate stream: each event holds the request so far: its text, ids and logprobs (a chunk's
+    short meta_info carries its own tokens' logprobs; the last chunk's, the whole request's)."""
+
+    LISTS = ("output_token_logprobs", "output_top_logprobs")
 
     def __init__(self) -> None:
         self.text: dict[int, str] = {}
         self.ids: dict[int, list[int]] = {}
+        self.lists: dict[int, dict[str, list]] = {}
 
     def chunk(self, chunk: dict) -> list[dict]:
-        i = chunk["index"]
+        i, meta = chunk["index"], chunk["meta_info"]
         self.text[i] = self.text.get(i, "") + chunk["text"]
         self.ids[i] = self.ids.get(i, []) + chunk["output_ids"]
-        return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": chunk["meta_info"]}]
+        if meta["finish_reason"] is None:
+            so_far = self.lists.setdefault(i, {})
+            meta = dict(meta)
+            for key in self.LISTS:
+                if key in meta or key in so_far:  # a chunk without tokens carries none of its own
+                    meta[key] = so_far[key] = so_far.get(key, []) + meta.get(key, [])
+        return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": meta}]
 
     def close(self) -> list[dict]:
         return []
