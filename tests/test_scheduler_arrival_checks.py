@@ -3,6 +3,8 @@ field at fault; the requests batched with it and the process go on. Real ZMQ, sc
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import pytest
 
@@ -66,24 +68,31 @@ def test_empty_prompt_and_too_long_prompt_are_refused(run):
     assert finishes["fine"].type == "length"
 
 
-def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):
-    """schedule() raising (here: the radix cache, on one prompt) is not fatal: that request aborts with
-    the error, the running ones and later ones are served."""
-    run.submit(TokenizedRequest("runner", [1, 9, 9], msgspec.structs.replace(GOOD, max_new_tokens=8)))
-    assert run.sched.run_once(block=False)  # prefilled: it decodes from now on
+@contextlib.contextmanager
+def _lending_fails_for(run, rid: str):
+    """The radix cache's lend_prefix raises for request rid: schedule() fails part-way, as on a bug."""
     real = run.sched.kv.lend_prefix
 
     def lend(req):
-        if req.rid == "cursed":
+        if req.rid == rid:
             raise KeyError("injected in schedule")
         return real(req)
 
     run.sched.kv.lend_prefix = lend
     try:
-        run.submit(TokenizedRequest("cursed", [3, 3, 3], GOOD))
-        finishes = dict(run.finish_all())
+        yield
     finally:
         run.sched.kv.lend_prefix = real
+
+
+def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):
+    """schedule() raising (here: the radix cache, on one prompt) is not fatal: that request aborts with
+    the error, the running ones and later ones are served."""
+    run.submit(TokenizedRequest("runner", [1, 9, 9], msgspec.structs.replace(GOOD, max_new_tokens=8)))
+    assert run.sched.run_once(block=False)  # prefilled: it decodes from now on
+    with _lending_fails_for(run, "cursed"):
+        run.submit(TokenizedRequest("cursed", [3, 3, 3], GOOD))
+        finishes = dict(run.finish_all())
     assert finishes["cursed"].type == "abort" and "injected in schedule" in finishes["cursed"].message
     assert finishes["runner"].type == "length"
     run.submit(TokenizedRequest("after", [1, 2], GOOD))
@@ -152,20 +161,11 @@ def test_a_request_already_failed_in_admission_is_not_failed_again_when_admissio
     one finish per request (a second would reach a later request reusing the rid)."""
     import engine.scheduler.prefill as prefill
 
-    real_fits, real_lend = prefill.never_fits, run.sched.kv.lend_prefix
+    real_fits = prefill.never_fits
     monkeypatch.setattr(prefill, "never_fits", lambda sched, req: "doomed here" if req.rid == "doomed" else real_fits(sched, req))
-
-    def lend(req):
-        if req.rid == "cursed":
-            raise KeyError("injected in schedule")
-        return real_lend(req)
-
-    run.sched.kv.lend_prefix = lend
-    try:
+    with _lending_fails_for(run, "cursed"):
         run.submit(TokenizedRequest("doomed", [3, 4, 5], GOOD), TokenizedRequest("cursed", [3, 3, 3], GOOD))
         finishes = run.finish_all()
-    finally:
-        run.sched.kv.lend_prefix = real_lend
     assert sorted(rid for rid, _ in finishes) == ["cursed", "doomed"], finishes
     assert "doomed here" in dict(finishes)["doomed"].message
     assert "injected in schedule" in dict(finishes)["cursed"].message
