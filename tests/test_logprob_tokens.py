@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from engine.serve.logprobs import TokenText
+from engine.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 
 SP_VOCAB = ["<unk>", "<s>", "</s>", "<0xE3>", "<0x81>", "<0x82>", "▁Hello", "▁world", "!", "▁", "lo"]
 SP_DECODERS = {  # as Llama 2's tokenizer.json writes it, and as newer Mistral files do
@@ -29,11 +29,17 @@ def sentencepiece_tokenizer(decoder: str) -> PreTrainedTokenizerFast:
 def test_sentencepiece_pieces_keep_their_space_and_byte_tokens_their_byte(decoder):
     tok = sentencepiece_tokenizer(decoder)
     ids = [SP_VOCAB.index(p) for p in ("▁Hello", "▁world", "!", "<0xE3>", "<0x81>", "<0x82>", "▁", "lo")]
-    text = tok.decode([SP_VOCAB.index("▁Hello"), *ids])[len("Hello"):]  # as a generation after a prompt
-    assert text == " Hello world!あ lo"
+    text = tok.decode(ids)  # as the detokenizer decodes an output: on its own, the first piece's space dropped
+    assert text == "Hello world!あ lo"
     text_of = TokenText(tok)
-    assert [text_of(i)[0] for i in ids] == [" Hello", " world", "!", "bytes:\\xe3", "bytes:\\x81", "bytes:\\x82", " ", "lo"]
-    assert b"".join(text_of(i)[1] for i in ids) == text.encode("utf-8")
+    assert [text_of(i)[0] for i in ids[1:]] == [" world", "!", "bytes:\\xe3", "bytes:\\x81", "bytes:\\x82", " ", "lo"]
+    meta = {"output_token_logprobs": [(-0.5, i, None) for i in ids]}
+    chat = chat_logprobs(meta, text_of)["content"]
+    assert chat[0]["token"] == "Hello" and b"".join(bytes(c["bytes"]) for c in chat) == text.encode("utf-8")
+    completion = completion_logprobs(meta, text_of)
+    assert completion["tokens"][:2] == ["Hello", " world"] and completion["text_offset"][:3] == [0, 5, 11]
+    later = chat_logprobs({"output_token_logprobs": meta["output_token_logprobs"][:2]}, text_of, start=3)["content"]
+    assert [c["token"] for c in later] == [" Hello", " world"]  # a stream chunk's tokens after the first
 
 
 def test_byte_level_tokens_give_the_texts_bytes(engine):

@@ -140,6 +140,8 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it():
     top_p = torch.tensor([0.5, 0.75, 0.76])  # sums exact in float32: the first two reach 0.5 and 0.75
     kept = top_k_top_p(probs, torch.full((3,), 4, dtype=torch.int64), top_p)
     assert (kept > 0).sum(dim=-1).tolist() == [2, 2, 3]
+    tiny = top_k_top_p(probs[1:2], torch.tensor([4]), torch.tensor([1e-46]))  # 0 in float32: still the top token
+    assert tiny.tolist() == [[0.5, 0.0, 0.0, 0.0]]
 
 
 def test_top_p_matches_transformers():

@@ -136,6 +136,7 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     ranks = torch.arange(probs.shape[-1], device=probs.device)
     drop = ranks[None, :] >= top_k[:, None]
     drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False  # a top_p under float32's least value (0 there) must not empty the row
     return probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
 
 

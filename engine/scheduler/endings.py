@@ -32,13 +32,13 @@ def schedule_failed(sched: Scheduler, message: str) -> None:
     this turn (and left in the queue until its end) are not failed again."""
     traceback.print_exc()
     planned, sched._planned = sched._planned, []
-    sched.waiting = [r for r in sched.waiting if r.finished is None]
     if sched._phase is ForwardMode.DECODE or not (planned or sched.waiting):
         rows = sched.running
         abort_reqs(sched, rows.reqs, rows.kv_lens.tolist(), message)
         sched.running = RunningBatch.empty(sched.model_config.vocab_size, sched.device)
         beam_stage.abort(sched, list(sched.beams.groups), message, keep_kv=False)
         return
+    sched.waiting = [r for r in sched.waiting if r.finished is None]
     if sched.chunked_req is not None and any(r is sched.chunked_req for r in planned):
         sched.chunked_req = None
     if planned:

@@ -57,6 +57,14 @@ class TokenText:
             found = self.cache[token_id] = (as_text(raw), raw)
         return found
 
+    def first(self, token_id: int) -> tuple[str, bytes]:
+        """(token, bytes) of a request's first output token: the detokenizer decodes the output on its own,
+        and a sentencepiece decoder drops the space its first piece starts with."""
+        token, raw = self(token_id)
+        if self.sentencepiece and raw.startswith(b" "):
+            return as_text(raw[1:]), raw[1:]
+        return token, raw
+
     def _bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str) and token_id not in self.added:
@@ -87,29 +95,31 @@ class TextOffsets:
         return at
 
 
-def chat_logprobs(meta: dict, text_of: TokenText) -> dict | None:
+def chat_logprobs(meta: dict, text_of: TokenText, start: int = 0) -> dict | None:
+    """start: the output position of the first token in meta's lists (a stream chunk's own tokens)."""
     tokens = meta.get("output_token_logprobs")
     if tokens is None:
         return None
     tops = meta.get("output_top_logprobs") or [[] for _ in tokens]
     content = []
-    for (lp, tid, _), top in zip(tokens, tops):
-        token, raw = text_of(tid)
+    for j, ((lp, tid, _), top) in enumerate(zip(tokens, tops)):
+        token, raw = text_of.first(tid) if start + j == 0 else text_of(tid)
         alternatives = [{"token": text_of(i)[0], "logprob": v, "bytes": list(text_of(i)[1])} for v, i, _ in top]
         content.append({"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": alternatives})
     return {"content": content}
 
 
-def completion_logprobs(meta: dict, text_of: TokenText, offsets: TextOffsets | None = None) -> dict | None:
-    """offsets: a stream's, kept from chunk to chunk; a new one (from 0) otherwise."""
+def completion_logprobs(meta: dict, text_of: TokenText, offsets: TextOffsets | None = None,
+                        start: int = 0) -> dict | None:  # fmt: skip
+    """offsets: a stream's, kept from chunk to chunk; a new one (from 0) otherwise. start: as chat_logprobs'."""
     tokens = meta.get("output_token_logprobs")
     if tokens is None:
         return None
     offsets = offsets if offsets is not None else TextOffsets()
     tops = meta.get("output_top_logprobs") or [None for _ in tokens]
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for (lp, tid, _), top in zip(tokens, tops):
-        token, raw = text_of(tid)
+    for j, ((lp, tid, _), top) in enumerate(zip(tokens, tops)):
+        token, raw = text_of.first(tid) if start + j == 0 else text_of(tid)
         out["tokens"].append(token)
         out["token_logprobs"].append(lp)
         out["top_logprobs"].append({text_of(i)[0]: v for v, i, _ in top} if top else None)

@@ -51,6 +51,14 @@ class _OpenAIChunks:
         self.extra = {"usage": None} if include_usage else {}
         self.prompts, self.n, self.include_usage, self.logprobs, self.text_of = prompts, n, include_usage, logprobs, text_of
         self.finals: dict[int, dict] = {}
+        self.tokens: dict[int, int] = {}  # each choice's tokens so far
+
+    def position(self, chunk: dict) -> int:
+        """The output position of this chunk's first token (counts the chunk's tokens)."""
+        i = chunk["index"]
+        start = self.tokens.get(i, 0)
+        self.tokens[i] = start + len(chunk["output_ids"])
+        return start
 
     def wants(self, chunk: dict, reason: str | None) -> bool:
         """Emit a chunk with text, a finish, or (logprobs asked) tokens whose text is still held back."""
@@ -91,8 +99,9 @@ class ChatChunks(_OpenAIChunks):
             self.started.add(i)
             out.append(self.payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}))  # fmt: skip
+        start = self.position(chunk)
         if self.wants(chunk, reason):
-            lp = chat_logprobs(_own_logprobs(chunk), self.text_of) if self.logprobs else None
+            lp = chat_logprobs(_own_logprobs(chunk), self.text_of, start) if self.logprobs else None
             delta = {"content": chunk["text"]} if chunk["text"] else {}
             out.append(self.payload({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}))
         self.finished(chunk, reason)
@@ -107,10 +116,11 @@ class CompletionChunks(_OpenAIChunks):
     def chunk(self, chunk: dict) -> list[dict]:
         i, reason = chunk["index"], translate.finish_reason(chunk["meta_info"])
         out = []
+        start = self.position(chunk)
         if self.wants(chunk, reason):
             lp = None
             if self.logprobs:
-                lp = completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.setdefault(i, TextOffsets()))
+                lp = completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.setdefault(i, TextOffsets()), start)
             out.append(self.payload({"index": i, "text": chunk["text"], "logprobs": lp, "finish_reason": reason}))
         self.finished(chunk, reason)
         return out
@@ -136,7 +146,8 @@ class NativeEvents:
             meta = dict(meta)
             for key in self.LISTS:
                 if key in meta or key in so_far:  # a chunk without tokens carries none of its own
-                    meta[key] = so_far[key] = so_far.get(key, []) + meta.get(key, [])
+                    so_far.setdefault(key, []).extend(meta.get(key, []))  # the event is encoded before the next
+                    meta[key] = so_far[key]
         return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": meta}]
 
     def close(self) -> list[dict]:
