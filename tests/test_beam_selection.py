@@ -3,6 +3,7 @@ one top-k over K x V gives (transformers' way), and a search's KV reservation is
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.beam_search.batch import BeamGroup
@@ -66,19 +67,21 @@ def test_a_searchs_reservation_is_what_its_decode_steps_take():
     assert taken == k * (n - 1) and group.remaining_tokens() == 0
 
 
-def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_matcher():
+@pytest.mark.parametrize("regex, k, answers", [("(yes|no)", 4, {"yes", "no"}), ("a", 2, {"a"})])
+def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_matcher(regex, k, answers):
     """A grammar that leaves fewer continuations than beams: the beams kept to fill the width carry a stop
     token at a pushed-down score. Their matchers must not accept it (a terminated matcher has no next mask:
     xgrammar's fill raises, and the step failed every request in the batch); they keep their parent's state,
-    as a beam at -inf does."""
+    as a beam at -inf does, and count as -inf from then on: their continuations would make hypotheses with a
+    stop token inside ("a</s></s>"), which filled the results of a grammar with fewer answers than beams."""
     import xgrammar as xgr
 
     from engine.beam_search.batch import advance_matchers
 
-    vocab = ["y", "ye", "yes", "n", "no", "e", "es", "s", "o", "</s>", "x"]
-    eos, k = vocab.index("</s>"), 4
+    vocab = ["y", "ye", "yes", "n", "no", "e", "es", "s", "o", "</s>", "x", "a"]
+    eos = vocab.index("</s>")
     info = xgr.TokenizerInfo(vocab, stop_token_ids=[eos])
-    grammar = xgr.GrammarCompiler(info, max_threads=1).compile_regex("(yes|no)")
+    grammar = xgr.GrammarCompiler(info, max_threads=1).compile_regex(regex)
     fill = xgr.BatchGrammarMatcher(max_threads=1)
 
     def masked(logprobs: torch.Tensor, matchers: list) -> torch.Tensor:  # what Grammars.mask does
@@ -99,5 +102,8 @@ def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_match
         matchers = advance_matchers(matchers, parents.tolist(), tokens.tolist(), sel)
         assert not any(m.is_terminated() for m in matchers)
     assert short  # the case this test is for happened
-    texts = {"".join(vocab[t] for t in h.output_ids[:-1]) for h in sel.results(2)}
-    assert texts <= {"yes", "no"} and all(h.output_ids[-1] == eos for h in sel.results(2)), texts
+    found = [h for h in sel.results(k) if h.stopped]  # finished ones (a slot left unfilled is not)
+    texts = {"".join(vocab[t] for t in h.output_ids[:-1]) for h in found}
+    assert texts and texts <= answers and all(h.output_ids[-1] == eos for h in found), texts
+    for h in sel.results(k):  # a kept beam's continuations never make a hypothesis with a stop token inside
+        assert eos not in h.output_ids[:-1], [vocab[t] for t in h.output_ids]

@@ -59,13 +59,17 @@ def advance_matchers(matchers: list, parents: list[int], tokens: list[int], sele
     """Each next beam's grammar matcher: its parent's, forked, advanced by its token. A beam that can
     never win keeps its parent's state: one at -inf (its token was never allowed) and one pushed down
     (fewer continuations than beams that are not stop tokens: it carries a stop token, which would
-    terminate its matcher, and a terminated matcher has no next mask)."""
+    terminate its matcher, and a terminated matcher has no next mask). A pushed-down beam is made -inf
+    too: its continuations, from the state before its stop token, would make hypotheses with a stop
+    token inside, which could fill the results of a grammar with fewer answers than asked for."""
     scores = selection.scores.tolist()
     out = []
-    for parent, token, score in zip(parents, tokens, scores):
+    for j, (parent, token, score) in enumerate(zip(parents, tokens, scores)):
         m = matchers[parent].fork()
         if score > PUSH_DOWN / 2 and not m.is_terminated():
             m.accept_token(token)
+        elif score != float("-inf"):
+            selection.scores[j] = float("-inf")
         out.append(m)
     return out
 
