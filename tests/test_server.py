@@ -409,15 +409,17 @@ def test_a_client_leaving_a_plain_request_frees_its_kv(server):
     assert stats["aborted_requests"] == before["aborted_requests"] + 1
 
 
-def _held(server, path, body: dict, timeout: float = 120) -> tuple[threading.Thread, dict]:
-    """Send body with a prompt whose tokenizing the test plugin holds until path.release; return
-    once it is held (the thread that sent it, and where its outcome lands)."""
+def _held(server, path, body: dict, timeout: float = 120, route: str = "/v1/completions") -> tuple[threading.Thread, dict]:
+    """Send body (to a completion: with a prompt whose tokenizing the test plugin holds until path.release;
+    to another route, marked by the caller as the plugin reads it); return once it is held (the thread that
+    sent it, and where its outcome lands)."""
     outcome: dict = {}
+    if route == "/v1/completions":
+        body = {**body, "prompt": f"{HOLD}{path}\n{body['prompt']}"}
 
     def send() -> None:
         try:
-            outcome["response"] = http(server, "POST", "/v1/completions", timeout=timeout,
-                                       json={**body, "prompt": f"{HOLD}{path}\n{body['prompt']}"})  # fmt: skip
+            outcome["response"] = http(server, "POST", route, timeout=timeout, json=body)
         except httpx.HTTPError as exc:
             outcome["error"] = exc
 
@@ -457,16 +459,10 @@ def test_a_finished_answer_is_built_off_the_event_loop(server, tmp_path):
     the choices, the JSON: seconds for a long prompt's logprobs, 20 top each), the server goes on
     answering. The test plugin holds this request's output hook, as such a body holds the stage."""
     hold = tmp_path / "out"
-    outcome: dict = {}
     body = {"input_ids": [1, 2, 3], "rid": f"{HOLD_OUTPUT}{hold}", "return_logprob": True, "top_logprobs_num": 2,
             "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
-    sender = threading.Thread(target=lambda: outcome.update(response=http(server, "POST", "/generate", json=body)))
-    sender.start()
+    sender, outcome = _held(server, hold, body, route="/generate")
     try:
-        deadline = time.monotonic() + 60
-        while not hold.with_suffix(".entered").exists():
-            assert time.monotonic() < deadline and sender.is_alive(), outcome
-            time.sleep(0.01)
         assert http(server, "GET", "/health", key=None, timeout=30).status_code == 200
         other = http(server, "POST", "/generate", timeout=30, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
         assert other.status_code == 200 and other.json()["meta_info"]["completion_tokens"] >= 1, other.text
