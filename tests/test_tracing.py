@@ -285,7 +285,25 @@ def batch(traced, receiver):
     results = traced.generate(PROMPTS, params)
     rids = [r["meta_info"]["id"] for r in results]
     assert receiver.wait_for(_complete(rids, STAGES), SPAN_WAIT), "spans did not all arrive"
+    # a request's spans end inside its last step, whose span ends after them and can come in a later export
+    tokens = {r["meta_info"]["id"]: r["meta_info"]["completion_tokens"] for r in results}
+    assert receiver.wait_for(_steps_served(tokens), SPAN_WAIT), "step spans did not all arrive"
     return results, receiver.spans()
+
+
+def _steps_served(tokens: dict[str, int]):
+    """True once the step spans name each request as often as it has tokens (a prefill, then decodes)."""
+
+    def check(spans: list[SpanRecord]) -> bool:
+        served = dict.fromkeys(tokens, 0)
+        for s in spans:
+            if "engine.step.mode" in s.attributes and not s.parent_span_id:
+                for rid in s.attributes["engine.request_ids"]:
+                    if rid in served:
+                        served[rid] += 1
+        return served == tokens
+
+    return check
 
 
 def test_one_trace_per_request_with_spans_from_all_three_processes(traced, batch):
