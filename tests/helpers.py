@@ -32,6 +32,13 @@ def wait_gone(pids, timeout: float) -> list[int]:
     return alive
 
 
+def wait_path(path: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.path.exists(path)
+
+
 def wait_path_gone(path: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while os.path.exists(path) and time.monotonic() < deadline:

@@ -15,8 +15,8 @@ import threading
 import httpx
 import pytest
 
-from helpers import wait_gone
-from server_helpers import start_server, stop_server
+from helpers import wait_gone, wait_path
+from server_helpers import HOLD, PLUGIN, TESTS_DIR, start_server, stop_server
 
 
 def test_a_start_failure_exits_non_zero_with_the_reason():
@@ -36,8 +36,9 @@ def receiver(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def traced_server(receiver):
-    env = {"ENGINE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    srv = start_server("--max-total-tokens", "4096", "--shutdown-timeout", "2", env=env)
+    env = {"ENGINE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "PYTHONPATH": TESTS_DIR}  # fmt: skip
+    srv = start_server("--max-total-tokens", "4096", "--shutdown-timeout", "2", "--plugins", PLUGIN, env=env)
     yield srv
     if srv.proc.poll() is None:
         stop_server(srv)
@@ -89,10 +90,24 @@ def test_max_tokens_left_out_is_what_the_context_and_the_pool_leave(traced_serve
     assert root(receiver.spans())[0].attributes["gen_ai.request.max_tokens"] == want
 
 
-def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, receiver):
+def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, receiver, tmp_path):
+    """Past --shutdown-timeout the server aborts what runs, and also what was still being tokenized
+    then (the test plugin holds one request's tokenizing until after the stream's abort)."""
     pids = httpx.get(traced_server.url + "/server_info", timeout=30).json()["pids"]
     events: list[str] = []
     started = threading.Event()
+    hold = str(tmp_path / "held")
+    late: dict = {}
+
+    def held() -> None:
+        body = {"prompt": f"{HOLD}{hold}\nTell me a story.", "max_tokens": 3000, "ignore_eos": True}
+        try:
+            late["response"] = httpx.post(traced_server.url + "/v1/completions", json=body, timeout=120)
+        except httpx.HTTPError as exc:
+            late["error"] = exc
+
+    sender = threading.Thread(target=held)
+    sender.start()
 
     def stream() -> None:
         body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "stream": True, "ignore_eos": True}
@@ -104,13 +119,18 @@ def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, re
 
     reader = threading.Thread(target=stream)
     reader.start()
-    assert started.wait(60)
+    assert started.wait(60) and wait_path(hold + ".entered", 60)
     traced_server.proc.send_signal(signal.SIGTERM)
-    assert traced_server.proc.wait(60) == 0, traced_server.output()
-    reader.join(30)
+    reader.join(60)
     assert events[-1] == "[DONE]"  # ended in order: past --shutdown-timeout the request was aborted
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "abort"
+    open(hold + ".release", "w").close()  # tokenized only now, after the abort: it is aborted once sent
+    assert traced_server.proc.wait(60) == 0, traced_server.output()
+    sender.join(30)
+    assert "response" in late, late
+    assert late["response"].status_code == 200, late["response"].text
+    assert late["response"].json()["choices"][0]["finish_reason"] == "abort"
     assert wait_gone(list(pids.values()), 10) == []
     # the stream's spans were flushed at the stop
     assert receiver.wait_for(lambda spans: any(s.role == "user" and s.status_code == 2 for s in spans), 10)

@@ -86,11 +86,12 @@ class InFlight:
             self.rids.subtract(rids)
             self.rids += Counter()  # drop the zeros
 
-    def abort_all(self) -> int:
+    def abort_all(self) -> list[str]:
+        """Abort every tracked request the engine has (it drops an abort for one not yet sent)."""
         rids = list(self.rids)
         if rids:
             self.engine.abort(rids)
-        return len(rids)
+        return rids
 
 
 def build_app(engine, options: ServeOptions) -> FastAPI:

@@ -106,12 +106,19 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
                 server.should_exit = True
             await asyncio.sleep(0.2)
         await asyncio.sleep(args.shutdown_timeout)
-        try:
-            aborted = app.state.inflight.abort_all()
-        except Exception:  # noqa: BLE001 - a dead engine: its requests have failed already
-            aborted = 0
-        if aborted:
-            print(f"engine serve: aborted {aborted} requests still running after --shutdown-timeout", file=sys.stderr, flush=True)
+        # again until nothing is left: a request still being tokenized now is unknown to the engine,
+        # which drops its abort; it is aborted once it has been sent
+        aborted: set[str] = set()
+        while app.state.inflight.rids:
+            try:
+                rids = app.state.inflight.abort_all()
+            except Exception:  # noqa: BLE001 - a dead engine: its requests have failed already
+                return
+            if set(rids) - aborted:
+                print(f"engine serve: aborted {len(set(rids) - aborted)} requests still running after --shutdown-timeout",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                aborted.update(rids)
+            await asyncio.sleep(0.2)
 
     watcher = asyncio.ensure_future(watch())
     try:
