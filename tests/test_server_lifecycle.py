@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -96,18 +97,20 @@ def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, re
     pids = httpx.get(traced_server.url + "/server_info", timeout=30).json()["pids"]
     events: list[str] = []
     started = threading.Event()
-    hold = str(tmp_path / "held")
-    late: dict = {}
+    holds = [str(tmp_path / "held"), str(tmp_path / "held-stream")]
+    late: list[dict] = [{}, {}]
 
-    def held() -> None:
-        body = {"prompt": f"{HOLD}{hold}\nTell me a story.", "max_tokens": 3000, "ignore_eos": True}
+    def held(i: int) -> None:  # the second streams
+        body = {"prompt": f"{HOLD}{holds[i]}\nTell me a story.", "max_tokens": 3000, "ignore_eos": True, "stream": i == 1}
         try:
-            late["response"] = httpx.post(traced_server.url + "/v1/completions", json=body, timeout=120)
+            with httpx.stream("POST", traced_server.url + "/v1/completions", json=body, timeout=120) as r:
+                late[i]["status"], late[i]["body"] = r.status_code, r.read().decode()
         except httpx.HTTPError as exc:
-            late["error"] = exc
+            late[i]["error"] = exc
 
-    sender = threading.Thread(target=held)
-    sender.start()
+    senders = [threading.Thread(target=held, args=(i,)) for i in range(2)]
+    for sender in senders:
+        sender.start()
 
     def stream() -> None:
         body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "stream": True, "ignore_eos": True}
@@ -119,18 +122,21 @@ def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, re
 
     reader = threading.Thread(target=stream)
     reader.start()
-    assert started.wait(60) and wait_path(hold + ".entered", 60)
+    assert started.wait(60) and all(wait_path(h + ".entered", 60) for h in holds)
     traced_server.proc.send_signal(signal.SIGTERM)
     reader.join(60)
     assert events[-1] == "[DONE]"  # ended in order: past --shutdown-timeout the request was aborted
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "abort"
-    open(hold + ".release", "w").close()  # tokenized only now, after the abort: it is aborted once sent
+    for h, sender in zip(holds, senders):  # tokenized only now, after the abort, one after the other: aborted once sent
+        open(h + ".release", "w").close()
+        sender.join(30)
+        time.sleep(1)  # the stream comes when nothing else runs
     assert traced_server.proc.wait(60) == 0, traced_server.output()
-    sender.join(30)
-    assert "response" in late, late
-    assert late["response"].status_code == 200, late["response"].text
-    assert late["response"].json()["choices"][0]["finish_reason"] == "abort"
+    assert all(r.get("status") == 200 for r in late), late
+    assert json.loads(late[0]["body"])["choices"][0]["finish_reason"] == "abort"
+    data = [line[6:] for line in late[1]["body"].splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "abort", data[-3:]
     assert wait_gone(list(pids.values()), 10) == []
     # the stream's spans were flushed at the stop
     assert receiver.wait_for(lambda spans: any(s.role == "user" and s.status_code == 2 for s in spans), 10)

@@ -109,6 +109,11 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
     text_of = logprobs.TokenText(engine.tokenizer)
     inflight = app.state.inflight = InFlight(engine)
 
+    async def open_stream(args: dict, rids: list[str]):
+        """Submit a stream, tracked from the start (the response tracks it again while it runs)."""
+        with inflight.track(rids):
+            return await engine.async_generate(**args, stream=True)
+
     def check_model(model: str | None) -> None:
         if model is not None and model != name:
             raise errors.OpenAIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
@@ -148,7 +153,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         args = dict(messages=translate.chat_messages(body), sampling_params=params, rid=rid,
                     return_logprob=want_logprobs, top_logprobs_num=top)  # fmt: skip
         if body.stream:
-            stream = await engine.async_generate(**args, stream=True)
+            stream = await open_stream(args, [rid])
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             fmt = sse.ChatChunks(rid, name, body.n, include_usage, want_logprobs, text_of)
             return _sse_response(stream, fmt, inflight, [rid])
@@ -187,7 +192,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             return await beam_response(request, body, args, rid, "text_completion", bases)
         args = dict(**inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top)
         if body.stream:
-            stream = await engine.async_generate(**args, stream=True)
+            stream = await open_stream(args, bases)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             fmt = sse.CompletionChunks(rid, name, prompts, body.n, include_usage, want_logprobs, text_of)
             return _sse_response(stream, fmt, inflight, bases)
@@ -230,7 +235,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
                     return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                     logprob_start_len=body.logprob_start_len)  # fmt: skip
         if body.stream:
-            stream = await engine.async_generate(**args, stream=True)
+            stream = await open_stream(args, bases)
             return _sse_response(stream, sse.NativeEvents(), inflight, bases)
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_generate(**args))

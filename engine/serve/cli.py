@@ -106,10 +106,10 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
                 server.should_exit = True
             await asyncio.sleep(0.2)
         await asyncio.sleep(args.shutdown_timeout)
-        # again until nothing is left: a request still being tokenized now is unknown to the engine,
+        # again until the server is done: a request still being tokenized now is unknown to the engine,
         # which drops its abort; it is aborted once it has been sent
         aborted: set[str] = set()
-        while app.state.inflight.rids:
+        while True:
             try:
                 rids = app.state.inflight.abort_all()
             except Exception:  # noqa: BLE001 - a dead engine: its requests have failed already
