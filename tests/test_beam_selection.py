@@ -102,7 +102,8 @@ def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_match
         matchers = advance_matchers(matchers, parents.tolist(), tokens.tolist(), sel)
         assert not any(m.is_terminated() for m in matchers)
     assert short  # the case this test is for happened
-    found = [h for h in sel.results(k) if h.stopped]  # finished ones (a slot left unfilled is not)
+    found = sel.results(k)  # finished ones only: fewer than k here
+    assert all(h.stopped for h in found)
     texts = {"".join(vocab[t] for t in h.output_ids[:-1]) for h in found}
     assert texts and texts <= answers and all(h.output_ids[-1] == eos for h in found), texts
     for h in sel.results(k):  # a kept beam's continuations never make a hypothesis with a stop token inside

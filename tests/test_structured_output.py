@@ -75,6 +75,14 @@ def test_every_output_is_valid_greedy_sampled_n4_and_beams(engine, kind, spec):
         assert h["finish_reason"]["type"] == "stop" and _valid(kind, spec, h["text"]), h
 
 
+def test_a_grammar_with_fewer_answers_than_asked_returns_only_those(engine):
+    """Regex "a" has one token path, so a search of 2 beams finds one hypothesis; the second result was
+    an empty placeholder with finish reason "length" and score -1e9."""
+    out = engine.beam_search(PROMPT, beam_width=2, max_new_tokens=4, num_return_sequences=2, regex="a")
+    assert [(h["text"], h["finish_reason"]["type"]) for h in out["hypotheses"]] == [("a", "stop")], out["hypotheses"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_unconstrained_neighbours_are_unchanged(engine):
     plain = {"max_new_tokens": 24, "temperature": 0}
     alone = engine.generate(["The quick brown fox", "def add(a, b):"], plain)

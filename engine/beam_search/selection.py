@@ -121,9 +121,12 @@ class BeamSelection:
         return top_scores, index // keep, row_tokens.reshape(-1)[index]
 
     def results(self, count: int) -> list[Hypothesis]:
-        """The `count` best finished hypotheses, best first."""
-        scores, logprobs = self.fin_scores[:count].tolist(), self.fin_logprobs[:count].tolist()
-        lens, tokens = self.fin_lens[:count].tolist(), self.fin_tokens[:count].tolist()
+        """The `count` best finished hypotheses, best first; fewer when fewer finished (a grammar with
+        fewer token paths than beams). A slot never filled holds a placeholder, or a candidate that did
+        not finish at a pushed-down score (-1e9 plus a log-probability rounds to -1e9 in float32)."""
+        kept = self.is_fin[:count]
+        scores, logprobs = self.fin_scores[:count][kept].tolist(), self.fin_logprobs[:count][kept].tolist()
+        lens, tokens = self.fin_lens[:count][kept].tolist(), self.fin_tokens[:count][kept].tolist()
         stops = set(self.stop_ids.tolist())
         out = []
         for ids, n, lp, score in zip(tokens, lens, logprobs, scores):
