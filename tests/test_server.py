@@ -621,6 +621,10 @@ def test_beam_search_as_extra_body_fields_equals_engine_beam_search(client, engi
     assert [c.text for c in out.choices] == [h["text"] for h in ref["hypotheses"]]
     assert [c.index for c in out.choices] == [0, 1]
     assert out.usage.completion_tokens == sum(len(h["output_ids"]) for h in ref["hypotheses"])
+    # a grammar with one token path gives one hypothesis of the n: choice indexes still say the prompt
+    few = client.completions.create(model="smol", prompt=["Say a", "Say it"], max_tokens=4, n=2,
+                                    extra_body={"use_beam_search": True, "regex": "a"})  # fmt: skip
+    assert [(c.index, c.text) for c in few.choices] == [(0, "a"), (2, "a")]
     chat_ref = engine.beam_search(messages=CHAT, beam_width=3, max_new_tokens=10, length_penalty=0.5, early_stopping=True)
     chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=10,
                                           extra_body={"use_beam_search": True, "beam_width": 3, "length_penalty": 0.5,

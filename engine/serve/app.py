@@ -214,7 +214,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             raise errors.OpenAIError(400, "logprobs is not supported with use_beam_search", param="logprobs")
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_beam_search(**args))
-        choices, used = beams.beam_choices(out if isinstance(out, list) else [out], chat=kind == "chat.completion")
+        choices, used = beams.beam_choices(out if isinstance(out, list) else [out], body.n, chat=kind == "chat.completion")
         return {"id": rid, "object": kind, "created": translate.now(), "model": name, "choices": choices, "usage": used}
 
     # ------------------------------------------------------------------ SGLang's native routes

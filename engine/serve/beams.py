@@ -43,17 +43,18 @@ def beam_kwargs(body: ChatCompletionRequest | CompletionRequest, params: dict[st
     return {**out, **sampling}
 
 
-def beam_choices(results: list[dict], chat: bool) -> tuple[list[dict], dict[str, int]]:
-    """Every prompt's hypotheses, best first, as choices; usage counts each prompt once."""
+def beam_choices(results: list[dict], n: int, chat: bool) -> tuple[list[dict], dict[str, int]]:
+    """Every prompt's hypotheses, best first, as choices; usage counts each prompt once. Choice j of
+    prompt p has index p * n + j, as without beams, also when a grammar left fewer than n."""
     choices: list[dict] = []
     prompt = completion = 0
-    for r in results:
+    for p, r in enumerate(results):
         meta = r["meta_info"]
         prompt += meta["prompt_tokens"]
         hyps = r["hypotheses"] or [{"text": "", "output_ids": [], "finish_reason": meta["finish_reason"]}]
-        for h in hyps:
+        for j, h in enumerate(hyps):
             completion += len(h["output_ids"])
             reason = finish_reason({"finish_reason": h["finish_reason"]})
             body = {"message": {"role": "assistant", "content": h["text"]}} if chat else {"text": h["text"]}
-            choices.append({"index": len(choices), **body, "finish_reason": reason, "logprobs": None})
+            choices.append({"index": p * n + j, **body, "finish_reason": reason, "logprobs": None})
     return choices, {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
