@@ -7,8 +7,9 @@ aborted), turns an engine failure into an error event, and always ends with `dat
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator, Protocol
+
+import msgspec
 
 from engine.serve import errors, translate
 from engine.serve.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
@@ -17,7 +18,9 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    """One event. msgspec, as the non-streamed answers: it runs on the event loop, and a /generate event
+    with logprobs holds all of them so far (2,000 tokens with 20 top each: 5 ms, json.dumps 74 ms)."""
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"
 
 
 class Formatter(Protocol):
