@@ -130,3 +130,40 @@ def test_min_new_tokens_is_clipped_with_max_new_tokens(tiny_engine):
     assert last, "the last token has no text of its own; pick another prompt"
     out = tiny_engine.generate(input_ids=prompt, sampling_params={**params, "stop": [last + "\x00never"]})
     assert out["text"] == plain["text"] and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(detokenizer, tokenizer):
+    """A token ending in half a character (" \\xc3", a space and the first byte of "ä") used to hold its
+    complete characters back with the half: the space came out with the next token's text, after
+    min_new_tokens, where the stop string " " matched though it ended inside the early tokens' text.
+    The complete characters now come out with their own token; "ä", completed after the boundary,
+    can still end a stop string."""
+    from engine.ipc.messages import BatchTokenOut, FinishReason, RequestHeader, RequestMeta
+
+    vocab = tokenizer.get_vocab()
+    ids = [vocab["x"], vocab["Ġ\u00c3"], vocab["\u00a4"], vocab["y"]]  # byte-level pieces of "x ä" + "y"
+    assert tokenizer.decode(ids) == "x \u00e4y"
+
+    def run(stop: tuple[str, ...], rid: str) -> tuple[str, list[str], FinishReason | None]:
+        header = RequestHeader(prompt_tokens=3, stop=stop, min_new_tokens=3)
+        text, deltas, finish = "", [], None
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            out = BatchTokenOut([rid], [token], [FinishReason("length", length=4) if last else None],
+                                [RequestMeta(3, i + 1) if last else None], [header if i == 0 else None])  # fmt: skip
+            got = detokenizer.detokenize(out)
+            if got is None:
+                break
+            deltas.append(got.text_deltas[0])
+            text += got.text_deltas[0]
+            finish = got.finished[0] or finish
+            if finish is not None:
+                break
+        return text, deltas, finish
+
+    text, deltas, finish = run((" ",), "space")  # the space is the second token's: before the boundary
+    assert (text, finish.type if finish else None) == ("x \u00e4y", "length"), (text, finish)
+    assert deltas[:2] == ["x", " "]  # released with its own token, the half character held
+    text, _, finish = run(("\u00e4",), "umlaut")  # "ä" ends in the third token: after it
+    assert (text, finish.type, finish.matched) == ("x ", "stop", "\u00e4"), (text, finish)
+    assert not detokenizer.stop_states

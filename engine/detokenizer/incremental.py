@@ -1,8 +1,10 @@
 """Incremental detokenization for a batch of requests with one batch_decode call per decode setting.
 
-Each request keeps its ids and two offsets. Text is emitted for ids[read:] only when decoding the
-window ids[prefix:] yields more than decoding ids[prefix:read] and does not end in U+FFFD (a UTF-8
-character whose bytes are still split across tokens). The window starts at the previous emission
+Each request keeps its ids and two offsets. Text is emitted for ids[read:] when decoding the
+window ids[prefix:] yields more than decoding ids[prefix:read]; while it ends in U+FFFD (a UTF-8
+character whose bytes are still split across tokens), only the complete characters before it, so
+each character comes out with the token that completes it (stop strings and min_new_tokens count on
+that). The window starts at the previous emission
 boundary, not at the beginning, so the cost per step stays small; decoding the already-emitted
 tokens with the new ones (rather than the new ones alone) keeps tokenizers that strip or merge
 leading spaces honest. Requests are grouped by their (skip_special_tokens,
@@ -21,6 +23,7 @@ class DecodeState:
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    held_out: int = 0  # characters past the prefix text already emitted while the window ended in U+FFFD
     flags: tuple[bool, bool] = (True, True)  # skip_special_tokens, spaces_between_special_tokens
 
 
@@ -59,14 +62,18 @@ class IncrementalDetokenizer:
         deltas = []
         for i, state in enumerate(states):
             prefix_text, full_text = texts[i], texts[n + i]
+            start = len(prefix_text) + state.held_out
             if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
-                deltas.append(full_text[len(prefix_text) :])
+                deltas.append(full_text[start:])
                 state.prefix_offset = state.read_offset
                 state.read_offset = len(state.ids)
+                state.held_out = 0
             elif finished[i]:
-                deltas.append(full_text[len(prefix_text) :])  # flush what is left, even a broken tail
-            else:
-                deltas.append("")
+                deltas.append(full_text[start:])  # flush what is left, even a broken tail
+            else:  # the complete characters before a split one
+                complete = len(full_text.rstrip(REPLACEMENT))
+                deltas.append(full_text[start:complete])
+                state.held_out = max(complete - len(prefix_text), state.held_out)
             if finished[i]:
                 del self.states[rids[i]]
         return deltas
