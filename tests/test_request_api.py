@@ -185,7 +185,10 @@ def test_abort_reports_the_reason(engine):
     result = {}
     t = threading.Thread(target=lambda: result.update(engine.generate(PROMPTS[2], {"max_new_tokens": 3000, "ignore_eos": True}, rid="abort-me")))
     t.start()
-    time.sleep(1.0)
+    states = engine._resources.tokenizer_manager.states  # abort once a token is out (an unknown rid's abort is dropped)
+    deadline = time.monotonic() + 60
+    while not ((s := states.get("abort-me")) is not None and s.output_ids) and time.monotonic() < deadline:
+        time.sleep(0.02)
     engine.abort("abort-me")
     t.join(30)
     assert result["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by the caller"}

@@ -75,6 +75,20 @@ def test_failed_step_aborts_only_its_requests(tiny_llama_dir):
         endpoints.remove()
 
 
+class _Counted:
+    """The scheduler's output socket, counting the messages sent through it."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.sent = sock, 0
+
+    def send(self, data, *args, **kwargs):
+        self.sent += 1
+        return self.sock.send(data, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
 class InProcess:
     """A Scheduler in this process with real sockets on both sides, driven one loop turn at a time."""
 
@@ -86,6 +100,8 @@ class InProcess:
         self.outputs = pull_socket(self.ctx, self.endpoints.detokenizer)
         self.requests = push_socket(self.ctx, self.endpoints.scheduler)
         self.sched = Scheduler(EngineConfig(dtype=dtype, **options), model_dir, self.endpoints.to_dict())
+        self.sched.send_sock = _Counted(self.sched.send_sock)
+        self.received = 0
         self.codec = Codec(ToScheduler)
 
     def submit(self, *reqs: TokenizedRequest) -> None:
@@ -93,7 +109,13 @@ class InProcess:
         assert self.sched.recv_sock.poll(5000)
 
     def messages(self) -> list[BatchTokenOut]:
-        return _drain(self.outputs, Codec(ToDetokenizer))
+        """Every message the scheduler sent since the last call (counted: no quiet period to guess)."""
+        codec, out = Codec(ToDetokenizer), []
+        while self.received < self.sched.send_sock.sent:
+            assert self.outputs.poll(60_000), f"{self.sched.send_sock.sent - self.received} messages never came"
+            out.append(codec.decode(self.outputs.recv()))
+            self.received += 1
+        return out
 
     def finish_all(self) -> list[tuple[str, object]]:
         """Run until nothing is left; (rid, FinishReason) of every request that finished, in order."""

@@ -56,7 +56,8 @@ def test_a_client_traceparent_gives_one_trace_through_http_and_all_three_process
 
     def complete(spans) -> bool:  # the HTTP server span and the request's root end last: wait for them too
         mine = [s for s in spans if s.trace_id == trace_id]
-        return ({"user", "scheduler", "detokenizer"} <= {s.role for s in mine} and any(s.name == "detokenize" for s in mine)
+        return ({"user", "scheduler", "detokenizer"} <= {s.role for s in mine}
+                and {"tokenize", "queue", "prefill", "decode", "detokenize"} <= {s.name for s in mine}
                 and any(s.parent_span_id == client_span for s in mine)
                 and any("gen_ai.operation.name" in s.attributes for s in mine))  # fmt: skip
 
