@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -79,12 +80,12 @@ class EngineConfig:
         ratio = self.init_new_token_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"init_new_token_ratio must be in (0, 1], got {ratio!r}")
-        if not (0.0 < float(self.mem_fraction) < 1.0):
-            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction!r}")
+        if not _is_number(self.mem_fraction) or not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be a number in (0, 1), got {self.mem_fraction!r}")
         if self.plugins is not None and not isinstance(self.plugins, str):
             raise ValueError(f"plugins must be a comma-separated string like ENGINE_PLUGINS, got {self.plugins!r}")
-        if not self.startup_timeout > 0:
-            raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout!r}")
+        if not _is_number(self.startup_timeout) or not 0 < self.startup_timeout < math.inf:
+            raise ValueError(f"startup_timeout must be a positive number of seconds, got {self.startup_timeout!r}")
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(dataclasses.asdict(self))
@@ -104,3 +105,9 @@ class EngineConfig:
             config.model_path = os.fspath(config.model_path)
         config.validate()
         return config
+
+
+def _is_number(value) -> bool:
+    """An int or float, not a bool or a string that looks like one (a string passed float() here and
+    then multiplied in the scheduler)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -146,6 +146,19 @@ def test_bad_model_path_raises_before_spawning(tmp_path):
         Engine(dtype="float16x")
 
 
+@pytest.mark.parametrize("option, value", [
+    ("mem_fraction", "0.5"),  # passed as float("0.5"), then int * str in the scheduler: a string of 3x free RAM
+    ("mem_fraction", True), ("mem_fraction", float("nan")), ("mem_fraction", 1.0),
+    ("startup_timeout", "5"),  # a TypeError from the comparison, not the ValueError promised
+    ("startup_timeout", float("nan")), ("startup_timeout", float("inf")), ("startup_timeout", 0),
+])  # fmt: skip
+def test_bad_number_options_are_value_errors_naming_them(option, value):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        EngineConfig.from_kwargs(**{option: value})
+
+
 def test_scheduler_blocks_when_idle():
     import psutil
 
