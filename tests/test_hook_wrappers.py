@@ -357,3 +357,42 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
     plugins(Exits(FatalHookError("stop now")), "fatal")  # the project's own fatal error passes unchanged
     with pytest.raises(FatalHookError, match="stop now"):
         hooks.call("engine_output", result={})
+
+
+class _After:
+    """A plugin of the hooks that come after the fact, failing or not."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.seen = fail, []
+
+    @hookimpl
+    def engine_request_done(self, rid, meta_info, error):
+        self.seen.append(rid)
+        if self.fail:
+            raise ValueError("done broke")
+
+    @hookimpl
+    def engine_process_stop(self, role, pid):
+        self.seen.append(role)
+        if self.fail:
+            raise ValueError("stop broke")
+
+
+def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_others(plugins, capsys, monkeypatch):
+    """pluggy stops at the first implementation that raises: a broken plugin's engine_process_stop kept
+    the tracing plugin after it from flushing its spans, its engine_request_done from ending a root span.
+    The error is printed, named, and the others run; a wrapper still sees the call end."""
+    good = plugins(_After(fail=False), "good")
+    plugins(_After(fail=True), "broken")  # registered last: called first
+    hooks.call("engine_request_done", rid="r1", meta_info={}, error=None)
+    hooks.call("engine_process_stop", role="user", pid=1)
+    assert good.seen == ["r1", "user"]
+    err = capsys.readouterr().err
+    assert "plugin 'broken' failed in hook engine_request_done: ValueError: done broke" in err
+    assert "plugin 'broken' failed in hook engine_process_stop: ValueError: stop broke" in err
+    monkeypatch.setenv("ENGINE_PLUGIN_ERRORS", "raise")  # fatal mode still stops at once
+    from engine.hooks import FatalHookError
+
+    with pytest.raises(FatalHookError, match="done broke"):
+        hooks.call("engine_request_done", rid="r2", meta_info={}, error=None)
+    assert good.seen == ["r1", "user"]

@@ -11,6 +11,7 @@ costs one dict lookup at its call site (`has(name)` guards the hot path).
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from typing import Any, Callable
 
@@ -24,6 +25,10 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # Hooks whose results are gathered per plugin (keyed by plugin name): a wrapper around them would
 # have no single result to see, so one is refused at load time rather than silently skipped.
 PER_PLUGIN_HOOKS = ("engine_stats", "engine_logit_processors")
+# Hooks that report what already happened: nothing is left to fail, so a plain implementation's error
+# is printed where it happens and the plugins after it still get the event (pluggy would stop at it).
+AFTER_THE_FACT_HOOKS = ("engine_request_done", "engine_request_finished", "engine_step_end",
+                        "engine_detokenize_output", "engine_process_stop", "engine_shutdown_report")  # fmt: skip
 
 _pm: pluggy.PluginManager | None = None
 _callers: dict[str, Any] = {}  # hook name -> pluggy HookCaller, only for hooks with implementations
@@ -109,6 +114,8 @@ def _named(plugin: str, hook: str, exc: BaseException) -> BaseException:
 
 
 def _isolate_plain(plugin: str, hook: str, fn: Callable) -> Callable:
+    after_the_fact = hook in AFTER_THE_FACT_HOOKS
+
     def isolated(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -116,6 +123,10 @@ def _isolate_plain(plugin: str, hook: str, fn: Callable) -> Callable:
             named = _named(plugin, hook, exc)
             if named is exc:
                 raise
+            if after_the_fact and isinstance(named, HookError):
+                prefix = "engine" if _role == "user" else f"engine::{_role}"
+                print(f"{prefix}: {named}", file=sys.stderr, flush=True)
+                return None
             raise named from exc
 
     return isolated
