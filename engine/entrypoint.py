@@ -153,7 +153,12 @@ class Engine:
         res.started = True
         _live.add(self)
         if hooks.has("engine_process_ready"):
-            hooks.call("engine_process_ready", role="user", pid=os.getpid(), info=dict(self.server_info))
+            try:
+                hooks.call("engine_process_ready", role="user", pid=os.getpid(), info=dict(self.server_info))
+            except BaseException:  # the caller gets no engine: none may be left running
+                _live.discard(self)
+                self._finalizer()
+                raise
 
     # ------------------------------------------------------------------ API
 

@@ -137,6 +137,30 @@ def test_corrupt_weights_report_child_error_promptly(tmp_path, model_dir):
     assert wait_gone(set(_children_of(os.getpid())) - before, 10) == []
 
 
+def test_an_engine_whose_ready_hook_fails_is_shut_down(tiny_llama_dir):
+    """engine_process_ready ran after the engine counted as started: its HookError left Engine() with
+    both children running, no handle to stop them, and the engine among live_engines()."""
+    from engine.entrypoint import live_engines
+    from engine.hooks import HookError, hookimpl
+    from engine.hooks.runtime import plugin_manager
+
+    class NotReady:
+        @hookimpl
+        def engine_process_ready(self, role, pid, info):
+            raise RuntimeError("no port for the metrics")
+
+    before, engines = set(_children_of(os.getpid())), set(map(id, live_engines()))
+    plugin = NotReady()
+    plugin_manager().register(plugin, name="not-ready")
+    try:
+        with pytest.raises(HookError, match="not-ready.*engine_process_ready.*no port"):
+            Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
+    finally:
+        plugin_manager().unregister(plugin)
+    assert wait_gone(set(_children_of(os.getpid())) - before, 10) == []
+    assert set(map(id, live_engines())) == engines
+
+
 def test_bad_model_path_raises_before_spawning(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Engine(model_path=str(tmp_path / "nope"))
