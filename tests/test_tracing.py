@@ -99,10 +99,12 @@ def test_trace_steps_keeps_one_step_in_n_and_every_failed_step(monkeypatch):
     assert steps[-1].status.status_code.name == "ERROR" and "boom" in steps[-1].status.description
     assert [s.name for s in memory.get_finished_spans() if s.parent and s.parent.span_id == steps[-1].context.span_id] == [
         "schedule", "forward"]  # the failed step: forward raised, no sample
-    plugin.step_every = 0
+    plugin.step_every = 0  # no step traces, but still every failed one
     memory.clear()
     plugin.engine_step_end(step=ok)
     assert memory.get_finished_spans() == ()
+    plugin.engine_step_end(step=failed)
+    assert [s.name for s in memory.get_finished_spans() if s.name.endswith(" step")] == ["decode step"]
 
 
 def test_no_step_spans_after_the_stop_hook_flushed():

@@ -298,11 +298,11 @@ class TracingPlugin:
 
     @hookimpl
     def engine_step_end(self, step) -> None:
-        if self.tracer is None or not self.step_every:
+        if self.tracer is None:
             return
         self.steps_seen += 1
-        if self.steps_seen % self.step_every and step.error is None:
-            return
+        if step.error is None and (not self.step_every or self.steps_seen % self.step_every):
+            return  # one step in step_every (0: none), and every failed step
         with self.lock:  # the stop hook sets `stopped` under this lock, then flushes: a step ends
             if not self.stopped:  # wholly before that flush, or is not traced (the process exits after it)
                 self._step_spans(step)
