@@ -396,3 +396,41 @@ def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_othe
     with pytest.raises(FatalHookError, match="done broke"):
         hooks.call("engine_request_done", rid="r2", meta_info={}, error=None)
     assert good.seen == ["r1", "user"]
+
+
+def test_plugins_load_in_their_order_when_some_can_only_load_in_the_strict_pass(tmp_path, monkeypatch):
+    """A child's sitecustomize pass (strict=False) skipped a plugin it could not import yet and loaded the
+    ones after it; the strict pass then registered the skipped one last, so pluggy called it first: the
+    processes disagreed on call order (which firstresult hook wins, how wrappers nest)."""
+    import sys
+
+    code = "from engine.hooks import hookimpl\n\nclass P:\n    @hookimpl\n    def engine_output(self, result):\n        pass\n\nplugin = P()\n"
+    late, early = tmp_path / "late", tmp_path / "early"
+    for folder, module in ((late, "order_late_plugin"), (early, "order_early_plugin")):
+        folder.mkdir()
+        (folder / f"{module}.py").write_text(code)
+    spec = "order_late_plugin:plugin,order_early_plugin:plugin"
+    monkeypatch.syspath_prepend(str(early))  # the late one is importable only later (next to the script)
+    try:
+        load_plugins(spec, strict=False)
+        monkeypatch.syspath_prepend(str(late))
+        load_plugins(spec)
+        assert hooks.implementers("engine_output") == ["order_early_plugin:plugin", "order_late_plugin:plugin"]  # last registered first
+    finally:
+        unload_plugins(spec.split(","))
+        for module in ("order_late_plugin", "order_early_plugin"):
+            sys.modules.pop(module, None)
+
+
+def test_an_entry_point_plugin_that_fails_to_import_is_named(monkeypatch):
+    from engine.hooks import loader
+
+    class Broken:
+        name = "broken-ep"
+
+        def load(self):
+            raise ModuleNotFoundError("No module named 'its_dependency'")
+
+    monkeypatch.setattr(loader, "entry_points", lambda group: [Broken()])
+    with pytest.raises(PluginLoadError, match="plugin 'broken-ep' cannot be imported: ModuleNotFoundError: .*its_dependency"):
+        load_plugins("broken-ep")

@@ -42,7 +42,10 @@ def _resolve(name: str) -> object:
                 f"unknown plugin {name!r} in {ENV}; available plugins: {', '.join(available_plugins()) or 'none'} "
                 "(or give a dotted path, pkg.module:object)"
             )
-        obj = found[0].load()
+        try:
+            obj = found[0].load()
+        except Exception as exc:  # its module or a dependency is missing or broken: name the plugin
+            raise PluginLoadError(f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
     return obj() if isinstance(obj, type) else obj
 
 
@@ -52,20 +55,22 @@ def load_plugins(spec: str | None, strict: bool = True) -> list[str]:
     names = parse_spec(spec)
     with registry_lock:  # two engines started from two threads load one at a time
         for name in names:
-            _load_one(name, strict)
+            if not _load_one(name, strict):
+                break  # the strict pass loads it and the ones after it, in order: every process calls them alike
         refresh()
     return names
 
 
-def _load_one(name: str, strict: bool) -> None:
+def _load_one(name: str, strict: bool) -> bool:
+    """Register one plugin; False when it cannot load yet (strict=False)."""
     if name in _loaded:
-        return
+        return True
     try:
         obj = _resolve(name)
     except PluginLoadError:
         if strict:
             raise
-        return
+        return False
     register(obj, name)  # refuses a wrapper that cannot run as marked
     provide = getattr(obj, "engine_logit_processors", None)
     if provide is not None:
@@ -79,6 +84,7 @@ def _load_one(name: str, strict: bool) -> None:
             refresh()
             raise PluginLoadError(f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}") from exc
     _loaded[name] = obj
+    return True
 
 
 def install_from_env(strict: bool = True) -> list[str]:
