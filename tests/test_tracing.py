@@ -71,6 +71,22 @@ def test_otlp_json_lines_round_trip_and_http_json_body():
     }
 
 
+def test_receive_on_a_port_in_use_is_one_line_naming_it(capsys):
+    """gRPC raises RuntimeError for a port in use (Jaeger holding 4317): `engine trace receive` printed a
+    traceback instead of its one-line error."""
+    import socket
+
+    from engine.tracing.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["receive", "--grpc-port", str(port), "--http-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"engine trace receive: cannot listen for OTLP/gRPC on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
 def test_trace_steps_keeps_one_step_in_n_and_every_failed_step(monkeypatch):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

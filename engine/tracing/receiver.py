@@ -37,10 +37,16 @@ class OTLPReceiver:
         self.arrived = threading.Condition(self.lock)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
+        try:  # grpcio raises RuntimeError for a port in use (older versions returned 0)
+            self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for OTLP/gRPC on {host}:{grpc_port} (in use?): {exc}") from None
         if not self.grpc_port:
             raise OSError(f"cannot listen for OTLP/gRPC on {host}:{grpc_port}")
-        self._http = ThreadingHTTPServer((host, http_port), _handler(self))
+        try:
+            self._http = ThreadingHTTPServer((host, http_port), _handler(self))
+        except OSError as exc:
+            raise OSError(f"cannot listen for OTLP/HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
         self.http_port = self._http.server_address[1]
         self._http_thread = threading.Thread(target=self._http.serve_forever, name="otlp-http", daemon=True)
 
