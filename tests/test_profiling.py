@@ -157,6 +157,62 @@ def test_failures_are_one_line_and_non_zero(tmp_path, micro_model):
     assert no_cmd.returncode == 2 and "give the command" in no_cmd.stderr
 
 
+LOOP = textwrap.dedent(
+    """
+    import sys
+    from engine import Engine
+
+    if __name__ == "__main__":
+        with Engine(model_path=sys.argv[1], dtype="float32", num_threads=1, max_total_tokens=4096) as engine:
+            try:
+                while True:  # until Ctrl-C; then the engine shuts down in order
+                    engine.generate(input_ids=[[100 + i] for i in range(64)],
+                                    sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+            except KeyboardInterrupt:
+                pass
+    """
+)
+
+
+def test_ctrl_c_lets_the_command_stop_in_order_and_still_writes_the_profile(tmp_path, micro_model):
+    """Ctrl-C (SIGINT to the whole foreground group, as a terminal sends it) killed the command with
+    SIGKILL, so its engine never shut down in order, and no flamegraph or breakdown was written."""
+    import re
+    import signal
+    import threading
+    import time
+
+    from helpers import wait_gone
+
+    (tmp_path / "loop.py").write_text(LOOP)
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PLUGINS"}
+    proc = subprocess.Popen([*ENGINE_CLI, "profile", "--rate", "200", "-o", "out", "--", sys.executable, "loop.py", micro_model],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("engine profile: user" in line for line in lines) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        found = re.search(r"user (\d+), scheduler (\d+), detokenizer (\d+)", "".join(lines))
+        assert found, "".join(lines)
+        time.sleep(2)  # some samples
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    assert proc.returncode == 0, "".join(lines)[-3000:]  # the command's own code: it stopped in order
+    assert wait_gone([int(p) for p in found.groups()], 10) == []
+    report = json.loads((tmp_path / "out" / "breakdown.json").read_text())
+    assert set(report["processes"]) == {"user", "scheduler", "detokenizer"}
+    assert all((tmp_path / "out" / f"{role}.svg").stat().st_size > 0 for role in report["processes"])
+
+
 def test_dump_with_a_childs_pid_says_which_pid_it_takes(engine):
     for role in ("scheduler", "detokenizer"):
         proc = subprocess.run([*ENGINE_CLI, "dump", "--pid", str(engine.pids[role])], capture_output=True, text=True,

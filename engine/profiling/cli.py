@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,7 +89,7 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
             raw = os.path.join(args.output, f"{role}.txt")
             argv = record_args(pyspy, pids[role], raw, args.rate, args.duration, args.idle, args.native)
             recorders[role] = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), raw)
-        code = child.wait()
+        code = _wait_for_command(child)
     except BaseException:
         child.kill()
         child.wait()
@@ -96,7 +97,12 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
     report: dict = {"command": cmd, "exit_code": code, "pids": pids, "processes": {}}
     failures = []
     for role, (rec, raw) in recorders.items():
-        _, err = rec.communicate(timeout=60)
+        try:
+            _, err = rec.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            rec.kill()
+            _, err = rec.communicate()
+            err = f"py-spy did not stop within 60 s of the command's end; killed. {err}"
         if not os.path.exists(raw) or os.path.getsize(raw) == 0:
             failures.append(f"{role}: {explain(err, pids[role])}")
             continue
@@ -112,6 +118,29 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
     if failures:
         raise ProfileError("; ".join(failures))
     return code
+
+
+INTERRUPT_GRACE = 15.0  # seconds the command gets to stop by itself after a Ctrl-C, before it is sent one
+
+
+def _wait_for_command(child: subprocess.Popen) -> int:
+    """The command's exit code. On Ctrl-C (a terminal sends it to the command and to py-spy too) the
+    command stops in order (an engine's stop hooks run, a server ends its streams) and the profile is
+    still written; if it runs on after INTERRUPT_GRACE it is sent SIGINT, then killed after as long
+    again, or at a second Ctrl-C."""
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        print("engine profile: interrupted; waiting for the command to stop (Ctrl-C again kills it)", file=sys.stderr)
+    try:
+        try:
+            return child.wait(INTERRUPT_GRACE)
+        except subprocess.TimeoutExpired:  # the interrupt did not reach it (another process group)
+            child.send_signal(signal.SIGINT)
+            return child.wait(INTERRUPT_GRACE)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        child.kill()
+        return child.wait()
 
 
 def _print(report: dict) -> None:
