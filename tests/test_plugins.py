@@ -167,7 +167,11 @@ def test_logits_hook_changes_sampling(probe, tokenizer):
 def test_failing_hook_fails_only_its_requests(probe):
     eng, _ = probe
     params = {"max_new_tokens": 3, "temperature": 0}
+    before = eng.get_stats()
     outs = eng.generate([PROMPTS[0], PROMPTS[1]], params, rid=["boom-1", "fine-1"])
+    after = eng.get_stats()  # the refused request's prompt was never admitted: it counts nowhere
+    assert after["prompt_tokens"] - before["prompt_tokens"] == outs[1]["meta_info"]["prompt_tokens"]
+    assert after["prompt_cache_hit_tokens"] - before["prompt_cache_hit_tokens"] == outs[1]["meta_info"]["cached_tokens"]
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
     message = outs[0]["meta_info"]["finish_reason"]["message"]
     assert PLUGIN in message and "engine_request_admitted" in message and "on purpose" in message

@@ -117,11 +117,10 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
                 finish_unstarted(sched, req, f"{constraint_of(req.sampling)[0]}: the grammar matcher could not be "
                                              f"made: {type(exc).__name__}: {exc}")  # fmt: skip
                 continue
-        if req.admissions == 0:
+        first = req.admissions == 0
+        if first:
             req.admitted_ns = time.time_ns()
             req.cached_tokens = min(prefix, req.prompt_len)
-            sched.counters["prompt_tokens"] += req.prompt_len
-            sched.counters["prompt_cache_hit_tokens"] += req.cached_tokens
         req.admissions += 1
         if hooks.has("engine_request_admitted"):
             try:
@@ -131,6 +130,9 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
                 taken.add(id(req))
                 finish_unstarted(sched, req, str(exc))
                 continue
+        if first:  # counted once admitted: a prompt the hook refused was never taken in
+            sched.counters["prompt_tokens"] += req.prompt_len
+            sched.counters["prompt_cache_hit_tokens"] += req.cached_tokens
         sched.counters["cache_hit_tokens"] += prefix
         entries.append((req, prefix, take))
         taken.add(id(req))
