@@ -34,7 +34,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True  # RadixAttention: reuse the K/V of prompts seen before
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) or fcfs
     init_new_token_ratio: float = 0.7  # share of max_new_tokens admission reserves at first (it decays)
-    context_length: int | None = None  # None: the model's max_position_embeddings
+    context_length: int | None = None  # None: the model's max_position_embeddings (more: refused at start)
     num_threads: int | None = None  # torch threads in the scheduler; None: all cores
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
     show_progress: bool = False  # progress bar while the model loads

@@ -161,6 +161,13 @@ def test_an_engine_whose_ready_hook_fails_is_shut_down(tiny_llama_dir):
     assert set(map(id, live_engines())) == engines
 
 
+def test_a_context_length_past_the_models_is_refused_not_cut(tiny_llama_dir):
+    """It became the model's max_position_embeddings unseen; long prompts were then refused naming a
+    context_length the caller never gave."""
+    with pytest.raises(EngineStartError, match=r"context_length=1000000 is more than the model's max_position_embeddings \(\d+\)"):
+        Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, context_length=10**6)
+
+
 def test_bad_model_path_raises_before_spawning(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Engine(model_path=str(tmp_path / "nope"))

@@ -61,7 +61,10 @@ class Scheduler:
         check_quantization(config.quantization, self.device, self.dtype)
         hf_config = load_hf_config(model_dir)
         max_pos = hf_config.max_position_embeddings
-        self.context_len = min(config.context_length or max_pos, max_pos)
+        if config.context_length is not None and config.context_length > max_pos:  # not cut down unseen
+            raise ValueError(f"context_length={config.context_length} is more than the model's "
+                             f"max_position_embeddings ({max_pos})")  # fmt: skip
+        self.context_len = config.context_length or max_pos
         self.model, self.model_config = load_model(
             model_dir, hf_config, self.dtype, self.device, self.context_len, progress, config.quantization
         )
