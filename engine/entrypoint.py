@@ -113,6 +113,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        envvars.check_switches()  # the children read them: a misspelt value stops here, named
         plugins = self.config.plugins if self.config.plugins is not None else envvars.read(ENV)
         if tracing_enabled() and "tracing" not in parse_spec(plugins):
             plugins = ",".join(parse_spec(plugins) + ["tracing"])  # ENGINE_TRACING=1: the tracing plugin, everywhere

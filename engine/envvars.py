@@ -67,6 +67,20 @@ def read(name: str) -> str:
     return os.environ.get(name, var.default).strip()
 
 
+SWITCH_VALUES = {"1 or 0": ("1", "0"), "raise": ("raise",)}  # the switches' accepted values (or unset, or empty)
+
+
+def check_switches() -> None:
+    """Raise ValueError naming a switch set to a value it does not take: `ENGINE_NATIVE_KERNELS=no`
+    read as "not 0" would leave the kernels on without a word. The other variables are checked where
+    they are read (ENGINE_TRACING, ENGINE_TRACE_STEPS, ENGINE_TRACE_FILE, ENGINE_METRICS_PORT)."""
+    for var in VARIABLES.values():
+        allowed = SWITCH_VALUES.get(var.values)
+        value = os.environ.get(var.name, "").strip()
+        if allowed is not None and value and value not in allowed:
+            raise ValueError(f"{var.name}={value!r} is not supported: only {' and '.join(allowed)} (or unset)")
+
+
 def table() -> str:
     """The variables as a Markdown table (docs/configuration.md holds the same)."""
     rows = ["| variable | values | default | meaning |", "|---|---|---|---|"]

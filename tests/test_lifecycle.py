@@ -190,6 +190,16 @@ def test_bad_number_options_are_value_errors_naming_them(option, value):
         EngineConfig.from_kwargs(**{option: value})
 
 
+@pytest.mark.parametrize("name, value", [("ENGINE_NATIVE_KERNELS", "no"), ("ENGINE_PANEL_CACHE", "yes"),
+                                         ("ENGINE_PLUGIN_ERRORS", "yes"), ("ENGINE_FUSED_DECODE", "off")])  # fmt: skip
+def test_a_switch_set_to_a_value_it_does_not_take_stops_the_start_naming_it(monkeypatch, name, value):
+    """docs/configuration.md: bad values stop the start naming the variable. These compared with one
+    value ("0", "1", "raise") and took anything else as the default, without a word."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name}='{value}' is not supported"):
+        Engine(dtype="float32", max_total_tokens=1024)
+
+
 def test_scheduler_blocks_when_idle():
     import psutil
 
