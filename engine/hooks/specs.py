@@ -5,7 +5,7 @@ implementation may change. Arguments are passed by keyword; an implementation ma
 of them (pluggy's rule). Requests are seen as `Req` objects in the scheduler (engine/scheduler/request.py:
 rid, input_ids, output_ids, sampling, ...); treat them as read-only unless the hook says otherwise.
 
-A hook that raises (anything: SystemExit too; only KeyboardInterrupt in the user process passes)
+A hook that raises (anything: SystemExit too; only KeyboardInterrupt in the user process's main thread passes)
 fails only the requests it was called for (the error names the plugin and the hook); with
 ENGINE_PLUGIN_ERRORS=raise, it stops the process instead (for development).
 
