@@ -49,18 +49,18 @@ def _listener(put: Callable[[Event], None]):
     return listen
 
 
-def _abort_left(tm: TokenizerManager, remaining: set[str]) -> None:
+def _abort_left(tm: TokenizerManager, remaining: dict[str, ReqState]) -> None:
     """Run by a finalizer (the garbage collector, in whatever thread, maybe one holding the tokenizer
     manager's locks): it queues the abort and takes no lock."""
     if remaining:
-        tm.abort_soon(list(remaining))
+        tm.abort_soon(list(remaining.values()))
 
 
 class Stream:
     """The chunks of one streaming call. Closing it, or dropping it, aborts whatever still runs, even
     before the first chunk was read (a plain generator's clean-up would not run then)."""
 
-    def __init__(self, tm: TokenizerManager, chunks, remaining: set[str]) -> None:
+    def __init__(self, tm: TokenizerManager, chunks, remaining: dict[str, ReqState]) -> None:
         self._chunks = chunks
         self._finalizer = weakref.finalize(self, _abort_left, tm, remaining)
 
@@ -78,7 +78,7 @@ class Stream:
 class AsyncStream:
     """The async form of Stream: `async for chunk in stream`, `await stream.aclose()`."""
 
-    def __init__(self, tm: TokenizerManager, chunks, remaining: set[str]) -> None:
+    def __init__(self, tm: TokenizerManager, chunks, remaining: dict[str, ReqState]) -> None:
         self._chunks = chunks
         self._finalizer = weakref.finalize(self, _abort_left, tm, remaining)
 
@@ -97,18 +97,18 @@ def sync_stream(tm: TokenizerManager, submit: dict) -> Stream:
     """Submit now (bad input raises here), then iterate over the chunks."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     states, _ = tm.submit(**submit, listener=_listener(events.put))
-    remaining = {s.rid for s in states}
+    remaining = {s.rid: s for s in states}
     return Stream(tm, _sync_chunks(tm, events, remaining), remaining)
 
 
-def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: set[str]) -> Iterator[dict]:
+def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: dict[str, ReqState]) -> Iterator[dict]:
     try:
         while remaining:
             state, chunk = events.get()
             if chunk is None:
                 raise state.error
             if chunk["meta_info"]["finish_reason"] is not None:
-                remaining.discard(state.rid)
+                remaining.pop(state.rid, None)
             yield chunk
     finally:  # the consumer stopped early (or the generator was collected): the requests must not run on
         _abort_left(tm, remaining)
@@ -135,7 +135,7 @@ def _abort_sent(tm: TokenizerManager, done: concurrent.futures.Future) -> None:
     """The caller was cancelled while its submission ran: abort what it sent."""
     if not done.cancelled() and done.exception() is None:
         states, _ = done.result()
-        _abort_left(tm, {s.rid for s in states})
+        _abort_left(tm, {s.rid: s for s in states})
 
 
 async def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Queue, list[ReqState], bool]:
@@ -153,14 +153,14 @@ async def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Que
     return events, states, is_batch
 
 
-async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: set[str]) -> AsyncIterator[tuple]:
+async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: dict[str, ReqState]) -> AsyncIterator[tuple]:
     try:
         while remaining:
             state, chunk = await events.get()
             if chunk is None:
                 raise state.error
             if chunk["meta_info"]["finish_reason"] is not None:
-                remaining.discard(state.rid)
+                remaining.pop(state.rid, None)
             yield state, chunk
     finally:  # cancelled, or the consumer stopped: the requests must not run on
         _abort_left(tm, remaining)
@@ -169,7 +169,7 @@ async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: 
 async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict:
     """Wait for every request of one call without blocking the event loop."""
     events, states, is_batch = await _async_submit(tm, submit)
-    async for _ in _async_chunks(tm, events, {s.rid for s in states}):
+    async for _ in _async_chunks(tm, events, {s.rid: s for s in states}):
         pass
     # off the event loop: a result's lists of logprobs are built here, and the output hook may take its time
     results = await asyncio.to_thread(lambda: [tm.output(s.result()) for s in states])
@@ -179,7 +179,7 @@ async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict
 async def async_stream(tm: TokenizerManager, submit: dict) -> AsyncStream:
     """Submit (bad input raises here), then an async iterator over the chunks."""
     events, states, _ = await _async_submit(tm, submit)
-    remaining = {s.rid for s in states}
+    remaining = {s.rid: s for s in states}
     return AsyncStream(tm, _chunks_only(_async_chunks(tm, events, remaining)), remaining)
 
 

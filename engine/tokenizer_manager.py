@@ -79,7 +79,7 @@ class TokenizerManager:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()  # only ever tried, never waited on
-        self._deferred: collections.deque = collections.deque()  # (rids, message) from abort_soon
+        self._deferred: collections.deque = collections.deque()  # (states, message) from abort_soon
         self._stopping = False
         self._seq = itertools.count(1)
         self.send_codec = Codec(ToScheduler)
@@ -491,23 +491,29 @@ class TokenizerManager:
         with self.states_lock:
             expanded = [r for rid in rids for r in self.groups.get(rid, []) + [rid]]
             live = [self.states[r] for r in expanded if r in self.states]
+        self._send_abort(live, message)
+
+    def _send_abort(self, live: list[ReqState], message: str) -> None:
         if live:
             message_out = AbortRequest([s.rid for s in live], message, [s.seq for s in live])
             with self.send_lock:
                 if self.dead is None:  # else the socket may be closed; the requests have failed already
                     self.send_sock.send(self.send_codec.encode(message_out))
 
-    def abort_soon(self, rids: list[str], message: str = "aborted by the caller") -> None:
-        """abort() from where no lock may be taken (a finalizer run by the garbage collector, possibly
-        in a thread that holds states_lock): queued here, sent by the receiver thread."""
+    def abort_soon(self, states: list[ReqState], message: str = "aborted by the caller") -> None:
+        """Abort these requests from where no lock may be taken (a finalizer run by the garbage collector,
+        possibly in a thread that holds states_lock): queued here, sent by the receiver thread. Queued as
+        the requests themselves, not their rids: a request given one of their rids meanwhile runs on."""
         if self.dead is None:
-            self._deferred.append((list(rids), message))
+            self._deferred.append((list(states), message))
             self._wake()
 
     def _send_deferred(self) -> None:
         while self._deferred:
-            rids, message = self._deferred.popleft()
-            self.abort(rids, message)
+            states, message = self._deferred.popleft()
+            with self.states_lock:
+                live = [s for s in states if self.states.get(s.rid) is s]
+            self._send_abort(live, message)
 
     @staticmethod
     def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:

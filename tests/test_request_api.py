@@ -5,6 +5,7 @@ async, abort and custom logit processors."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -312,3 +313,28 @@ def test_request_ids_colliding_after_n_expansion_are_refused(engine):
         tm.abort(["y-1"])
         assert states[0].done.wait(30)
     assert engine.get_stats()["tracked"]["user"]["states"] == 0
+
+
+def test_a_streams_late_abort_never_reaches_a_request_reusing_its_rid(engine, monkeypatch):
+    """A stream closed after its request finished (its last chunk unread) queues an abort that the
+    receiver thread sends later; it took the rid's submission number at send time, so it aborted a new
+    request given the same rid meanwhile. (Here the receiver is woken only once the new one is in.)"""
+    tm = engine._resources.tokenizer_manager
+    stream = engine.generate(PROMPTS[0], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}, rid="reused", stream=True)
+    deadline = time.monotonic() + 60
+    while "reused" in tm.states and time.monotonic() < deadline:  # finished, its chunks unread
+        time.sleep(0.01)
+    with monkeypatch.context() as m:
+        m.setattr(tm, "_wake", lambda: None)  # the abort stays queued
+        stream.close()
+        assert len(tm._deferred) == 1
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(engine.generate(
+            PROMPTS[1], {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}, rid="reused")))  # fmt: skip
+        t.start()
+        while "reused" not in tm.states and t.is_alive():
+            time.sleep(0.005)
+    tm._wake()  # the queued abort goes now, while the new request runs
+    t.join(60)
+    assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
+    assert len(out["output_ids"]) == 24

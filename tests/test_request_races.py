@@ -30,9 +30,9 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     tm = tiny_engine._resources.tokenizer_manager
     queued: list[list[str]] = []
     sent: list[list[str]] = []
-    abort_soon, abort = tm.abort_soon, tm.abort
-    monkeypatch.setattr(tm, "abort_soon", lambda rids, *a: (queued.append(list(rids)), abort_soon(rids, *a)))
-    monkeypatch.setattr(tm, "abort", lambda rids, *a: (sent.append(list(rids)), abort(rids, *a)))
+    abort_soon, send_abort = tm.abort_soon, tm._send_abort
+    monkeypatch.setattr(tm, "abort_soon", lambda states, *a: (queued.append([s.rid for s in states]), abort_soon(states, *a)))
+    monkeypatch.setattr(tm, "_send_abort", lambda live, *a: (sent.append([s.rid for s in live]), send_abort(live, *a)))
     stream = tiny_engine.generate(input_ids=[1, 5, 6], sampling_params=LONG, rid="gc-dropped", stream=True)
     state = tm.states["gc-dropped"]
     cycle: dict = {"stream": stream}
@@ -57,9 +57,10 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     deadline = time.monotonic() + 10
     while not sent and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sent == [["gc-dropped"]] and not tm._deferred  # and the receiver thread sent it
-    # a collection of a large heap can outlast the 80 tokens: then the abort found the request done
-    assert state.finish_reason.type == "abort" or state.finish_reason.length == 80, state.finish_reason
+    assert not tm._deferred  # and the receiver thread sent it, unless the request was done by then:
+    # a collection of a large heap can outlast the 80 tokens
+    assert (sent == [["gc-dropped"]] and state.finish_reason.type == "abort") or state.finish_reason.length == 80, (
+        sent, state.finish_reason)  # fmt: skip
     assert tiny_engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
