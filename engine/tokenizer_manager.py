@@ -54,6 +54,11 @@ def _done_hook(state: "ReqState", error: str | None) -> None:
         print(f"engine: {exc}", file=sys.stderr)
 
 
+def _names(states: list[ReqState]) -> list[str]:
+    """What a call's requests take while they run: their rids, and each n > 1 prompt's rid."""
+    return [s.rid for s in states] + sorted({s.group for s in states if s.group is not None})
+
+
 def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
     """The call failed after engine_request_submitted saw these requests: they end here, unsent."""
     if not announced or not hooks.has("engine_request_done"):
@@ -88,7 +93,7 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.states_lock = threading.Lock()
         self.pending_stats: dict[str, list] = {}
-        self.groups: dict[str, list[str]] = {}  # rid given for n > 1 -> its copies' rids
+        self.groups: dict[str, list[ReqState]] = {}  # rid given for n > 1 -> its copies, while any runs
         self.dead: str | None = None
         self.vocab_size = len(tokenizer)
         self.context_length = 0
@@ -150,7 +155,7 @@ class TokenizerManager:
         if self.dead is None:
             self.dead = reason
         with self.states_lock:
-            states, self.states = list(self.states.values()), {}
+            states, self.states, self.groups = list(self.states.values()), {}, {}
             stats, self.pending_stats = list(self.pending_stats.values()), {}
         done_hook = hooks.has("engine_request_done")
         for state in states:
@@ -261,8 +266,9 @@ class TokenizerManager:
         states = self.states
         with self.states_lock:
             states.pop(state.rid, None)
-            if state.group is not None and not any(r in states for r in self.groups.get(state.group, ())):
-                self.groups.pop(state.group, None)
+            members = self.groups.get(state.group) if state.group is not None else None
+            if members is not None and any(m is state for m in members) and not any(states.get(m.rid) is m for m in members):
+                self.groups.pop(state.group, None)  # its last copy ended (a copy's rid reused since is not one)
         if hooks.has("engine_request_done"):  # before the caller wakes: its spans end first
             _done_hook(state, None)
         state.done.set()
@@ -418,9 +424,10 @@ class TokenizerManager:
                     on_finish=on_finish, listener=listener, beam=beam,
                 ))  # fmt: skip
         _check_unique_rids([s.rid for s in states])
+        names = _names(states)
         with self.states_lock:  # taken before the hooks see them, until registered (or the call fails)
-            self._check_clash(states)
-            self._reserved.update(s.rid for s in states)
+            self._check_clash(names)
+            self._reserved.update(names)
         announced: list[TokenizedRequest] = []
         try:
             if hooks.has("engine_request_submitted"):
@@ -428,10 +435,10 @@ class TokenizerManager:
                     announced.append(req)  # first: a plugin called before the one that raises saw it
                     hooks.call("engine_request_submitted", rid=req.rid, request=item, sampling=req.sampling,
                                trace_context=req.trace_context)  # fmt: skip
-            self._register(states, base_rids, params)
+            self._register(states)
         except BaseException as exc:
             with self.states_lock:
-                self._reserved.difference_update(s.rid for s in states)
+                self._reserved.difference_update(names)
             _not_sent(announced, exc)
             raise
         with self.send_lock:
@@ -461,22 +468,23 @@ class TokenizerManager:
             for state in states:
                 if self.states.get(state.rid) is state:
                     del self.states[state.rid]
-                if state.group is not None:
+                if state.group is not None and any(m is state for m in self.groups.get(state.group, ())):
                     self.groups.pop(state.group, None)
 
-    def _register(self, states: list[ReqState], base_rids: list[str], params: list[SamplingParams]) -> None:
+    def _register(self, states: list[ReqState]) -> None:
         with self.states_lock:
             if self.dead is not None:  # checked under the lock that _mark_dead takes: no state is orphaned
                 raise EngineDeadError(self.dead)  # (the caller then gives up the rids it reserved)
-            self._reserved.difference_update(s.rid for s in states)
+            self._reserved.difference_update(_names(states))
             for state in states:
                 self.states[state.rid] = state
-            for base, p in zip(base_rids, params):
-                if p.n > 1:
-                    self.groups[base] = [f"{base}-{j}" for j in range(p.n)]
+                if state.group is not None:
+                    self.groups.setdefault(state.group, []).append(state)
 
-    def _check_clash(self, states: list[ReqState]) -> None:
-        clash = [s.rid for s in states if s.rid in self.states or s.rid in self._reserved]
+    def _check_clash(self, names: list[str]) -> None:
+        """A request's rid, or the rid of an n > 1 call (abort's name for its copies), must name
+        nothing running: not a request, not another call's copies."""
+        clash = [r for r in names if r in self.states or r in self.groups or r in self._reserved]
         if clash:
             raise ValueError(f"request id(s) already running: {clash}")
 
@@ -489,8 +497,8 @@ class TokenizerManager:
         if self.dead is not None:
             return
         with self.states_lock:
-            expanded = [r for rid in rids for r in self.groups.get(rid, []) + [rid]]
-            live = [self.states[r] for r in expanded if r in self.states]
+            named = [s for rid in rids for s in [*self.groups.get(rid, ()), self.states.get(rid)] if s is not None]
+            live = list({id(s): s for s in named if self.states.get(s.rid) is s}.values())
         self._send_abort(live, message)
 
     def _send_abort(self, live: list[ReqState], message: str) -> None:

@@ -338,3 +338,41 @@ def test_a_streams_late_abort_never_reaches_a_request_reusing_its_rid(engine, mo
     t.join(60)
     assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
     assert len(out["output_ids"]) == 24
+
+
+def test_a_name_standing_for_n_copies_is_taken_while_they_run(engine):
+    """The rid of an n > 1 call names its copies for abort(); it was not reserved: another call could take
+    it (abort then hit both calls), and a copy's rid reused meanwhile kept the group, and abort(name) with
+    it, alive after the copies ended."""
+    tm = engine._resources.tokenizer_manager
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    grp = engine.generate(PROMPTS[0], {**long, "n": 2}, rid="grp", stream=True)
+    solo = engine.generate(PROMPTS[1], long, rid="solo", stream=True)
+    try:
+        with pytest.raises(ValueError, match=r"already running: \['grp'\]"):
+            engine.generate(PROMPTS[2], long, rid="grp")
+        with pytest.raises(ValueError, match=r"already running: \['solo'\]"):
+            engine.generate(PROMPTS[2], {**long, "n": 2}, rid="solo")
+
+        def ended(rid: str) -> None:
+            deadline = time.monotonic() + 60
+            while rid in tm.states and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert rid not in tm.states
+
+        engine.abort("grp-0")
+        ended("grp-0")
+        reuse = engine.generate(PROMPTS[3], {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}, rid="grp-0", stream=True)
+        engine.abort("grp-1")
+        ended("grp-1")
+        assert "grp" not in tm.groups  # its copies ended: the name is free, whoever runs as grp-0 now
+        engine.abort("grp")  # names nothing running
+        last = [c for c in reuse][-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "length", last["meta_info"]
+    finally:
+        grp.close()
+        solo.close()
+    deadline = time.monotonic() + 30
+    while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats["tracked"]["user"]["groups"] == 0 and engine_idle(stats)
