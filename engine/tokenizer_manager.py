@@ -518,10 +518,15 @@ class TokenizerManager:
 
     def _send_deferred(self) -> None:
         while self._deferred:
-            states, message = self._deferred.popleft()
-            with self.states_lock:
-                live = [s for s in states if self.states.get(s.rid) is s]
-            self._send_abort(live, message)
+            self.abort_requests(*self._deferred.popleft())
+
+    def abort_requests(self, states: list[ReqState], message: str = "aborted by the caller") -> None:
+        """Abort these requests, those still running, and no later request given one of their rids."""
+        if self.dead is not None:
+            return
+        with self.states_lock:
+            live = [s for s in states if self.states.get(s.rid) is s]
+        self._send_abort(live, message)
 
     @staticmethod
     def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
@@ -533,8 +538,12 @@ class TokenizerManager:
         return rids
 
     def wait(self, states: list[ReqState]) -> list[dict]:
-        for state in states:
-            state.done.wait()
+        try:
+            for state in states:
+                state.done.wait()
+        except BaseException:  # Ctrl-C in the caller: its requests must not run on (as a closed stream's)
+            self.abort_requests(states)
+            raise
         return [self.output(s.result()) for s in states]
 
     @staticmethod

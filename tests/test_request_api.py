@@ -376,3 +376,29 @@ def test_a_name_standing_for_n_copies_is_taken_while_they_run(engine):
     while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats["tracked"]["user"]["groups"] == 0 and engine_idle(stats)
+
+
+def test_ctrl_c_in_generate_aborts_its_requests(engine):
+    """Ctrl-C while generate() waits (a notebook cell interrupted): its requests ran on to max_new_tokens,
+    holding memory, their rids refused to the cell run again."""
+    import signal
+
+    tm = engine._resources.tokenizer_manager
+    seen: dict = {}
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while "interrupted" not in tm.states and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen["state"] = tm.states.get("interrupted")
+        time.sleep(0.3)  # the caller is waiting by now
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS[0], {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}, rid="interrupted")
+    state = seen["state"]
+    assert state is not None and state.done.wait(120)
+    assert state.finish_reason.type == "abort", state.finish_reason
+    again = engine.generate(PROMPTS[0], {"max_new_tokens": 2, "ignore_eos": True}, rid="interrupted")  # the rid is free
+    assert again["meta_info"]["completion_tokens"] == 2
