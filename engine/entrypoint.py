@@ -17,7 +17,7 @@ from engine.ipc.channels import Endpoints
 from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
-from engine.streaming import async_collect, async_stream, sync_stream
+from engine.streaming import async_collect, async_stream, stop_submitter, sync_stream
 from engine.tokenizer import PromptTokenizer
 from engine.tokenizer_manager import TokenizerManager
 from engine.tracing.switch import tracing_enabled
@@ -97,6 +97,7 @@ class _Resources:
             _shutdown_report(tm)
         if tm is not None:
             tm.close()
+            stop_submitter(tm)
         stop_children(self.children)
         if self.endpoints is not None:
             self.endpoints.remove()

@@ -131,6 +131,14 @@ def _submitter(tm: TokenizerManager) -> concurrent.futures.ThreadPoolExecutor:
         return executor
 
 
+def stop_submitter(tm: TokenizerManager) -> None:
+    """The engine shut down: its submit threads end (a call still queued runs, to EngineDeadError)."""
+    with _submitters_lock:
+        executor = _submitters.pop(tm, None)
+    if executor is not None:
+        executor.shutdown(wait=False)
+
+
 def _abort_sent(tm: TokenizerManager, done: concurrent.futures.Future) -> None:
     """The caller was cancelled while its submission ran: abort what it sent."""
     if not done.cancelled() and done.exception() is None:

@@ -3,6 +3,7 @@ manager's lock, an old abort meeting a reused rid, and submits racing shutdown. 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -109,6 +110,11 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     from engine import Engine
 
     eng = Engine(model_path=tiny_engine.model_dir, dtype="float32", max_total_tokens=2048, context_length=96)
+    asyncio.run(eng.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1}))  # a submit worker starts
+    from engine.streaming import _submitters
+
+    workers = list(_submitters[eng._resources.tokenizer_manager]._threads)
+    assert workers
     errors: list[BaseException] = []
     counts = {"ok": 0, "dead": 0}
     start = threading.Barrier(5)
@@ -142,3 +148,7 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     assert not any(t.is_alive() for t in threads), "a caller hung across shutdown"
     assert errors == [], errors
     assert counts["ok"] > 0 and counts["dead"] == 4
+    deadline = time.monotonic() + 10  # the async submit workers end with the engine, not at garbage collection
+    while any(t.is_alive() for t in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in workers if t.is_alive()]
