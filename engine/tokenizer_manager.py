@@ -345,10 +345,11 @@ class TokenizerManager:
             raise ValueError(f"messages: the model's chat template cannot render them ({type(exc).__name__}: {exc})") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def validate(self, ids: list[int], params: SamplingParams, index: int) -> SamplingParams:
+    def validate(self, ids: list[int], params: SamplingParams, index: int | None) -> SamplingParams:
         """Check one tokenized request against the model and pool; may shorten max_new_tokens to what
-        the context and the pool leave (the server's default max_tokens relies on it)."""
-        where = f"request {index}: " if index else ""
+        the context and the pool leave (the server's default max_tokens relies on it). `index`: its
+        place in a batch (named in errors), None for a single prompt."""
+        where = f"request {index}: " if index is not None else ""
         if not ids:
             raise ValueError(f"{where}the prompt is empty (0 tokens)")
         for t in ids:
@@ -391,11 +392,16 @@ class TokenizerManager:
         if isinstance(sampling_params, list):
             if len(sampling_params) != n_prompts:
                 raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
-            params = [self.parse_params(p) for p in sampling_params]
+            params = []
+            for i, p in enumerate(sampling_params):
+                try:
+                    params.append(self.parse_params(p))
+                except ValueError as exc:  # which entry, in a list of hundreds
+                    raise ValueError(f"sampling_params[{i}]: {exc}") from None
         else:
             params = [self.parse_params(sampling_params)] * n_prompts
         _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, self.vocab_size)
-        params = [self.validate(ids, p, i if is_batch else 0) for i, (ids, p) in enumerate(zip(id_lists, params))]
+        params = [self.validate(ids, p, i if is_batch else None) for i, (ids, p) in enumerate(zip(id_lists, params))]
         if beam is not None:
             for i, (ids, p) in enumerate(zip(id_lists, params)):
                 problem = beam_problem(len(ids), p, beam, self.max_running_requests, self.max_total_tokens)

@@ -402,3 +402,12 @@ def test_ctrl_c_in_generate_aborts_its_requests(engine):
     assert state.finish_reason.type == "abort", state.finish_reason
     again = engine.generate(PROMPTS[0], {"max_new_tokens": 2, "ignore_eos": True}, rid="interrupted")  # the rid is free
     assert again["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_batchs_bad_entry_is_named_the_first_one_too(engine):
+    with pytest.raises(ValueError, match=r"^request 0: the prompt is empty"):
+        engine.generate(input_ids=[[], [1]], sampling_params={"max_new_tokens": 1})
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\]: .*temprature"):
+        engine.generate(["a", "b"], [{"max_new_tokens": 1}, {"temprature": 0}])
+    with pytest.raises(ValueError, match=r"^the prompt is empty"):  # one prompt: no index
+        engine.generate(input_ids=[], sampling_params={"max_new_tokens": 1})
