@@ -150,6 +150,20 @@ def copy_seed(seed: int | None, j: int) -> int | None:
     return None if seed is None else (seed + j) % SEED_RANGE
 
 
+def _has_non_finite(value: Any) -> bool:
+    """A NaN or infinity anywhere in a JSON-like value (iterative: no depth limit of its own)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return False
+
+
 def parse_sampling_params(
     params: dict | SamplingParams | None, vocab_size: int, processors: Callable[[str], Any] | None = None,
     parse_grammar: bool = True,
@@ -207,8 +221,10 @@ def parse_sampling_params(
             raise ValueError(f"custom_params must be a JSON object (dict), got {type(custom_params).__name__}")
         try:
             custom_params = msgspec.json.decode(msgspec.json.encode(custom_params))
-        except (TypeError, msgspec.EncodeError) as exc:
+        except (TypeError, msgspec.EncodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ValueError(f"custom_params must be JSON-serializable: {exc}") from None
+        if _has_non_finite(p["custom_params"]):  # JSON has no NaN or infinity: they came through as null
+            raise ValueError("custom_params must hold finite numbers only (JSON has no NaN or infinity)")
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"custom_logit_processor must be a registered name (a string), got {name!r}")

@@ -4,8 +4,13 @@ anything reaches the scheduler; valid sampling settings behave."""
 from __future__ import annotations
 
 import math
+import reprlib
 
 import pytest
+
+DEEP: list = []
+for _ in range(100_000):  # a RecursionError in the JSON round trip, before: not a ValueError
+    DEEP = [DEEP]
 
 INVALID = [
     ({"max_new_tokens": 0}, "max_new_tokens"),
@@ -63,12 +68,15 @@ INVALID = [
     ({"custom_params": {"a": 1}}, "custom_logit_processor is not"),
     ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "x": object()}}, "JSON"),
     ({"custom_logit_processor": "disallowed_tokens", "custom_params": [1]}, "custom_params"),
+    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "deep": DEEP}}, "custom_params.*JSON"),
+    # NaN went through the JSON round trip as null: the processor saw None, not an error
+    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "w": [math.nan]}}, "custom_params.*finite"),
     ({"max_tokens": 5}, "unknown sampling parameter"),
     ({"temprature": 0.5}, "unknown sampling parameter"),
 ]
 
 
-@pytest.mark.parametrize("params,field", INVALID, ids=[f"{f}:{p}" for p, f in INVALID])
+@pytest.mark.parametrize("params,field", INVALID, ids=[f"{f}:{reprlib.repr(p)}" for p, f in INVALID])
 def test_invalid_parameter_raises_before_queueing(engine, params, field):
     before = engine.get_stats()
     with pytest.raises(ValueError, match=field):
