@@ -325,11 +325,11 @@ class TokenizerManager:
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         for j, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r:.200}")
+            if not isinstance(m, dict) or "role" not in m:  # content may be left out (a turn of tool calls)
+                raise ValueError(f"each chat message needs 'role' (and most need 'content'), got {m!r:.200}")
             if not isinstance(m["role"], str):
                 raise ValueError(f"messages[{j}]['role'] must be a string, got {m['role']!r:.100}")
-            content = m["content"]
+            content = m.get("content")
             if not (content is None or isinstance(content, str)
                     or (isinstance(content, list) and all(isinstance(part, dict) for part in content))):  # fmt: skip
                 raise ValueError(f"messages[{j}]['content'] must be a string, a list of parts or None, got {content!r:.100}")

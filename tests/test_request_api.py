@@ -411,3 +411,23 @@ def test_a_batchs_bad_entry_is_named_the_first_one_too(engine):
         engine.generate(["a", "b"], [{"max_new_tokens": 1}, {"temprature": 0}])
     with pytest.raises(ValueError, match=r"^the prompt is empty"):  # one prompt: no index
         engine.generate(input_ids=[], sampling_params={"max_new_tokens": 1})
+
+
+def test_a_chat_turn_without_content_is_rendered_as_transformers_does(tokenizer):
+    """An assistant turn holding only tool_calls has no content key (OpenAI's shape); transformers'
+    apply_chat_template renders it where the template allows, the engine refused it: each message
+    needed 'content'. (SmolLM2's template needs content: both then refuse it.)"""
+    import copy
+    from types import SimpleNamespace
+
+    from engine.tokenizer_manager import TokenizerManager
+
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "tool_calls": []},
+                {"role": "user", "content": "Answer in one word."}]  # fmt: skip
+    tok = copy.copy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m.get('content') or '(tools)' }}\n{% endfor %}"
+    ids = TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tok), messages)
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ids == tok.encode(want, add_special_tokens=False) and "assistant: (tools)" in want
+    with pytest.raises(ValueError, match="needs 'role'"):
+        TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tok), [{"content": "no role"}])
