@@ -20,6 +20,7 @@ import threading
 import weakref
 from typing import AsyncIterator, Callable, Iterator
 
+from engine.errors import EngineDeadError
 from engine.request_state import ReqState, lp_tuples, top_tuples
 from engine.tokenizer_manager import TokenizerManager
 
@@ -124,6 +125,8 @@ def _submitter(tm: TokenizerManager) -> concurrent.futures.ThreadPoolExecutor:
     a call whose tokenizing takes seconds (a megabyte prompt, a batch of thousands) holds up no other
     call: each is sent when its own tokenizing is done, as SGLang's and vLLM's servers do."""
     with _submitters_lock:
+        if tm.dead is not None:  # shut down (stop_submitter ran or is about to): no new pool for it
+            raise EngineDeadError(tm.dead)
         executor = _submitters.get(tm)
         if executor is None:
             executor = _submitters[tm] = concurrent.futures.ThreadPoolExecutor(
@@ -151,7 +154,10 @@ async def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Que
     events: asyncio.Queue = asyncio.Queue()
     listener = _listener(lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
     context = contextvars.copy_context()  # the caller's (its current span parents the request's, when traced)
-    future = _submitter(tm).submit(context.run, lambda: tm.submit(**submit, listener=listener))
+    try:
+        future = _submitter(tm).submit(context.run, lambda: tm.submit(**submit, listener=listener))
+    except RuntimeError as exc:  # the pool was shut down by a shutdown() racing this call
+        raise EngineDeadError(tm.dead or "the engine was shut down") from exc
     try:
         states, is_batch = await asyncio.wrap_future(future)
     except asyncio.CancelledError:

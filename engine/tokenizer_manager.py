@@ -459,6 +459,10 @@ class TokenizerManager:
                 self._unregister(states)
                 _not_sent(announced, exc)
                 raise ValueError(f"the request cannot be sent to the scheduler: {exc}") from None
+            except BaseException as exc:  # Ctrl-C while a batch of thousands encodes: registered, never sent
+                self._unregister(states)
+                _not_sent(announced, exc)
+                raise
             if len(payload) > MAX_MESSAGE_BYTES:  # the scheduler's socket would drop it, silently
                 self._unregister(states)
                 exc = ValueError(f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "

@@ -164,6 +164,7 @@ LOOP = textwrap.dedent(
 
     if __name__ == "__main__":
         with Engine(model_path=sys.argv[1], dtype="float32", num_threads=1, max_total_tokens=4096) as engine:
+            print("loop: serving", file=sys.stderr, flush=True)
             try:
                 while True:  # until Ctrl-C; then the engine shuts down in order
                     engine.generate(input_ids=[[100 + i] for i in range(64)],
@@ -194,7 +195,7 @@ def test_ctrl_c_lets_the_command_stop_in_order_and_still_writes_the_profile(tmp_
     reader.start()
     try:
         deadline = time.monotonic() + 120
-        while not any("engine profile: user" in line for line in lines) and time.monotonic() < deadline:
+        while not any("loop: serving" in line for line in lines) and time.monotonic() < deadline:  # Engine() is up
             assert proc.poll() is None, "".join(lines)
             time.sleep(0.05)
         found = re.search(r"user (\d+), scheduler (\d+), detokenizer (\d+)", "".join(lines))

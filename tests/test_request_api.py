@@ -382,16 +382,24 @@ def test_ctrl_c_in_generate_aborts_its_requests(engine):
     """Ctrl-C while generate() waits (a notebook cell interrupted): its requests ran on to max_new_tokens,
     holding memory, their rids refused to the cell run again."""
     import signal
+    import sys
 
     tm = engine._resources.tokenizer_manager
     seen: dict = {}
 
+    def waiting() -> bool:  # the main thread is in TokenizerManager.wait
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        while frame is not None:
+            if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("tokenizer_manager.py"):
+                return True
+            frame = frame.f_back
+        return False
+
     def interrupt() -> None:
         deadline = time.monotonic() + 60
-        while "interrupted" not in tm.states and time.monotonic() < deadline:
+        while not ("interrupted" in tm.states and waiting()) and time.monotonic() < deadline:
             time.sleep(0.005)
         seen["state"] = tm.states.get("interrupted")
-        time.sleep(0.3)  # the caller is waiting by now
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     threading.Thread(target=interrupt, daemon=True).start()

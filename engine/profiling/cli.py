@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -120,25 +119,18 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
     return code
 
 
-INTERRUPT_GRACE = 15.0  # seconds the command gets to stop by itself after a Ctrl-C, before it is sent one
-
-
 def _wait_for_command(child: subprocess.Popen) -> int:
-    """The command's exit code. On Ctrl-C (a terminal sends it to the command and to py-spy too) the
-    command stops in order (an engine's stop hooks run, a server ends its streams) and the profile is
-    still written; if it runs on after INTERRUPT_GRACE it is sent SIGINT, then killed after as long
-    again, or at a second Ctrl-C."""
+    """The command's exit code. On Ctrl-C (a terminal sends it to the whole group: the command and
+    py-spy too) the command stops as it would unprofiled (an engine's stop hooks run, a server ends
+    its streams, however long its --shutdown-timeout) and the profile is still written. Nothing is
+    sent to it: a second SIGINT makes uvicorn drop its connections. A second Ctrl-C kills it."""
     try:
         return child.wait()
     except KeyboardInterrupt:
         print("engine profile: interrupted; waiting for the command to stop (Ctrl-C again kills it)", file=sys.stderr)
     try:
-        try:
-            return child.wait(INTERRUPT_GRACE)
-        except subprocess.TimeoutExpired:  # the interrupt did not reach it (another process group)
-            child.send_signal(signal.SIGINT)
-            return child.wait(INTERRUPT_GRACE)
-    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        return child.wait()
+    except KeyboardInterrupt:
         child.kill()
         return child.wait()
 

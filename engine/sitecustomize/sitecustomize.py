@@ -8,7 +8,8 @@ that happens to inherit the environment (multiprocessing's resource tracker, a t
 starts). The role is set before the first plugin is imported, so `current_role()` is right from a
 plugin's first line. A plugin that cannot be imported yet (a module next to the user's script: a
 spawned child gets the parent's sys.path only after start-up) is left to the child's own strict
-pass, which reports errors properly.
+pass, which reports errors properly, and so are the plugins after it in ENGINE_PLUGINS: every
+process registers them in the same order, so pluggy calls them alike.
 """
 
 import os
