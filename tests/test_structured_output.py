@@ -202,3 +202,17 @@ def test_xgrammars_own_compiler_cache_is_bounded(model_dir):
 
     backend = XGrammarBackend(load_hf_tokenizer(model_dir), 49152, [0])
     assert backend.compiler.cache_limit_bytes == COMPILER_CACHE_BYTES > 0
+
+
+def test_a_processor_banning_all_the_grammar_allows_fails_naming_the_processor(engine):
+    """Custom processors run before the grammar's mask; one that bans every token the grammar allows left
+    the row all -inf, sampled as token 0, and the request ended blaming the grammar for refusing it."""
+    a = engine.tokenizer.encode("a", add_special_tokens=False)
+    assert len(a) == 1
+    out = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a",
+                                   "custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": a}})  # fmt: skip
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "disallowed_tokens" in reason["message"], reason
+    assert out["output_ids"] == []
+    ok = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a"})  # the engine serves on
+    assert ok["text"] == "a"

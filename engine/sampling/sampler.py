@@ -124,7 +124,25 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
         grammar(logits)
     if st.any_min_new:
         suppress_stop_tokens(logits, st, out_lens, stop_table, keep_last=grammar is not None or st.any_processor)
+    if st.any_processor:
+        fail_emptied_rows(logits, st, failed, beams)
     return logits
+
+
+def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[int, str],
+                      beams: list[int | None] | None) -> None:  # fmt: skip
+    """A row a custom processor left all -inf (it banned every token, or every token the grammar allows:
+    it runs before the mask) would be sampled as token 0, which a grammar then refuses, blamed on the
+    grammar. It fails here, naming the processor. (A beam left so is a hopeless beam, not a failure.)"""
+    rows = [r for r, sel in enumerate(st.processors)
+            if sel is not None and r not in failed and (beams is None or beams[r] is None)]  # fmt: skip
+    if not rows:
+        return
+    empty = torch.isneginf(logits[torch.tensor(rows, device=logits.device)]).all(dim=-1).tolist()
+    for r, is_empty in zip(rows, empty):
+        if is_empty:
+            failed[r] = (f"custom_logit_processor {st.processors[r][0]!r} left no token to choose: it banned every "
+                         "token the grammar and the other parameters allow")  # fmt: skip
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
