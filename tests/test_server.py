@@ -549,6 +549,42 @@ def test_metrics_count_a_prompt_once_and_never_a_request_never_sent(server, clie
     assert final["engine:prompt_tokens_total"] == after["engine:prompt_tokens_total"]
 
 
+def test_the_queue_time_histogram_never_goes_down(monkeypatch):
+    """It was the sum over the live engines read at each scrape: an engine shut down, or one whose
+    get_stats failed once, took its counts away, and Prometheus read the drop as a counter reset."""
+    import engine.entrypoint as entrypoint
+    from engine.plugins import metrics
+
+    class Fake:
+        def __init__(self, n: int) -> None:
+            self.n, self.fail = n, False
+
+        def get_stats(self) -> dict:
+            if self.fail:
+                raise TimeoutError("no answer in time")
+            queue = {"counts": [self.n] + [0] * len(metrics.QUEUE_BUCKETS), "sum": 0.01 * self.n, "count": self.n}
+            return {"plugins": {"scheduler": {"metrics": {"queue_time": queue}}}}
+
+    a, b = Fake(3), Fake(5)
+    live = [a, b]
+    monkeypatch.setattr(entrypoint, "live_engines", lambda: list(live))
+    monkeypatch.setattr(metrics, "_queue_seen", {}, raising=False)
+    monkeypatch.setattr(metrics, "_queue_gone", {"counts": [0] * (len(metrics.QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0},
+                        raising=False)  # fmt: skip
+
+    def count() -> float:
+        family = next(f for f in metrics._ScrapeCollector().collect() if f.name == "engine:request_queue_time_seconds")
+        return next(s.value for s in family.samples if s.name.endswith("_count"))
+
+    assert count() == 8
+    b.fail = True
+    assert count() == 8  # b could not be read: its last figures stand in
+    live.remove(a)
+    assert count() == 8  # a shut down: its figures stay
+    b.fail, b.n = False, 6
+    assert count() == 9
+
+
 def test_grafana_dashboard_queries_only_exported_metrics(server):
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]

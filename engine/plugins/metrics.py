@@ -36,6 +36,11 @@ QUEUE_BUCKETS = TTFT_BUCKETS
 _lock = threading.Lock()
 _user = None  # the user process's metrics (prometheus_client objects), made on first use
 _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # scheduler: queue time
+# user process: each live engine's last queue-time figures read (weakly keyed by its id), and the
+# figures of engines gone since: a cumulative histogram must never go down (Prometheus reads a drop
+# as a reset), whether an engine shut down or one scrape could not read it
+_queue_seen: dict[int, tuple[weakref.ref, dict]] = {}
+_queue_gone = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
 _copies: set[str] = set()  # user process: rids of the 2nd..nth copies of an n > 1 prompt, until done
 _announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
@@ -96,11 +101,12 @@ class _ScrapeCollector:
         usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Share of the KV pool in use (prefix cache included), 0-1")
         hit = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens admitted, 0-1")
         totals = {"running": 0.0, "waiting": 0.0, "used": 0.0, "size": 0.0, "hit": 0.0, "prompt": 0.0}
-        counts, qsum, qcount = [0] * (len(QUEUE_BUCKETS) + 1), 0.0, 0
-        for eng in live_engines():
+        live = live_engines()
+        _retire_gone(live)
+        for eng in live:
             try:
                 stats = eng.get_stats()
-            except Exception:  # noqa: BLE001 - a dead or stopping engine: its figures are gone
+            except Exception:  # noqa: BLE001 - a dead or stopping engine: its last figures stand in
                 continue
             totals["running"] += stats.get("running", 0)
             totals["waiting"] += stats.get("waiting", 0)
@@ -110,9 +116,12 @@ class _ScrapeCollector:
             totals["prompt"] += stats.get("prompt_tokens", 0)
             queue = stats.get("plugins", {}).get("scheduler", {}).get("metrics", {}).get("queue_time")
             if queue:
-                counts = [a + b for a, b in zip(counts, queue["counts"])]
-                qsum += queue["sum"]
-                qcount += queue["count"]
+                with _lock:
+                    _queue_seen[id(eng)] = (weakref.ref(eng), queue)
+        with _lock:
+            parts = [_queue_gone, *(queue for _, queue in _queue_seen.values())]
+        counts = [sum(p["counts"][i] for p in parts) for i in range(len(QUEUE_BUCKETS) + 1)]
+        qsum, qcount = sum(p["sum"] for p in parts), sum(p["count"] for p in parts)
         running.add_metric([], totals["running"])
         waiting.add_metric([], totals["waiting"])
         usage.add_metric([], totals["used"] / totals["size"] if totals["size"] else 0.0)
@@ -125,6 +134,18 @@ class _ScrapeCollector:
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
         queue_hist.add_metric([], buckets, qsum)
         yield from (running, waiting, usage, hit, queue_hist)
+
+
+def _retire_gone(live: list) -> None:
+    """Engines read before that are not live any more: their last figures join the ones kept for good."""
+    with _lock:
+        for key, (ref, queue) in list(_queue_seen.items()):
+            engine = ref()
+            if engine is None or not any(engine is e for e in live):
+                _queue_gone["counts"] = [a + b for a, b in zip(_queue_gone["counts"], queue["counts"])]
+                _queue_gone["sum"] += queue["sum"]
+                _queue_gone["count"] += queue["count"]
+                del _queue_seen[key]
 
 
 def user_metrics() -> _UserMetrics:
