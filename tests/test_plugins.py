@@ -206,6 +206,13 @@ def test_stagetimer_reports_every_process(probe):
     assert s["per_process"]["scheduler"]["forward"] > 0 and s["per_process"]["detokenizer"]["detokenize"] > 0
     assert s["per_process"]["user"]["tokenize"] > 0
     assert s["total"]["forward"] == s["per_process"]["scheduler"]["forward"]
+    # a beam search's steps have no sampled rows (no engine_sample_after): their sample stage, the
+    # beams' selection, was left open and never counted
+    calls = lambda: eng.get_stats()["plugins"]["scheduler"]["stagetimer"]["calls"]  # noqa: E731
+    before = calls()
+    eng.beam_search(PROMPTS[1], beam_width=2, max_new_tokens=4, ignore_eos=True)
+    after = calls()
+    assert after["sample"] - before["sample"] == after["forward"] - before["forward"] > 0
 
 
 def test_fatal_switch_makes_plugin_errors_escape(monkeypatch):

@@ -6,7 +6,8 @@ Stages, each timed between its hooks: tokenize (user process, per prompt), forwa
     engine.get_stats()["plugins"]          # {"user": {"stagetimer": {...}}, "scheduler": {...}, ...}
     engine.plugins.stagetimer.summary(engine.get_stats())   # {"per_process": ..., "total": ...}
 
-and a table is printed to stderr when the engine shuts down.
+and a table is printed to stderr when the engine shuts down. The figures are per process: engines
+started one after another, or side by side, in one process add to the same user-process figures.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def engine_forward_after(batch, rids, logits) -> None:
 
 @hookimpl
 def engine_sample_after(rids, next_ids, logprobs) -> None:
+    _stop("sample")
+
+
+@hookimpl
+def engine_step_end(step) -> None:
+    """A step with no sampled rows (only beams: their selection) has no engine_sample_after: its
+    sample stage ends with the step."""
     _stop("sample")
 
 
