@@ -38,10 +38,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     if argv and argv[0] == "env":
+        if len(argv) > 1:
+            print(f"engine env takes no arguments, got {' '.join(argv[1:])!r}\n\n{USAGE}", file=sys.stderr)
+            return 2
         return _env()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] not in ("profile", "dump"):  # else the profiling parser's error lists only its two
+        print(f"engine: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
     from engine.profiling.cli import main as profiling_main
 
     return profiling_main(argv)

@@ -103,3 +103,27 @@ def test_every_declared_dependency_is_pinned_by_the_constraints():
         pin = pins.get(name)
         assert pin is not None and len(pin) == 1 and next(iter(pin)).operator == "==", f"{name} is not pinned in constraints.txt"
         assert spec.specifier.contains(next(iter(pin)).version), f"constraints.txt pins {name}{pin}, outside {spec}"
+
+
+def test_the_engine_command_names_a_mistyped_command_and_refuses_stray_arguments(capsys):
+    """`engine serv` went to the profiling parser, whose error listed only profile and dump; `engine env
+    --bogus` printed the table and exited 0."""
+    from engine.cli import main
+
+    assert main(["serv"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'serv'" in err and all(c in err for c in ("serve", "profile", "dump", "trace", "env"))
+    assert main(["env", "--bogus"]) == 2
+    assert "engine env takes no arguments" in capsys.readouterr().err
+    assert main(["env"]) == 0
+
+
+def test_profiling_a_command_that_does_not_exist_is_one_line(capsys, tmp_path):
+    """It was a FileNotFoundError traceback (exit 1), where every other profile error is one line, exit 2."""
+    from engine.profiling.cli import main
+
+    out = tmp_path / "never-made"
+    assert main(["profile", "-o", str(out), "--", "no-such-program-xyz"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().startswith("engine profile: cannot run 'no-such-program-xyz'") and "Traceback" not in err
+    assert not out.exists()

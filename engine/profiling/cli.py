@@ -78,7 +78,10 @@ def _remove_if_empty(folder: str) -> None:
 
 
 def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
-    child = subprocess.Popen(cmd)
+    try:
+        child = subprocess.Popen(cmd)
+    except OSError as exc:  # a mistyped command: one line, as every other profile error
+        raise ProfileError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}") from None
     try:
         pids = _wait_for_engine(child, args.start_timeout)
         print(f"engine profile: user {pids['user']}, scheduler {pids['scheduler']}, detokenizer {pids['detokenizer']}",
