@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -216,3 +217,13 @@ def test_a_processor_banning_all_the_grammar_allows_fails_naming_the_processor(e
     assert out["output_ids"] == []
     ok = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a"})  # the engine serves on
     assert ok["text"] == "a"
+
+
+def test_without_xgrammar_a_constraint_is_a_value_error_saying_how_to_get_it(monkeypatch):
+    """xgrammar is installed with --no-deps by the Makefile, so a plain `pip install .` lacks it: a
+    constraint raised ModuleNotFoundError from inside generate() (a 500 over HTTP)."""
+    from engine.sampling_params import parse_sampling_params
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    with pytest.raises(ValueError, match=r"needs xgrammar.*pip install --no-deps xgrammar"):
+        parse_sampling_params({"regex": "a"}, 100, None)

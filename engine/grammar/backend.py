@@ -51,9 +51,9 @@ class XGrammarBackend:
     name = "xgrammar"
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
-        import xgrammar as xgr
+        from engine.grammar.constraints import xgrammar
 
-        self._xgr = xgr
+        self._xgr = xgr = xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         # its own cache of compiled grammars is unbounded by default: a client sending ever new schemas
         # would grow the scheduler without end (engine/grammar/stage.py bounds ours)

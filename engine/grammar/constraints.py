@@ -52,9 +52,20 @@ def check(kind: str, text: str) -> None:
     grammar_of(kind, text)
 
 
+def xgrammar() -> Any:
+    """The xgrammar module. It is installed without its dependencies (its triton is for GPUs only), so a
+    plain `pip install .` lacks it: a constraint is then refused naming how to get it."""
+    try:
+        import xgrammar as xgr
+    except ImportError as exc:
+        raise ValueError(f"structured output (json_schema, regex, ebnf) needs xgrammar, which is not installed "
+                         f"({exc}): pip install --no-deps xgrammar==0.2.8 (make run does)") from None  # fmt: skip
+    return xgr
+
+
 def grammar_of(kind: str, text: str) -> Any:
     """The grammar (xgrammar's, tokenizer-independent: cheap) of a constraint; ValueError naming it."""
-    import xgrammar as xgr
+    xgr = xgrammar()
 
     build = {"json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf}
     try:
