@@ -13,6 +13,7 @@ model step reads it, each of 30 layers' pools once in turn (`decode_*_30_layers`
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -111,8 +112,11 @@ def main(argv: list[str]) -> None:
         print(json.dumps(_time_library(argv[1], int(argv[2]) if len(argv) > 2 else 30)))
         return
     paths = argv
-    if not paths:
+    if not paths or any(a in ("-h", "--help") for a in paths):
         raise SystemExit(__doc__)
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise SystemExit(f"no such library: {', '.join(missing)}\n{__doc__}")
     rounds: dict[str, list[dict]] = {p: [] for p in paths}
     for _ in range(5):
         for p in paths:
