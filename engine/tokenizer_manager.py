@@ -49,9 +49,12 @@ from engine.tracing.context import normalize_trace_context
 def _done_hook(state: "ReqState", error: str | None) -> None:
     """engine_request_done, from the receiver thread: a plugin error is printed, never raised there."""
     try:
-        hooks.call("engine_request_done", rid=state.rid, meta_info=state.meta_info(), error=error)
+        hooks.call("engine_request_done", rid=state.rid, meta_info=state.meta_info(), error=error, seq=state.seq)
     except BaseException as exc:  # noqa: BLE001 - the receiver must go on (a fatal error too: it would hang callers)
         print(f"engine: {exc}", file=sys.stderr)
+
+
+_SEQ = itertools.count(1)
 
 
 def _names(states: list[ReqState]) -> list[str]:
@@ -67,7 +70,8 @@ def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
         meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": 0, "cached_tokens": 0,
                 "finish_reason": None}  # fmt: skip
         try:
-            hooks.call("engine_request_done", rid=req.rid, meta_info=meta, error=f"not sent: {type(exc).__name__}: {exc}")
+            hooks.call("engine_request_done", rid=req.rid, meta_info=meta, error=f"not sent: {type(exc).__name__}: {exc}",
+                       seq=req.seq)  # fmt: skip
         except BaseException as hook_exc:  # noqa: BLE001 - the caller gets the original error
             print(f"engine: {hook_exc}", file=sys.stderr)
 
@@ -86,7 +90,7 @@ class TokenizerManager:
         self._wake_lock = threading.Lock()  # only ever tried, never waited on
         self._deferred: collections.deque = collections.deque()  # (states, message) from abort_soon
         self._stopping = False
-        self._seq = itertools.count(1)
+        self._seq = _SEQ  # one count for every engine of the process: (rid, seq) names one request
         self.send_codec = Codec(ToScheduler)
         self.recv_codec = Codec(ToTokenizer)
         self.send_lock = threading.Lock()
@@ -440,7 +444,7 @@ class TokenizerManager:
                 for req, item in zip(reqs, items_of):
                     announced.append(req)  # first: a plugin called before the one that raises saw it
                     hooks.call("engine_request_submitted", rid=req.rid, request=item, sampling=req.sampling,
-                               trace_context=req.trace_context)  # fmt: skip
+                               trace_context=req.trace_context, seq=req.seq)  # fmt: skip
             self._register(states)
         except BaseException as exc:
             with self.states_lock:

@@ -384,7 +384,7 @@ def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_othe
     The error is printed, named, and the others run; a wrapper still sees the call end."""
     good = plugins(_After(fail=False), "good")
     plugins(_After(fail=True), "broken")  # registered last: called first
-    hooks.call("engine_request_done", rid="r1", meta_info={}, error=None)
+    hooks.call("engine_request_done", rid="r1", meta_info={}, error=None, seq=1)
     hooks.call("engine_process_stop", role="user", pid=1)
     assert good.seen == ["r1", "user"]
     err = capsys.readouterr().err
@@ -394,7 +394,7 @@ def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_othe
     from engine.hooks import FatalHookError
 
     with pytest.raises(FatalHookError, match="done broke"):
-        hooks.call("engine_request_done", rid="r2", meta_info={}, error=None)
+        hooks.call("engine_request_done", rid="r2", meta_info={}, error=None, seq=2)
     assert good.seen == ["r1", "user"]
 
 

@@ -774,3 +774,33 @@ def test_root_spans_name_the_model_of_their_own_engine(cut_run):
     for rid, model in (("on-a", "model-a"), ("on-b", "model-b"), ("running", "model-a")):
         root = _root(spans, rid)
         assert root.name == f"text_completion {model}" and root.attributes["gen_ai.request.model"] == model, rid
+
+
+def test_two_engines_running_one_rid_keep_their_root_spans_apart():
+    """Roots were kept by rid: two engines in one process running one caller-given rid at once ended
+    each other's root (the first to finish ended the other's, with its own counts; its own stayed open)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.hooks.types import PromptRequest
+    from engine.sampling_params import SamplingParams
+    from engine.tracing.plugin import TracingPlugin
+
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
+    plugin.tracer = plugin.provider.get_tracer("t")
+    for seq in (11, 12):  # one rid, two engines
+        plugin.engine_request_submitted(rid="same", request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
+                                        sampling=SamplingParams(max_new_tokens=4), trace_context={}, seq=seq)  # fmt: skip
+    plugin.engine_request_done(rid="same", meta_info={"completion_tokens": 2, "finish_reason": {"type": "length"}},
+                               error=None, seq=12)  # fmt: skip
+    roots = [s for s in memory.get_finished_spans() if "gen_ai.operation.name" in s.attributes]
+    assert len(roots) == 1 and roots[0].attributes["gen_ai.usage.output_tokens"] == 2
+    plugin.engine_request_done(rid="same", meta_info={"completion_tokens": 4, "finish_reason": {"type": "length"}},
+                               error=None, seq=11)  # fmt: skip
+    roots = [s for s in memory.get_finished_spans() if "gen_ai.operation.name" in s.attributes]
+    assert [r.attributes["gen_ai.usage.output_tokens"] for r in roots] == [2, 4] and roots[0] is not roots[1]
+    assert roots[0].context.trace_id != roots[1].context.trace_id

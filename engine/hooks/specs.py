@@ -70,7 +70,7 @@ class EngineSpecs:
 
     @hookspec
     def engine_request_submitted(
-        self, rid: str, request: PromptRequest, sampling: SamplingParams, trace_context: dict[str, str]
+        self, rid: str, request: PromptRequest, sampling: SamplingParams, trace_context: dict[str, str], seq: int
     ) -> None:
         """A request is about to be sent to the scheduler. User process, in the caller's thread (an
         async call's: the engine's submit thread, in the caller's contextvars), once per request
@@ -78,10 +78,12 @@ class EngineSpecs:
         PromptRequest (with tokenize_start_ns/tokenize_end_ns), `sampling` its SamplingParams.
         `trace_context` is the dict of W3C trace headers (strings) that travels with the request to the
         scheduler and detokenizer, holding what the caller passed; a plugin may replace its entries
-        (the tracing plugin puts its root span there). If it raises, nothing of the call is sent."""
+        (the tracing plugin puts its root span there). If it raises, nothing of the call is sent.
+        `seq`: the request's submission number, unique in this process: with it a plugin tells apart
+        two requests given one rid by two engines in one process (engine_request_done gets it too)."""
 
     @hookspec
-    def engine_request_done(self, rid: str, meta_info: dict[str, Any], error: str | None) -> None:
+    def engine_request_done(self, rid: str, meta_info: dict[str, Any], error: str | None, seq: int) -> None:
         """A request ended in the user process: its last output arrived (any finish reason, streams
         and aborts included; `meta_info` as in the result), or the engine stopped first, or its call
         failed after engine_request_submitted saw it and nothing was sent (`error` says why;

@@ -42,7 +42,7 @@ _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # s
 _queue_seen: dict[int, tuple[weakref.ref, dict]] = {}
 _queue_gone = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
-_copies: set[str] = set()  # user process: rids of the 2nd..nth copies of an n > 1 prompt, until done
+_copies: set[int] = set()  # user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
 _announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
 
 
@@ -200,21 +200,21 @@ def engine_process_stop(role: str, pid: int) -> None:
 
 
 @hookimpl
-def engine_request_submitted(rid: str, request, sampling, trace_context: dict) -> None:
+def engine_request_submitted(rid: str, request, sampling, trace_context: dict, seq: int) -> None:
     """User process: the copies of an n > 1 prompt are announced one after another, in one thread,
     with the same PromptRequest; those after the first are marked, so the prompt counts once."""
     last = getattr(_announcing, "request", None)
     if last is not None and last() is request:
         with _lock:
-            _copies.add(rid)
+            _copies.add(seq)
     _announcing.request = weakref.ref(request)
 
 
 @hookimpl
-def engine_request_done(rid: str, meta_info: dict, error: str | None) -> None:
+def engine_request_done(rid: str, meta_info: dict, error: str | None, seq: int) -> None:
     with _lock:
-        copy = rid in _copies
-        _copies.discard(rid)
+        copy = seq in _copies
+        _copies.discard(seq)
     if error is None:  # else it never finished: not sent, or cut off by the engine stopping or dying
         user_metrics().observe(meta_info, copy)
 

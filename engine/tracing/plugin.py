@@ -92,7 +92,7 @@ class TracingPlugin:
         self.model = ""  # the process's last engine's: only for a request that does not carry its own
         # spans a hook makes are made under it, so they are ended before the stop hook's flush or not made
         self.lock = threading.Lock()
-        self.roots: dict[str, object] = {}  # user process: rid -> open root span
+        self.roots: dict[int, object] = {}  # user process: the request's seq -> its open root span
         # user process: rid -> the context of its ended root, for a failing engine_output (streams never
         # reach that hook, so the oldest are dropped)
         self.ended: collections.OrderedDict[str, SpanContext] = collections.OrderedDict()
@@ -160,7 +160,7 @@ class TracingPlugin:
     # ------------------------------------------------------------------ user process
 
     @hookimpl
-    def engine_request_submitted(self, rid: str, request, sampling, trace_context: dict) -> None:
+    def engine_request_submitted(self, rid: str, request, sampling, trace_context: dict, seq: int) -> None:
         if self.tracer is None:
             return
         parent = _propagator.extract(trace_context) if "traceparent" in trace_context else None  # None: current
@@ -180,13 +180,13 @@ class TracingPlugin:
             trace_context.pop(key, None)
         _propagator.inject(trace_context, context=ctx)
         with self.lock:
-            self.roots[rid] = root
+            self.roots[seq] = root  # by seq: two engines in this process may run one rid at once
         self.dirty = True
 
     @hookimpl
-    def engine_request_done(self, rid: str, meta_info: dict, error: str | None) -> None:
+    def engine_request_done(self, rid: str, meta_info: dict, error: str | None, seq: int) -> None:
         with self.lock:
-            root = self.roots.pop(rid, None)
+            root = self.roots.pop(seq, None)
         if root is None:
             return
         finish = meta_info.get("finish_reason") or {}
