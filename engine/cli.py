@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     if argv and argv[0] == "env":
+        if argv[1:] in (["-h"], ["--help"]):
+            print(USAGE)
+            return 0
         if len(argv) > 1:
             print(f"engine env takes no arguments, got {' '.join(argv[1:])!r}\n\n{USAGE}", file=sys.stderr)
             return 2

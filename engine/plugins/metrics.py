@@ -41,6 +41,8 @@ _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # s
 # as a reset), whether an engine shut down or one scrape could not read it
 _queue_seen: dict[int, tuple[weakref.ref, dict]] = {}
 _queue_gone = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}
+_scrape_lock = threading.Lock()  # one scrape at a time (they run in worker threads): the bookkeeping above
+# stays in order; not _lock, which the hooks take while a scrape waits for get_stats
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
 _copies: set[int] = set()  # user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
 _announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
@@ -92,6 +94,10 @@ class _ScrapeCollector:
         return []
 
     def collect(self):
+        with _scrape_lock:
+            yield from self._collect()
+
+    def _collect(self):
         from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
         from engine.entrypoint import live_engines

@@ -92,12 +92,12 @@ def engine_output(result):
 
 
 @hookimpl
-def engine_request_submitted(rid, request, sampling, trace_context):
+def engine_request_submitted(rid, request, sampling, trace_context, seq):
     return None
 
 
 @hookimpl
-def engine_request_done(rid, meta_info, error):
+def engine_request_done(rid, meta_info, error, seq):
     return None
 
 

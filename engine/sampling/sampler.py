@@ -124,18 +124,15 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
         grammar(logits)
     if st.any_min_new:
         suppress_stop_tokens(logits, st, out_lens, stop_table, keep_last=grammar is not None or st.any_processor)
-    if st.any_processor:
-        fail_emptied_rows(logits, st, failed, beams)
     return logits
 
 
-def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[int, str],
-                      beams: list[int | None] | None) -> None:  # fmt: skip
-    """A row a custom processor left all -inf (it banned every token, or every token the grammar allows:
-    it runs before the mask) would be sampled as token 0, which a grammar then refuses, blamed on the
-    grammar. It fails here, naming the processor. (A beam left so is a hopeless beam, not a failure.)"""
-    rows = [r for r, sel in enumerate(st.processors)
-            if sel is not None and r not in failed and (beams is None or beams[r] is None)]  # fmt: skip
+def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[int, str]) -> None:
+    """A sampled row a custom processor left all -inf (it banned every token, or every token the grammar
+    allows: it runs before the mask) would be sampled as token 0, which a grammar then refuses, blamed on
+    the grammar. It fails here, naming the processor. (Beam searches: a beam left so is hopeless; a
+    search whose every beam is ends with no hypothesis.)"""
+    rows = [r for r, sel in enumerate(st.processors) if sel is not None and r not in failed]
     if not rows:
         return
     empty = torch.isneginf(logits[torch.tensor(rows, device=logits.device)]).all(dim=-1).tolist()
@@ -166,6 +163,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
     logits = process_logits(logits, st, out_lens, stop_table, output_ids, processors, out.failed, grammar=grammar)
     if on_logits is not None:  # the engine_process_logits hook: may change logits in place
         on_logits(logits)
+    if st.any_processor:  # after the hook, which may still put tokens back
+        fail_emptied_rows(logits, st, out.failed)
     greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:
         out.next_ids = greedy_ids

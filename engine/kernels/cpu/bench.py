@@ -117,6 +117,7 @@ def main(argv: list[str]) -> None:
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise SystemExit(f"no such library: {', '.join(missing)}\n{__doc__}")
+    paths = [os.path.abspath(p) for p in paths]  # ctypes looks a bare name up on the library path, not here
     rounds: dict[str, list[dict]] = {p: [] for p in paths}
     for _ in range(5):
         for p in paths:
