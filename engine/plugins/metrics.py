@@ -36,7 +36,7 @@ QUEUE_BUCKETS = TTFT_BUCKETS
 _lock = threading.Lock()
 _user = None  # the user process's metrics (prometheus_client objects), made on first use
 _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # scheduler: queue time
-# user process: each live engine's last queue-time figures read (weakly keyed by its id), and the
+# user process: each live engine's last queue-time figures read (by its id, a weak reference to it beside), and the
 # figures of engines gone since: a cumulative histogram must never go down (Prometheus reads a drop
 # as a reset), whether an engine shut down or one scrape could not read it
 _queue_seen: dict[int, tuple[weakref.ref, dict]] = {}
