@@ -78,7 +78,7 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         ratio = self.init_new_token_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+        if not _is_number(ratio) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"init_new_token_ratio must be in (0, 1], got {ratio!r}")
         if not _is_number(self.mem_fraction) or not 0.0 < self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be a number in (0, 1), got {self.mem_fraction!r}")

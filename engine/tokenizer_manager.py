@@ -512,8 +512,7 @@ class TokenizerManager:
             return
         with self.states_lock:
             named = [s for rid in rids for s in [*self.groups.get(rid, ()), self.states.get(rid)] if s is not None]
-            live = list({id(s): s for s in named if self.states.get(s.rid) is s}.values())
-        self._send_abort(live, message)
+        self.abort_requests(named, message)
 
     def _send_abort(self, live: list[ReqState], message: str) -> None:
         if live:
@@ -538,8 +537,8 @@ class TokenizerManager:
         """Abort these requests, those still running, and no later request given one of their rids."""
         if self.dead is not None:
             return
-        with self.states_lock:
-            live = [s for s in states if self.states.get(s.rid) is s]
+        with self.states_lock:  # each once (abort(["x", "x-0"]) names copy x-0 twice)
+            live = list({id(s): s for s in states if self.states.get(s.rid) is s}.values())
         self._send_abort(live, message)
 
     @staticmethod

@@ -114,10 +114,11 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
                 rids = app.state.inflight.abort_all()
             except Exception:  # noqa: BLE001 - a dead engine: its requests have failed already
                 return
-            if set(rids) - aborted:
-                print(f"engine serve: aborted {len(set(rids) - aborted)} requests still running after --shutdown-timeout",
+            new = set(rids) - aborted
+            if new:
+                print(f"engine serve: aborted {len(new)} requests still running after --shutdown-timeout",
                       file=sys.stderr, flush=True)  # fmt: skip
-                aborted.update(rids)
+                aborted |= new
             await asyncio.sleep(0.2)
 
     watcher = asyncio.ensure_future(watch())

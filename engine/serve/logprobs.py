@@ -57,11 +57,11 @@ class TokenText:
             found = self.cache[token_id] = (as_text(raw), raw)
         return found
 
-    def first(self, token_id: int) -> tuple[str, bytes]:
-        """(token, bytes) of a request's first output token: the detokenizer decodes the output on its own,
-        and a sentencepiece decoder drops the space its first piece starts with."""
+    def at(self, token_id: int, position: int) -> tuple[str, bytes]:
+        """(token, bytes) of an output token at its position: the detokenizer decodes the output on its
+        own, and a sentencepiece decoder drops the space the first piece (position 0) starts with."""
         token, raw = self(token_id)
-        if self.sentencepiece and raw.startswith(b" "):
+        if position == 0 and self.sentencepiece and raw.startswith(b" "):
             return as_text(raw[1:]), raw[1:]
         return token, raw
 
@@ -103,7 +103,7 @@ def chat_logprobs(meta: dict, text_of: TokenText, start: int = 0) -> dict | None
     tops = meta.get("output_top_logprobs") or [[] for _ in tokens]
     content = []
     for j, ((lp, tid, _), top) in enumerate(zip(tokens, tops)):
-        token, raw = text_of.first(tid) if start + j == 0 else text_of(tid)
+        token, raw = text_of.at(tid, start + j)
         alternatives = [{"token": text_of(i)[0], "logprob": v, "bytes": list(text_of(i)[1])} for v, i, _ in top]
         content.append({"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": alternatives})
     return {"content": content}
@@ -119,7 +119,7 @@ def completion_logprobs(meta: dict, text_of: TokenText, offsets: TextOffsets | N
     tops = meta.get("output_top_logprobs") or [None for _ in tokens]
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for j, ((lp, tid, _), top) in enumerate(zip(tokens, tops)):
-        token, raw = text_of.first(tid) if start + j == 0 else text_of(tid)
+        token, raw = text_of.at(tid, start + j)
         out["tokens"].append(token)
         out["token_logprobs"].append(lp)
         out["top_logprobs"].append({text_of(i)[0]: v for v, i, _ in top} if top else None)
