@@ -42,8 +42,9 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
-from engine.request_checks import _check_logprob_options, _check_unique_rids, _malformed, _unicode, _unicode_messages
+from engine.request_checks import _check_logprob_options, _check_unique_rids, _malformed
 from engine.request_state import ReqState
+from engine.tokenize_stage import tokenize_stage
 from engine.tracing.context import normalize_trace_context
 
 def _done_hook(state: "ReqState", error: str | None) -> None:
@@ -283,71 +284,8 @@ class TokenizerManager:
     # ------------------------------------------------------------------ stages
 
     def tokenize(self, prompt=None, input_ids=None, messages=None) -> tuple[list[list[int]], bool, list[PromptRequest]]:
-        """The tokenize stage, with its hooks around each prompt. Returns the id lists, whether the
-        caller passed a batch, and the PromptRequests (timed, for the submit hook)."""
-        items, is_batch = self._inputs(prompt, input_ids, messages)
-        before, after = hooks.has("engine_tokenize_before"), hooks.has("engine_tokenize_after")
-        out = []
-        for item in items:
-            item.tokenize_start_ns = time.time_ns()
-            item.model = self.model
-            if before:
-                hooks.call("engine_tokenize_before", request=item)
-            if item.input_ids is None:
-                if item.prompt is not None:
-                    item.input_ids = self.tokenizer.encode(item.prompt)
-                else:
-                    item.input_ids = self._apply_chat_template(item.messages)
-            if after:
-                hooks.call("engine_tokenize_after", request=item)
-            item.tokenize_end_ns = time.time_ns()
-            out.append(list(item.input_ids))
-        return out, is_batch, items
-
-    @staticmethod
-    def _inputs(prompt, input_ids, messages) -> tuple[list[PromptRequest], bool]:
-        given = [name for name, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of prompt, input_ids or messages (got {given or 'none'})")
-        if prompt is not None:
-            if isinstance(prompt, str):
-                return [PromptRequest(0, prompt=_unicode(prompt, "prompt"))], False
-            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                return [PromptRequest(i, prompt=_unicode(p, f"prompt[{i}]")) for i, p in enumerate(prompt)], True
-            raise ValueError("prompt must be a string or a non-empty list of strings")
-        if input_ids is not None:
-            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-                return [PromptRequest(i, input_ids=list(x)) for i, x in enumerate(input_ids)], True
-            if isinstance(input_ids, list):
-                return [PromptRequest(0, input_ids=list(input_ids))], False
-            raise ValueError("input_ids must be a list of token ids or a list of such lists")
-        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-            return [PromptRequest(0, messages=_unicode_messages(messages, "messages"))], False
-        if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
-            return [PromptRequest(i, messages=_unicode_messages(m, f"messages[{i}]")) for i, m in enumerate(messages)], True
-        raise ValueError("messages must be a list of {'role', 'content'} dicts or a list of such lists")
-
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:  # content may be left out (a turn of tool calls)
-                raise ValueError(f"each chat message needs 'role' (and most need 'content'), got {m!r:.200}")
-            if not isinstance(m["role"], str):
-                raise ValueError(f"messages[{j}]['role'] must be a string, got {m['role']!r:.100}")
-            content = m.get("content")
-            if not (content is None or isinstance(content, str)
-                    or (isinstance(content, list) and all(isinstance(part, dict) for part in content))):  # fmt: skip
-                raise ValueError(f"messages[{j}]['content'] must be a string, a list of parts or None, got {content!r:.100}")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass prompt or input_ids instead")
-        from jinja2 import TemplateError
-
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:  # many templates refuse some orders or roles (raise_exception)
-            raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
-        except (TypeError, KeyError, AttributeError) as exc:  # a template meeting values it cannot render
-            raise ValueError(f"messages: the model's chat template cannot render them ({type(exc).__name__}: {exc})") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The tokenize stage (engine/tokenize_stage.py) for this engine's tokenizer and model."""
+        return tokenize_stage(self.tokenizer, self.model, prompt, input_ids, messages)
 
     def validate(self, ids: list[int], params: SamplingParams, index: int | None) -> SamplingParams:
         """Check one tokenized request against the model and pool; may shorten max_new_tokens to what

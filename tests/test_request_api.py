@@ -426,16 +426,15 @@ def test_a_chat_turn_without_content_is_rendered_as_transformers_does(tokenizer)
     apply_chat_template renders it where the template allows, the engine refused it: each message
     needed 'content'. (SmolLM2's template needs content: both then refuse it.)"""
     import copy
-    from types import SimpleNamespace
 
-    from engine.tokenizer_manager import TokenizerManager
+    from engine.tokenize_stage import render_chat
 
     messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "tool_calls": []},
                 {"role": "user", "content": "Answer in one word."}]  # fmt: skip
     tok = copy.copy(tokenizer)
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m.get('content') or '(tools)' }}\n{% endfor %}"
-    ids = TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tok), messages)
+    ids = render_chat(tok, messages)
     want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ids == tok.encode(want, add_special_tokens=False) and "assistant: (tools)" in want
     with pytest.raises(ValueError, match="needs 'role'"):
-        TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tok), [{"content": "no role"}])
+        render_chat(tok, [{"content": "no role"}])

@@ -637,14 +637,13 @@ def test_native_stream_events_hold_everything_so_far(server):
 def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(engine):
     """Many models' templates raise on some role orders (raise_exception): that is the caller's error."""
     import copy
-    from types import SimpleNamespace
 
-    from engine.tokenizer_manager import TokenizerManager
+    from engine.tokenize_stage import render_chat
 
     tokenizer = copy.copy(engine.tokenizer)
     tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
     with pytest.raises(ValueError, match="messages: the model's chat template refused them: roles must alternate"):
-        TokenizerManager._apply_chat_template(SimpleNamespace(tokenizer=tokenizer), CHAT)
+        render_chat(tokenizer, CHAT)
 
 
 # ------------------------------------------------------------------ beam search (issue 15)
