@@ -125,3 +125,27 @@ def test_a_private_cache_is_used(tmp_path):
     _plant(tmp_path / "kernels", tmp_path)  # here "planted" by this user: trusted, as the cache is meant to be
     res = _python(PLANT, tmp_path)
     assert res.stdout.strip() == "planted" and "not using the kernel cache" not in res.stderr, res.stderr
+
+
+@needs_cc
+def test_a_damaged_library_in_the_cache_is_rebuilt(tmp_path):
+    """A library cut short (a crash or power loss as it was written) made every start fail with
+    OSError: file too short, until someone deleted it by hand."""
+    (tmp_path / "kernels").mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    target = _plant(tmp_path / "kernels", tmp_path)
+    target.write_bytes(target.read_bytes()[:100])
+    res = _python(PLANT, tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "built", res.stderr
+    assert target.stat().st_size > 100
+
+
+@needs_cc
+def test_a_cached_library_is_used_where_no_compiler_is(tmp_path):
+    """An image shipping a warm cache without a compiler (or with CC naming a missing one) ran without
+    the kernels it had: the compiler was looked for before the cache."""
+    (tmp_path / "kernels").mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    _plant(tmp_path / "kernels", tmp_path)
+    res = _python(PLANT, tmp_path, CC="no-such-compiler-xyz")
+    assert res.returncode == 0 and res.stdout.strip() == "planted", res.stderr

@@ -147,11 +147,10 @@ def cached_library() -> Path:
     return _cache_dir() / f"{LIBRARY_NAME}-{cache_key()}.so"
 
 
-def library_path() -> tuple[Path, bool] | None:
-    """(the compiled library, whether it is a private copy to delete once loaded), or None without a compiler."""
-    command = compiler_command()
-    if command is None:
-        return None
+def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
+    """(the compiled library, whether it is a private copy to delete once loaded), or None where it is
+    not cached and no compiler builds it. A trusted cached library is used without a compiler (an image
+    may ship a warm cache and no gcc); `rebuild` replaces it (it would not load)."""
     target = cached_library()
     try:
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -160,9 +159,12 @@ def library_path() -> tuple[Path, bool] | None:
     problem = next(
         (f"{p}: {why}" for p in (target.parent.parent, target.parent) if (why := unsafe_reason(p)) is not None), None
     )
+    if problem is None and not rebuild and target.exists() and unsafe_reason(target) is None:
+        return target, False
+    command = compiler_command()
+    if command is None:
+        return None
     if problem is None:
-        if target.exists() and unsafe_reason(target) is None:
-            return target, False
         built = _compile(command, target.parent)
         if built is None:
             return None
@@ -298,6 +300,15 @@ def load_native() -> ctypes.CDLL | None:
         return None
     path, private = found
     try:
+        return bind(ctypes.CDLL(str(path)))
+    except OSError as exc:  # a cached library cut short (a crash as it was written): built again, once
+        if private:
+            raise
+        print(f"engine: the cached kernel library does not load ({exc}); building it again", file=sys.stderr)
+        found = library_path(rebuild=True)
+        if found is None:
+            return None
+        path, private = found
         return bind(ctypes.CDLL(str(path)))
     finally:
         if private:  # mapped now: the file is no longer needed
