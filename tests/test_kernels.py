@@ -410,3 +410,31 @@ def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
     for i in (0, n - 1):  # the keys past 47 really weigh nothing: the live keys' reference
         assert torch.allclose(out[i].double(), _reference(q[i], k[:48], v[:48], d**-0.5), atol=3e-2, rtol=3e-2)
     assert torch.equal(out[:n], out[n:])
+
+
+def test_the_elementwise_ops_never_read_past_a_tensor_given_the_wrong_shape():
+    """The native paths checked dtype, device and contiguity, not shapes: a delta of one row for four,
+    cos/sin of one position for four tokens, or a weight shorter than a row were read past their ends
+    (garbage out where torch broadcasts or raises). Now such calls take torch's path: its answer or its
+    error."""
+    from engine.kernels import ops
+
+    if load_native() is None:
+        pytest.fail("no C compiler: the native kernel could not be built on this machine")
+    g = torch.Generator().manual_seed(0)
+    h, delta, w = torch.randn(4, 8, generator=g), torch.randn(1, 8, generator=g), torch.randn(8, generator=g)
+    summed, normed = ops.add_rms_norm(h.clone(), delta, w, 1e-6)
+    assert torch.equal(summed, h + delta)
+    torch.testing.assert_close(normed, ops.rms_norm(h + delta, w, 1e-6))
+    with pytest.raises(RuntimeError):
+        ops.rms_norm(torch.randn(2, 8, generator=g), torch.randn(4, generator=g), 1e-6)
+    heads, kv_heads, d, t = 2, 1, 8, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = torch.randn(1, d, generator=g), torch.randn(1, d, generator=g)
+    q, k, v = ops.rotate_qkv(qkv.clone(), cos, sin, heads, kv_heads, d)
+    q_ref, k_ref = ops.apply_rotary(qkv[:, : heads * d].view(t, heads, d), qkv[:, heads * d : (heads + 1) * d].view(t, 1, d),
+                                    cos, sin)  # fmt: skip
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    with pytest.raises(RuntimeError):
+        ops.silu_and_mul(torch.randn(3, 9, generator=g))

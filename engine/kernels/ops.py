@@ -32,7 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     precision: the weight multiply also happens in float32 with a single cast at the end, which on the
     CPU is about twice as fast as transformers' cast-then-multiply in bfloat16 (and no less accurate).
     """
-    lib, bf16 = _native(x, weight)
+    lib, bf16 = _native(x, weight) if weight.numel() == x.shape[-1] else (None, False)
     if lib is not None:
         return _native_add_rms_norm(lib, bf16, x, None, weight, eps)
     input_dtype = x.dtype
@@ -47,7 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)): a residual add and the norm after it. The native bfloat16 path adds
     into h in place (h is the running hidden state, which nothing else holds); without delta, only the norm."""
-    lib, bf16 = _native(h, weight, *(() if delta is None else (delta,)))
+    fits = weight.numel() == h.shape[-1] and (delta is None or delta.shape == h.shape)  # else torch broadcasts or raises
+    lib, bf16 = _native(h, weight, *(() if delta is None else (delta,))) if fits else (None, False)
     if lib is None:
         if delta is not None:
             h = h + delta
@@ -66,7 +67,7 @@ def _native_add_rms_norm(lib, bf16: bool, h: torch.Tensor, delta: torch.Tensor |
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [.., 2 * I] gate/up projection."""
-    lib, bf16 = _native(gate_up)
+    lib, bf16 = _native(gate_up) if gate_up.shape[-1] % 2 == 0 else (None, False)
     if lib is not None:
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
@@ -93,7 +94,8 @@ def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] of fused qkv rows [T, (H + 2 Hkv) D], q and k rotated.
     The native path rotates in place in qkv and returns views of it."""
     t = qkv.shape[0]
-    lib, bf16 = _native(qkv, cos, sin)
+    fits = qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and cos.shape == sin.shape == (t, head_dim)
+    lib, bf16 = _native(qkv, cos, sin) if fits else (None, False)  # else torch's path: its broadcast or its error
     if lib is not None:
         kernel = lib.rotary_qkv_bf16 if bf16 else lib.rotary_qkv
         kernel(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
