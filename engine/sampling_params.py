@@ -7,6 +7,7 @@ that names the field and its allowed range.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 import msgspec
@@ -122,7 +123,7 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
     out = []
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        token = int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key  # not "+5", " 5", "٥"
         if not _is_int(token) or not 0 <= token < vocab_size:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
         if not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:

@@ -235,3 +235,17 @@ def test_values_that_cannot_be_sent_are_refused_and_leave_no_request_behind(engi
     with pytest.raises(ValueError, match="cannot be sent"):
         engine.generate("Hi", {"max_new_tokens": 2, "n": 2}, rid="bad\udc80rid")
     assert engine.get_stats()["tracked"]["user"] == {"states": 0, "groups": 0, "pending_stats": 0, "deferred_aborts": 0}
+
+
+@pytest.mark.parametrize("depth", [150, 5000])
+def test_a_json_schema_nested_too_deeply_is_a_value_error(depth):
+    """jsonschema's check (and json itself, deeper) raised RecursionError: a 500 over HTTP, for 1 KB."""
+    from engine.sampling.processors import get_logit_processor
+    from engine.sampling_params import parse_sampling_params
+
+    nested = {}
+    for _ in range(depth):
+        nested = {"not": nested}
+    for schema in (nested, '{"not": ' * depth + "{}" + "}" * depth):
+        with pytest.raises(ValueError, match="json_schema is nested too deeply"):
+            parse_sampling_params({"json_schema": schema}, 49152, get_logit_processor)

@@ -232,6 +232,10 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, None, 404, "gpt-4", "model"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400, "logit_bias", "logit_bias"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, None, 400, "logit_bias", "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"+5": 1}}, None, 400, "logit_bias", "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {" 10 ": 1}}, None, 400, "logit_bias", "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {  # a 500 before
+        "name": "deep", "schema": json.loads('{"not": ' * 200 + "{}" + "}" * 200)}}}, None, 400, "nested", None),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 40}, None, 400, "stop", "stop"),
     ("POST", "/v1/completions", {"prompt": []}, None, 400, "", None),
     ("POST", "/v1/completions", {"prompt": [-5, 3]}, None, 400, "", "prompt"),  # the engine's input_ids is the prompt here
@@ -326,6 +330,16 @@ def test_values_openai_accepts_are_accepted(client):
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
     out = client.completions.create(model="smol", prompt="Hi", max_tokens=2, temperature=0, best_of=1, suffix="")
     assert out.usage.completion_tokens <= 2
+    chunks = client.completions.create(model="smol", prompt="Hi", max_tokens=2, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "include_obfuscation": False})  # fmt: skip
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [2]
+
+
+def test_completions_without_max_tokens_stop_at_openais_16(client):
+    """OpenAI's legacy completions (and vLLM's, SGLang's) default max_tokens to 16; chat to what the
+    context leaves. Completions ran to the whole context."""
+    out = client.completions.create(model="smol", prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
 
 
 def test_a_history_replayed_from_openai_responses_is_accepted(server, client, engine):

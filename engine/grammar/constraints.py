@@ -26,7 +26,10 @@ def normalize(params: dict) -> dict[str, str]:
     kind, value = next(iter(given.items()))
     if kind == "json_schema":
         if isinstance(value, dict):
-            value = json.dumps(value)  # its property order is the output order
+            try:
+                value = json.dumps(value)  # its property order is the output order
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply to check") from None
         elif not isinstance(value, str):
             raise ValueError(f"json_schema must be a JSON Schema as a dict or a string, got {type(value).__name__}")
     elif not isinstance(value, str) or not value:
@@ -41,6 +44,8 @@ def check(kind: str, text: str) -> None:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("json_schema is nested too deeply to check") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
         import jsonschema
@@ -49,6 +54,8 @@ def check(kind: str, text: str) -> None:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise ValueError(f"json_schema is not a valid JSON Schema: {exc.message}") from None
+        except RecursionError:  # a valid schema nested past the checker's depth (a 1 KB body did it)
+            raise ValueError("json_schema is nested too deeply to check") from None
     grammar_of(kind, text)
 
 

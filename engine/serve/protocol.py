@@ -32,6 +32,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool = False  # OpenAI pads its chunks against side channels; taken, nothing to pad
 
 
 class _EngineExtras(_Body):

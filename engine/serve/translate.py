@@ -17,6 +17,8 @@ from engine.sampling_params import SEED_RANGE  # the engine's seeds: [0, SEED_RA
 from engine.serve.errors import OpenAIError
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, TextPart
 
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API documents it
+
 # OpenAI name -> engine name, for the fields that are only renamed
 _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 _PASSED = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -39,7 +41,8 @@ def openai_names(body: ChatCompletionRequest | CompletionRequest) -> dict[str, s
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
     """The engine's sampling_params for an OpenAI body (unset fields keep the engine's defaults, but
-    max_tokens: what the context leaves, as OpenAI's). max_tokens beyond the model's context is
+    max_tokens, which takes OpenAI's: 16 for completions, what the context leaves for chat; beams
+    keep theirs). max_tokens beyond the model's context is
     refused here, as OpenAI does (the engine itself would clip it to what the context leaves)."""
     fields = body.model_fields_set
     params: dict[str, Any] = {}
@@ -51,8 +54,10 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
             params[engine_name] = getattr(body, name)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         params["max_new_tokens"] = body.max_completion_tokens
-    if "max_new_tokens" not in params and context_length is not None and not body.use_beam_search:
-        # OpenAI's default: what the context leaves. The engine shortens a max_new_tokens of the whole
+    if "max_new_tokens" not in params and isinstance(body, CompletionRequest) and not body.use_beam_search:
+        params["max_new_tokens"] = COMPLETIONS_MAX_TOKENS  # OpenAI's legacy completions default (vLLM's, SGLang's)
+    elif "max_new_tokens" not in params and context_length is not None and not body.use_beam_search:
+        # chat's default: what the context leaves. The engine shortens a max_new_tokens of the whole
         # context to what the context (and the KV pool) leave after the prompt; beams keep their default
         params["max_new_tokens"] = context_length
     limit = params.get("max_new_tokens")
@@ -82,10 +87,9 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
     if body.logit_bias:
         bias = {}
         for key, value in body.logit_bias.items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not re.fullmatch(r"-?[0-9]+", key):  # int() takes " 10 ", "+5", "1_0" and other scripts' digits
+                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
         params["logit_bias"] = bias
     return params
 
