@@ -83,3 +83,13 @@ def build_narrower(tmp_path, source_names: str | list[str], flags: list[str]) ->
     out = tmp_path / (Path(sources[0]).stem + "_narrow.so")
     subprocess.run([*command, *build.FLAGS, *flags, *sources, "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
+
+
+def deeply_nested(message, depth: int = 5000) -> bytes:
+    """The message encoded with its "NEST" string value replaced by maps nested `depth` deep."""
+    import msgspec
+
+    data = msgspec.msgpack.Encoder().encode(message)
+    placeholder = msgspec.msgpack.encode("NEST")
+    assert data.count(placeholder) == 1
+    return data.replace(placeholder, b"\x81\xa1a" * depth + b"\xc0")

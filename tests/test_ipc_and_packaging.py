@@ -36,6 +36,19 @@ def test_round_trip_and_type_checking():
         codec.decode(other)
 
 
+def test_a_message_nested_too_deeply_is_a_decode_error_on_every_channel():
+    """msgspec raises RecursionError there, not DecodeError, which the receivers drop: a 10 KB message
+    into a field of any value (custom_params, a plugin's stats) killed the detokenizer, the engine with it."""
+    from engine.ipc.messages import Stats, ToTokenizer
+    from helpers import deeply_nested
+
+    request = TokenizedRequest("r", [1], SamplingParams(custom_params={"k": "NEST"}))
+    stats = Stats("x", 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, {}, plugins={"p": "NEST"})
+    for union, message in ((ToScheduler, GenerateBatch([request])), (ToDetokenizer, stats), (ToTokenizer, stats)):
+        with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+            Codec(union).decode(deeply_nested(message))
+
+
 def test_pickle_payload_is_rejected_not_executed():
     class Boom:
         def __reduce__(self):

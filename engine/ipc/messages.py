@@ -245,4 +245,8 @@ class Codec:
         return self._encoder.encode(message)
 
     def decode(self, data: bytes):
-        return self._decoder.decode(data)
+        """The message, or msgspec.DecodeError (which every receiver drops with a log line)."""
+        try:
+            return self._decoder.decode(data)
+        except RecursionError:  # msgspec's answer to nesting in a field of any value (custom_params, stats)
+            raise msgspec.DecodeError("the message is nested too deeply") from None

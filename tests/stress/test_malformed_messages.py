@@ -16,8 +16,10 @@ import zmq
 
 from engine import Engine
 from engine.bench.crowd import busy, wait_idle
-from engine.ipc.messages import (AbortRequest, BatchTextOut, BatchTokenOut, Codec, FinishReason, GenerateBatch,
-                                 StatsRequest, ToDetokenizer, ToScheduler, ToTokenizer)  # fmt: skip
+from engine.ipc.messages import (AbortRequest, BatchTextOut, BatchTokenOut, Codec, FinishReason, GenerateBatch, Stats,
+                                 StatsRequest, TokenizedRequest, ToDetokenizer, ToScheduler, ToTokenizer)  # fmt: skip
+from engine.sampling_params import SamplingParams
+from helpers import deeply_nested
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,9 @@ def hostile_messages(seed: int) -> list[bytes]:
     out += good  # well-formed, but for another socket, or naming requests that do not exist
     out += [Codec(ToDetokenizer).encode(BatchTokenOut(["ghost"], [3], [FinishReason("length", length=1)], [None])),
             Codec(ToScheduler).encode(AbortRequest(["ghost"], "x", [0]))]  # fmt: skip
+    # nested past msgspec's depth in a field of any value: RecursionError, not a DecodeError, killed the detokenizer
+    ghost = TokenizedRequest("ghost", [1], SamplingParams(custom_params={"k": "NEST"}))
+    out += [deeply_nested(GenerateBatch([ghost])), deeply_nested(Stats("x", 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, {}, plugins={"p": "NEST"}))]
     return out
 
 
