@@ -124,3 +124,15 @@ def test_kv_pool_reuses_freed_indices_first():
     pool.free(b)
     pool.free(a)
     assert pool.available == 1000 and sorted(pool.alloc(1000).tolist()) == list(range(1, 1001))
+
+
+def test_allocated_indices_hold_no_copy_of_the_free_list():
+    """alloc returned a view of the free-list tensor, which every free() replaces by a new one: a beam
+    search keeps each step's indices until it ends, and so kept every step's whole free list alive
+    (2.45 GB for 16 KB of indices in 512 steps on a 600k-token pool)."""
+    pool = TokenKVPool(100_000, 1, 1, 8, torch.float32, "cpu")
+    kept = []
+    for _ in range(20):
+        kept.append(pool.alloc(4))
+        pool.free(pool.alloc(1))
+    assert all(t.untyped_storage().nbytes() == 4 * 8 for t in kept)
