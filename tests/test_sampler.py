@@ -279,3 +279,35 @@ def test_a_complete_grammar_ends_the_output_before_min_new_tokens(greedy):
     out = sample(logits.clone(), st, torch.tensor([1, 1, 6]), torch.full((3, 1), eos), [[]] * 3, ProcessorSet(),
                  grammar=grammar)  # fmt: skip
     assert out.next_ids.tolist() == [eos, 9, eos]
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2**-53])
+def test_a_draw_never_lands_on_a_token_filtered_out(u, monkeypatch):
+    """The inverse of the cumulative distribution at the draw u lands on a token with probability: at
+    u = 0 not on a leading token filtered out, near 1 on the last token left, never past it."""
+    from engine.sampling import sampler
+
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.3, 0.0], [0.1, 0.0, 0.2, 0.0]])
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(u))
+    st = SamplingTensors.build([SamplingParams(temperature=1.0)] * 3, 4, "cpu", [[1]] * 3, [[]] * 3, [(False, 0)] * 3)
+    picked = sampler.draw(probs, st, torch.zeros(3, dtype=torch.int64)).tolist()
+    assert picked == {0.0: [0, 2, 0], 0.5: [1, 2, 2], 1 - 2**-53: [1, 2, 2]}[u]
+
+
+@pytest.mark.parametrize("flat_row", [False, True])
+def test_top_k_top_p_in_a_window_keeps_what_the_full_sort_keeps(flat_row, monkeypatch):
+    """top_k / top_p measured on each row's most likely tokens (topk) first, the vocabulary sorted only
+    where a cut ends past them (a flat row's nucleus): the same tokens kept either way."""
+    from engine.sampling import sampler
+
+    torch.manual_seed(8)
+    logits = torch.randn(6, 49152) * torch.tensor([[4.0], [3.0], [2.0], [6.0], [3.0], [0.1 if flat_row else 3.0]])
+    probs = torch.softmax(logits, dim=-1)
+    top_k = torch.tensor([49152, 40, 49152, 300, 49152, 49152])
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.99, 0.9])
+    windowed = top_k_top_p(probs, top_k, top_p)
+    monkeypatch.setattr(sampler, "TOP_WINDOWS", ())
+    full = top_k_top_p(probs, top_k, top_p)
+    assert torch.equal(windowed, full)
+    assert torch.equal(windowed[2], probs[2]) and int((windowed[1] > 0).sum()) == 40

@@ -7,9 +7,9 @@ the argmax of that; sampled rows divide by their temperature, keep top-k, top-p 
 batch, skipped when no row needs it. Custom processors are the exception: one call per processor
 name, with all the rows that selected it.
 
-Drawing uses the exponential race (argmax of p / E with E ~ Exp(1)), which picks token i with
-probability p_i. A seeded row draws its E from its own generator seeded with (seed, tokens generated
-so far), so its tokens do not depend on what else is in the batch.
+Drawing inverts each row's cumulative distribution at one uniform draw, which picks token i with
+probability p_i. A seeded row draws from its own generator seeded with (seed, tokens generated so
+far), so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -98,13 +98,26 @@ def _rows_alone(logits: torch.Tensor, rows: list[int], batch: ProcessorBatch, pr
             failed[r] = f"custom_logit_processor {name!r} failed: {type(exc).__name__}: {exc}"
 
 
-def seeded_noise(noise: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> None:
-    lens = out_lens.tolist()
-    for row, seed in enumerate(st.seeds):
-        if seed is not None:
-            gen = torch.Generator(device=noise.device)
-            gen.manual_seed((seed * 1_000_003 + lens[row]) % (1 << 63))
-            noise[row].exponential_(generator=gen)
+def draw(probs: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> torch.Tensor:
+    """One token per row, token i with probability p_i / sum(p): the inverse of each row's cumulative
+    distribution (float64, so no token's share is lost to rounding) at one uniform draw. One draw per
+    row, not one per token as the exponential race needs: 49,152 exponential draws per row cost 120 ms
+    at batch 64 on a 2-core machine, a whole decode step; this costs 10 ms. A seeded row draws from its
+    own generator seeded with (seed, tokens generated so far): it does not depend on its neighbours."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
+    if st.any_seed:
+        lens = out_lens.tolist()
+        for row, seed in enumerate(st.seeds):
+            if seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed((seed * 1_000_003 + lens[row]) % (1 << 63))
+                u[row] = torch.rand(1, dtype=torch.float64, generator=gen, device=probs.device)
+    # the first token whose cumulative sum passes the draw: u < 1, so u * total < total (float64 rounds
+    # it no higher), and the token found is one the sum rose at, one with probability, never one filtered
+    # out; the clamp is for a row of NaN (which nothing found), which must still give a token id
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[-1] - 1)
 
 
 def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
@@ -142,17 +155,39 @@ def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[in
                          "token the grammar and the other parameters allow")  # fmt: skip
 
 
+TOP_WINDOWS = (256, 4096)  # the most likely tokens top_k / top_p are first measured in, before a full sort
+
+
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs [B, V] with each row's tokens outside its top_k, or past its top_p, set to 0 (both measured on
     the same distribution, as SGLang does). A token goes once the tokens before it reach top_p (the smallest
     set that reaches it, as transformers and vLLM keep; never the top token). A row whose top_p is 1 loses
-    nothing to it: a float32 running sum over a large vocabulary passes 1 before its tail."""
+    nothing to it: a float32 running sum over a large vocabulary passes 1 before its tail.
+
+    Measured first on each row's most likely tokens (topk), which is enough when every cut ends inside
+    them; a full sort of the vocabulary (170 ms at batch 64 on a 2-core machine) only where one does not."""
+    vocab = probs.shape[-1]
+    cut = (top_k < vocab) | (top_p < 1.0)  # rows that lose anything
+    for window in TOP_WINDOWS:
+        if window >= vocab:
+            break
+        values, ids = probs.topk(window, dim=-1)
+        drop = _dropped(values, top_k, top_p)
+        if bool((drop[:, -1] | ~cut).all()):  # every cut ends in the window: what is past it goes too
+            kept = torch.zeros_like(probs).scatter_(1, ids, values.masked_fill(drop, 0.0))
+            return torch.where(cut[:, None], kept, probs)
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    drop = _dropped(sorted_probs, top_k, top_p)
+    return probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+
+
+def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's most likely tokens (in order, descending) top_k and top_p remove."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     drop = ranks[None, :] >= top_k[:, None]
     drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False  # a top_p under float32's least value (0 there) must not empty the row
-    return probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+    return drop
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
@@ -174,11 +209,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
             probs = top_k_top_p(probs, st.top_k, st.top_p)
         if st.any_min_p:
             probs = probs.masked_fill(probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        if st.any_seed:
-            seeded_noise(noise, st, out_lens)
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would make p / E undefined
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = draw(probs, st, out_lens)
         out.next_ids = torch.where(st.greedy, greedy_ids, sampled)
     if logprobs_all is not None:
         out.logprobs = logprobs_all.gather(1, out.next_ids[:, None]).squeeze(1)
