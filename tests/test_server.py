@@ -168,6 +168,20 @@ def test_logprobs_equal_the_engines(client, engine):
         assert [got[k] for k in sorted(got)] == pytest.approx([want[k] for k in sorted(want)], abs=1e-4)
 
 
+def test_completions_top_logprobs_hold_the_chosen_token_too(client, engine):
+    """OpenAI's legacy completions: "the API will always return the logprob of the sampled token, so
+    there may be up to logprobs+1 elements". A token chosen outside the top (here forced by logit_bias;
+    logprobs are the model's own) was missing from its position's top_logprobs."""
+    london = engine.tokenizer.encode(" London", add_special_tokens=False)
+    assert len(london) == 1
+    out = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=1, temperature=0,
+                                    logprobs=1, logit_bias={str(london[0]): 100})  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [" London"] and len(lp.top_logprobs[0]) == 2
+    assert lp.top_logprobs[0][" London"] == pytest.approx(lp.token_logprobs[0])
+    assert max(lp.top_logprobs[0].values()) > lp.token_logprobs[0]  # the model's own top is there too
+
+
 JAPANESE = [{"role": "user", "content": "Write the Japanese word for thank you, in Japanese script only."}]
 
 

@@ -122,6 +122,11 @@ def completion_logprobs(meta: dict, text_of: TokenText, offsets: TextOffsets | N
         token, raw = text_of.at(tid, start + j)
         out["tokens"].append(token)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({text_of(i)[0]: v for v, i, _ in top} if top else None)
+        if top:  # and the chosen token, as OpenAI's: "up to logprobs+1 elements"
+            alternatives = {text_of(i)[0]: v for v, i, _ in top}
+            alternatives.setdefault(token, lp)
+            out["top_logprobs"].append(alternatives)
+        else:
+            out["top_logprobs"].append(None)
         out["text_offset"].append(offsets.next(raw))
     return out
