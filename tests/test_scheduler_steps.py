@@ -289,6 +289,18 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     assert sched.run_once(block=False)
     assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-memory"]
     assert {rid: f.type for rid, f in run.finish_all()}["waits-for-memory"] == "length"
+    # headroom left beyond the reservation, but less than any waiting request's least need (one prompt
+    # token and its estimated new tokens): ordered every decode step before, to admit no one
+    monkeypatch.setattr(sched, "new_token_ratio", 0.5)
+    run.submit(*(TokenizedRequest(f"half{i}", [1, 50 + i, 60 + i], long) for i in range(3)))
+    assert sched.run_once(block=False) and len(sched.running) == 3
+    gap = sched.kv.headroom - int(0.5 * sched.running.remaining_new_tokens(4096))
+    assert 1 <= gap < 1 + int(0.5 * 480), gap
+    run.submit(TokenizedRequest("needs-more", [1, 2, 3], SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True)))
+    calls.clear()
+    assert sched.run_once(block=False)
+    assert calls == [] and [r.rid for r in sched.waiting] == ["needs-more"]
+    assert {rid: f.type for rid, f in run.finish_all()}["needs-more"] == "length"
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 
