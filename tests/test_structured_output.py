@@ -196,6 +196,46 @@ def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
     assert len(grammars.compile_seconds) == 3
 
 
+def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_scheduler, monkeypatch):
+    """One compile thread, a queue without end: compiles of requests aborted while they waited (or
+    dropped from the cache) still ran, each before every constraint sent after them (2,000 distinct
+    schemas at 2 ms each kept a new one waiting 4.35 s). A new constraint's arrival now cancels the
+    queued compiles no waiting request holds. The compile is stubbed: the first one is held running."""
+    import threading
+    import time
+
+    from engine.ipc.messages import AbortRequest, TokenizedRequest
+    from engine.sampling_params import SamplingParams
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    grammars = sched.grammars
+    release, compiled = threading.Event(), []
+
+    def compile_(kind, text):
+        if text == "first":
+            release.wait(30)
+        compiled.append(text)
+        raise ValueError("stub")  # each request fails alone once its compile is done
+
+    monkeypatch.setattr(grammars, "_compile", compile_)
+    params = [SamplingParams(max_new_tokens=3, regex=text) for text in ("first", "a1", "a2", "a3")]
+    run.submit(*(TokenizedRequest(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params)))
+    run.sched.run_once(block=False)
+    queued = {r.rid: r.grammar for r in sched.waiting}
+    run.requests.send(run.codec.encode(AbortRequest(["r1", "r2", "r3"], "gone")))
+    run.submit(TokenizedRequest("new", [1, 2, 3], SamplingParams(max_new_tokens=3, regex="new")))
+    for _ in range(500):  # both messages received (ZeroMQ keeps their order)
+        run.sched.run_once(block=False)
+        if any(r.rid == "new" for r in sched.waiting):
+            break
+        time.sleep(0.01)
+    assert [queued[r].cancelled() for r in ("r0", "r1", "r2", "r3")] == [False, True, True, True]
+    release.set()
+    dict(run.finish_all())
+    assert compiled == ["first", "new"]
+    assert ("regex", "a1") not in grammars._compiled  # a cancelled compile is not served to a later request
+
+
 def test_xgrammars_own_compiler_cache_is_bounded(model_dir):
     """xgrammar's compiler caches what it compiles, unbounded by default: ours sets its limit."""
     from engine.grammar.backend import COMPILER_CACHE_BYTES, XGrammarBackend

@@ -42,6 +42,7 @@ class Grammars:
         self._backend_error: BaseException | None = None  # making the backend failed: kept, not retried
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()  # LRU
+        self._queued: list[tuple[tuple[str, str], Future]] = []  # compiles submitted, until done or cancelled
         self._bitmask: torch.Tensor | None = None
         self.compile_seconds: collections.deque[float] = collections.deque(maxlen=MAX_COMPILED)  # the last compiles
         self.mask_seconds = 0.0  # fill + apply, since start
@@ -84,11 +85,31 @@ class Grammars:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-grammar")
             future = self._compiled[key] = self._pool.submit(self._compile, kind, text)
+            self._queued.append((key, future))
             if len(self._compiled) > MAX_COMPILED:  # a client sending ever new schemas must not grow memory
                 self._compiled.popitem(last=False)  # requests holding its future keep it
         else:
             self._compiled.move_to_end(key)
         return future
+
+    def sweep(self, waiting: list) -> int:
+        """Cancel the queued compiles no waiting request holds (theirs were aborted or failed while they
+        waited, or the constraint fell out of the cache): one compile thread would run each of them
+        before any constraint sent after them. Called once a batch of arrivals is queued; returns how
+        many it cancelled. A cancelled constraint sent again compiles again."""
+        held = {id(r.grammar) for r in waiting if r.grammar is not None}
+        kept, cancelled = [], 0
+        for key, future in self._queued:
+            if future.done():
+                continue
+            if id(future) not in held and future.cancel():  # False once it runs: it then ends as it will
+                if self._compiled.get(key) is future:
+                    del self._compiled[key]
+                cancelled += 1
+            else:
+                kept.append((key, future))
+        self._queued = kept
+        return cancelled
 
     @staticmethod
     def problem(future: Future, kind: str) -> str | None:

@@ -71,6 +71,7 @@ def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
     vocab = sched.model_config.vocab_size
     live = live_rids(sched)
     arrived_hook = hooks.has("engine_request_arrived")
+    constrained = False
     for r in arrivals:
         if r.rid in live:  # reused: the user process only reuses a rid whose request it saw finish,
             # here by a stop string whose abort is still on its way from the detokenizer; ended first,
@@ -95,11 +96,14 @@ def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
             constraint = constraint_of(r.sampling)
             if constraint is not None:  # compiled off the loop; the request waits for it, the others do not
                 req.grammar = sched.grammars.request(*constraint)
+                constrained = True
         except Exception as exc:  # noqa: BLE001 - this request alone
             finish_unstarted(sched, req, f"{type(exc).__name__}: {exc}")
             continue
         sched.waiting.append(req)
         live[r.rid] = r.seq
+    if constrained:  # compiles queued for requests gone meanwhile would run before these
+        sched.grammars.sweep(sched.waiting)
 
 
 def arrival_problem(sched: Scheduler, r, vocab: int) -> str | None:
