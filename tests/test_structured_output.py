@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 
 import jsonschema
 import pytest
@@ -234,6 +235,55 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_sch
     dict(run.finish_all())
     assert compiled == ["first", "new"]
     assert ("regex", "a1") not in grammars._compiled  # a cancelled compile is not served to a later request
+
+
+def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_scheduler, monkeypatch):
+    """A plugin's backend (its fill_masks, apply_masks, accept_token) is the plugin's own code: one that
+    raised for one row failed the whole step, its unconstrained and constrained neighbours too."""
+    from engine.ipc.messages import TokenizedRequest
+    from engine.sampling_params import SamplingParams
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    real, bad = sched.grammars.backend(), set()
+
+    class Flaky:
+        name = "flaky"
+
+        def compile(self, kind, text):
+            return text, real.compile(kind, text)
+
+        def matcher(self, compiled):
+            m = real.matcher(compiled[1])
+            if compiled[0] == "b+":
+                bad.add(id(m))
+            return m
+
+        def new_bitmask(self, rows):
+            return real.new_bitmask(rows)
+
+        def fill_masks(self, matchers, bitmask, rows):
+            if any(id(m) in bad for m in matchers):
+                raise RuntimeError("the plugin's bug")
+            real.fill_masks(matchers, bitmask, rows)
+
+        def apply_masks(self, logits, bitmask, rows):
+            real.apply_masks(logits, bitmask, rows)
+
+    monkeypatch.setattr(sched.grammars, "_backend", Flaky())
+    monkeypatch.setattr(sched.grammars, "_compiled", type(sched.grammars._compiled)())  # compiled by Flaky
+    greedy = dict(temperature=0.0, max_new_tokens=6)
+    run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy)),
+               TokenizedRequest("good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy)),
+               TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)))  # fmt: skip
+    for _ in range(500):  # the compiles are off the loop
+        if not any(r.grammar is not None and not r.grammar.done() for r in sched.waiting):
+            break
+        time.sleep(0.01)
+    finished = dict(run.finish_all())
+    assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
+    assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
+    stats = sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 
 
 def test_xgrammars_own_compiler_cache_is_bounded(model_dir):

@@ -44,6 +44,7 @@ class Grammars:
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()  # LRU
         self._queued: list[tuple[tuple[str, str], Future]] = []  # compiles submitted, until done or cancelled
         self._bitmask: torch.Tensor | None = None
+        self._broken: dict[int, str] = {}  # id(matcher) -> why the backend failed on its row in this step's mask
         self.compile_seconds: collections.deque[float] = collections.deque(maxlen=MAX_COMPILED)  # the last compiles
         self.mask_seconds = 0.0  # fill + apply, since start
         self.mask_steps = 0
@@ -137,18 +138,42 @@ class Grammars:
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = backend.new_bitmask(max(n, 64))
         bitmask = self._bitmask[:n]
-        backend.fill_masks([matchers[i] for i in rows], bitmask, rows)
-        backend.apply_masks(logits, bitmask, rows)
+        self._broken = {}
+        try:
+            backend.fill_masks([matchers[i] for i in rows], bitmask, rows)
+            backend.apply_masks(logits, bitmask, rows)
+        except FatalHookError:
+            raise
+        except Exception:  # noqa: BLE001 - a plugin's backend: found row by row, the others masked
+            for i in rows:
+                try:
+                    backend.fill_masks([matchers[i]], bitmask, [i])
+                    backend.apply_masks(logits, bitmask, [i])
+                except FatalHookError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this row fails, in accept
+                    self._broken[id(matchers[i])] = _backend_failed(backend, exc)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
 
-    @staticmethod
-    def accept(matchers: list, tokens: list[int]) -> dict[int, str]:
-        """Advance each constrained row by its token; rows whose grammar refuses it, with why."""
+    def accept(self, matchers: list, tokens: list[int]) -> dict[int, str]:
+        """Advance each constrained row by its token; rows whose grammar refuses it (or whose backend
+        failed on it, in this step's mask or here), with why."""
         failed: dict[int, str] = {}
+        broken, self._broken = self._broken, {}
         for i, (m, t) in enumerate(zip(matchers, tokens)):
-            if m is not None and t >= 0 and not m.is_terminated() and not m.accept_token(t):
-                failed[i] = f"the grammar does not allow token {t} here"
+            if m is None:
+                continue
+            if id(m) in broken:
+                failed[i] = broken[id(m)]
+                continue
+            try:
+                if t >= 0 and not m.is_terminated() and not m.accept_token(t):
+                    failed[i] = f"the grammar does not allow token {t} here"
+            except FatalHookError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a plugin's matcher: this row alone
+                failed[i] = _backend_failed(self._backend, exc)
         return failed
 
     def close(self) -> None:
@@ -156,3 +181,5 @@ class Grammars:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _backend_failed(backend, exc: BaseException) -> str:
+    return f"the grammar backend {getattr(backend, 'name', type(backend).__name__)!r} failed: {type(exc).__name__}: {exc}"
