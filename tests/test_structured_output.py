@@ -203,7 +203,6 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_sch
     schemas at 2 ms each kept a new one waiting 4.35 s). A new constraint's arrival now cancels the
     queued compiles no waiting request holds. The compile is stubbed: the first one is held running."""
     import threading
-    import time
 
     from engine.ipc.messages import AbortRequest, TokenizedRequest
     from engine.sampling_params import SamplingParams
@@ -282,6 +281,17 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     finished = dict(run.finish_all())
     assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
     assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
+    # a beam search's rows are not isolated (accept() never sees them): its step fails, as before, rather
+    # than leave a beam unmasked to go on with tokens its grammar forbids
+    from engine.ipc.messages import BeamParams
+
+    run.submit(TokenizedRequest("beams", [1, 2, 3], SamplingParams(regex="b+", max_new_tokens=4, temperature=0.0), beam=BeamParams(2)))
+    for _ in range(500):
+        if not any(r.grammar is not None and not r.grammar.done() for r in sched.waiting):
+            break
+        time.sleep(0.01)
+    finished = dict(run.finish_all())
+    assert finished["beams"].type == "abort" and "the plugin's bug" in finished["beams"].message, finished
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 

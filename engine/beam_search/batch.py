@@ -175,7 +175,7 @@ class BeamBatch:
         order for beam search: processors see log-probabilities), grammar masks last."""
         logprobs = torch.log_softmax(logits, dim=-1)
         ids = self.output_ids() if self.sampling.any_processor else []
-        grammar = (lambda lg: grammars.mask(lg, self.matchers)) if self.any_grammar else None  # noqa: E731
+        grammar = (lambda lg: grammars.mask(lg, self.matchers, isolate=False)) if self.any_grammar else None  # noqa: E731
         return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed,
                               self.beam_index, grammar)  # fmt: skip
 

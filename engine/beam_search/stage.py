@@ -65,7 +65,7 @@ def process_starts(sched: Scheduler, reqs: list[Req], logits: torch.Tensor, fail
     logprobs = torch.log_softmax(logits, dim=-1)
     ids = [[] for _ in reqs]
     matchers = [r.matcher for r in reqs]
-    grammar = (lambda lg: sched.grammars.mask(lg, matchers)) if any(m is not None for m in matchers) else None  # noqa: E731
+    grammar = (lambda lg: sched.grammars.mask(lg, matchers, isolate=False)) if any(m is not None for m in matchers) else None  # noqa: E731
     return process_logits(logprobs, st, out_lens, stop_table(reqs, 1, sched.device), ids, sched.processors, failed,
                           [0] * len(reqs), grammar)  # fmt: skip
 

@@ -127,8 +127,10 @@ class Grammars:
 
     # ------------------------------------------------------------------ each step
 
-    def mask(self, logits: torch.Tensor, matchers: list) -> None:
-        """Every constrained row's disallowed tokens to -inf, in place: one fill, one apply."""
+    def mask(self, logits: torch.Tensor, matchers: list, isolate: bool = True) -> None:
+        """Every constrained row's disallowed tokens to -inf, in place: one fill, one apply. Where the
+        backend raises, `isolate` finds the rows it fails on (they fail in accept(), which ordinary rows
+        pass through next); without it (beam rows, which accept() never sees) the error stands."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
@@ -138,13 +140,16 @@ class Grammars:
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = backend.new_bitmask(max(n, 64))
         bitmask = self._bitmask[:n]
-        self._broken = {}
+        if isolate:  # the ordinary rows' mask of this step: what accept() reads next
+            self._broken = {}
         try:
             backend.fill_masks([matchers[i] for i in rows], bitmask, rows)
             backend.apply_masks(logits, bitmask, rows)
         except FatalHookError:
             raise
         except Exception:  # noqa: BLE001 - a plugin's backend: found row by row, the others masked
+            if not isolate:
+                raise
             for i in rows:
                 try:
                     backend.fill_masks([matchers[i]], bitmask, [i])
