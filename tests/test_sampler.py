@@ -295,18 +295,22 @@ def test_a_draw_never_lands_on_a_token_filtered_out(u, monkeypatch):
     assert picked == {0.0: [0, 2, 0], 0.5: [1, 2, 2], 1 - 2**-53: [1, 2, 2]}[u]
 
 
-@pytest.mark.parametrize("flat_row", [False, True])
-def test_top_k_top_p_in_a_window_keeps_what_the_full_sort_keeps(flat_row, monkeypatch):
+@pytest.mark.parametrize("scale,measured_on", [(6.0, 256), (3.0, 4096), (0.1, 49152)])
+def test_top_k_top_p_in_a_window_keeps_what_the_full_sort_keeps(scale, measured_on, monkeypatch):
     """top_k / top_p measured on each row's most likely tokens (topk) first, the vocabulary sorted only
-    where a cut ends past them (a flat row's nucleus): the same tokens kept either way."""
+    where a cut ends past them (a flat row's nucleus): the same tokens kept either way. `scale` makes the
+    last row peaked (its nucleus ends in the first window), broad (the second) or flat (the sort)."""
     from engine.sampling import sampler
 
     torch.manual_seed(8)
-    logits = torch.randn(6, 49152) * torch.tensor([[4.0], [3.0], [2.0], [6.0], [3.0], [0.1 if flat_row else 3.0]])
+    logits = torch.randn(5, 49152) * torch.tensor([[6.0], [6.0], [3.0], [6.0], [scale]])
     probs = torch.softmax(logits, dim=-1)
-    top_k = torch.tensor([49152, 40, 49152, 300, 49152, 49152])
-    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.99, 0.9])
+    top_k = torch.tensor([49152, 40, 49152, 200, 49152])
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.9])
+    seen, real = [], sampler._dropped
+    monkeypatch.setattr(sampler, "_dropped", lambda p, k, q: seen.append(p.shape[-1]) or real(p, k, q))
     windowed = top_k_top_p(probs, top_k, top_p)
+    assert seen[-1] == measured_on, seen
     monkeypatch.setattr(sampler, "TOP_WINDOWS", ())
     full = top_k_top_p(probs, top_k, top_p)
     assert torch.equal(windowed, full)

@@ -7,7 +7,8 @@ each character comes out with the token that completes it (stop strings and min_
 that). The window starts at the previous emission
 boundary, not at the beginning, so the cost per step stays small; decoding the already-emitted
 tokens with the new ones (rather than the new ones alone) keeps tokenizers that strip or merge
-leading spaces honest. Requests are grouped by their (skip_special_tokens,
+leading spaces honest. Tokens that add no text to text already out (special tokens skipped) are
+dropped from the window, which would otherwise widen by each of them. Requests are grouped by their (skip_special_tokens,
 spaces_between_special_tokens) setting; the usual batch has one group, so one call.
 """
 
@@ -68,6 +69,12 @@ class IncrementalDetokenizer:
                 state.prefix_offset = state.read_offset
                 state.read_offset = len(state.ids)
                 state.held_out = 0
+            elif full_text == prefix_text and state.read_offset > state.prefix_offset and not finished[i]:
+                # tokens that add no text (skipped specials) after text: out of the window, or a run of them
+                # is decoded again every step (not before any text: a sentencepiece decoder strips the
+                # window's first space, so a lone "▁" there adds nothing yet counts before a "▁word")
+                deltas.append("")
+                del state.ids[state.read_offset :]
             elif finished[i]:
                 deltas.append(full_text[start:])  # flush what is left, even a broken tail
             else:  # the complete characters before a split one

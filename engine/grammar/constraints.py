@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 KINDS = ("json_schema", "regex", "ebnf")
+TOO_DEEP = "json_schema is nested too deeply to check"
 
 
 def normalize(params: dict) -> dict[str, str]:
@@ -29,7 +30,7 @@ def normalize(params: dict) -> dict[str, str]:
             try:
                 value = json.dumps(value)  # its property order is the output order
             except RecursionError:
-                raise ValueError("json_schema is nested too deeply to check") from None
+                raise ValueError(TOO_DEEP) from None
         elif not isinstance(value, str):
             raise ValueError(f"json_schema must be a JSON Schema as a dict or a string, got {type(value).__name__}")
     elif not isinstance(value, str) or not value:
@@ -41,22 +42,25 @@ def check(kind: str, text: str) -> None:
     """ValueError naming `kind` if the constraint does not parse."""
     if kind == "json_schema":
         try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ValueError("json_schema is nested too deeply to check") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        import jsonschema
-
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            raise ValueError(f"json_schema is not a valid JSON Schema: {exc.message}") from None
-        except RecursionError:  # a valid schema nested past the checker's depth (a 1 KB body did it)
-            raise ValueError("json_schema is nested too deeply to check") from None
+            _check_schema(text)
+        except RecursionError:  # a schema nested past json's or jsonschema's depth (a 1 KB body did it)
+            raise ValueError(TOO_DEEP) from None
     grammar_of(kind, text)
+
+
+def _check_schema(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"json_schema is not a valid JSON Schema: {exc.message}") from None
 
 
 def xgrammar() -> Any:

@@ -95,8 +95,7 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
         if chunk <= 0 and entries and take > budget:
             kv.unlend(req)
             break
-        remaining_new = req.sampling.max_new_tokens - len(req.output_ids)
-        need = take + int(sched.new_token_ratio * min(remaining_new, CLIP_NEW_TOKENS))
+        need = need_of(sched, req, take)
         alone = not entries and not len(sched.running) and not sched.beams
         if req.beam is not None:  # reserved whole: beams are never retracted part-way for lack of KV
             need = beam_stage.admission_need(req, take)
@@ -161,13 +160,17 @@ def admissible(sched: Scheduler, reserved: int, entries: list) -> bool:
     return room >= min(least_need(sched, r) for r in sched.waiting)
 
 
+def need_of(sched: Scheduler, req: Req, take: int) -> int:
+    """Pool tokens admitting a request asks for: the `take` tokens computed now and an estimate of its
+    new tokens (a beam search asks for its whole reservation instead: beam_stage.admission_need)."""
+    remaining = req.sampling.max_new_tokens - len(req.output_ids)
+    return take + int(sched.new_token_ratio * min(remaining, CLIP_NEW_TOKENS))
+
+
 def least_need(sched: Scheduler, req: Req) -> int:
     """The least pool room admission can ask of a request: one token to compute (all the rest could be
     cached) and its estimated new tokens. A beam search's whole reservation is not bounded here: 1."""
-    if req.beam is not None:
-        return 1
-    remaining = req.sampling.max_new_tokens - len(req.output_ids)
-    return 1 + int(sched.new_token_ratio * min(remaining, CLIP_NEW_TOKENS))
+    return 1 if req.beam is not None else need_of(sched, req, 1)
 
 
 def build_sampling(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> tuple[list, SamplingTensors]:

@@ -55,7 +55,8 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         params["max_new_tokens"] = body.max_completion_tokens
     if "max_new_tokens" not in params and isinstance(body, CompletionRequest) and not body.use_beam_search:
-        params["max_new_tokens"] = COMPLETIONS_MAX_TOKENS  # OpenAI's legacy completions default (vLLM's, SGLang's)
+        # OpenAI's legacy completions default (vLLM's, SGLang's); a context shorter than it is no client's error
+        params["max_new_tokens"] = min(COMPLETIONS_MAX_TOKENS, context_length or COMPLETIONS_MAX_TOKENS)
     elif "max_new_tokens" not in params and context_length is not None and not body.use_beam_search:
         # chat's default: what the context leaves. The engine shortens a max_new_tokens of the whole
         # context to what the context (and the KV pool) leave after the prompt; beams keep their default
@@ -84,13 +85,8 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
                                f"got {' and '.join(constraints)}", param=constraints[1])  # fmt: skip
     if schema is not None:
         params["json_schema"] = schema
-    if body.logit_bias:
-        bias = {}
-        for key, value in body.logit_bias.items():
-            if not re.fullmatch(r"-?[0-9]+", key):  # int() takes " 10 ", "+5", "1_0" and other scripts' digits
-                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-            bias[int(key)] = value
-        params["logit_bias"] = bias
+    if body.logit_bias:  # string keys, as JSON has them: the engine's check reads them (a 400 naming logit_bias)
+        params["logit_bias"] = dict(body.logit_bias)
     return params
 
 
