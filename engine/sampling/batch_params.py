@@ -37,6 +37,7 @@ class SamplingTensors:
     def __post_init__(self) -> None:
         """Batch-wide flags, so a step skips every operation no row needs."""
         self.all_greedy = bool(self.greedy.all()) if self.greedy.numel() else True
+        self.any_greedy = bool(self.greedy.any())
         self.any_top_k_p = bool((self.top_p < 1.0).any()) or bool((self.top_k < self.vocab_size).any())
         self.any_min_p = bool((self.min_p > 0).any())
         self.any_min_new = bool((self.min_new > 0).any())

@@ -176,7 +176,7 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
         drop = _dropped(values, top_k, top_p)
         if bool((drop[:, -1] | ~cut).all()):  # every cut ends in the window: what is past it goes too
             kept = torch.zeros_like(probs).scatter_(1, ids, values.masked_fill(drop, 0.0))
-            return torch.where(cut[:, None], kept, probs)
+            return kept if bool(cut.all()) else torch.where(cut[:, None], kept, probs)
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
     drop = _dropped(sorted_probs, top_k, top_p)
     return probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
@@ -201,9 +201,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
         on_logits(logits)
     if st.any_processor:  # after the hook, which may still put tokens back
         fail_emptied_rows(logits, st, out.failed)
-    greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:
-        out.next_ids = greedy_ids
+        out.next_ids = logits.argmax(dim=-1)
     else:
         probs = torch.softmax(logits / st.temperature[:, None], dim=-1)
         if st.any_top_k_p:
@@ -211,7 +210,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
         if st.any_min_p:
             probs = probs.masked_fill(probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         sampled = draw(probs, st, out_lens)
-        out.next_ids = torch.where(st.greedy, greedy_ids, sampled)
+        out.next_ids = torch.where(st.greedy, logits.argmax(dim=-1), sampled) if st.any_greedy else sampled
     if logprobs_all is not None:
         out.logprobs = logprobs_all.gather(1, out.next_ids[:, None]).squeeze(1)
         if st.max_top_logprobs:
