@@ -76,11 +76,12 @@ def test_a_client_traceparent_gives_one_trace_through_http_and_all_three_process
 
 
 def test_max_tokens_left_out_is_what_the_context_and_the_pool_leave(traced_server, receiver):
-    """OpenAI's default (vLLM's, SGLang's): the context length less the prompt, not the engine's 128;
+    """OpenAI's chat default (vLLM's, SGLang's): the context length less the prompt, not the engine's 128;
     here the pool (4096 tokens) is smaller than the context (8192), so what the pool leaves. The
-    request's span says the max_tokens the engine got; a regex ends the answer in a few tokens."""
-    body = {"prompt": "My lucky number is", "regex": " [0-9]{2}", "temperature": 0}
-    out = httpx.post(traced_server.url + "/v1/completions", json=body, timeout=60).json()
+    request's span says the max_tokens the engine got; a regex ends the answer in a few tokens.
+    (Completions default to 16: tests/test_server.py.)"""
+    body = {"messages": [{"role": "user", "content": "My lucky number is"}], "regex": "[0-9]{2}", "temperature": 0}
+    out = httpx.post(traced_server.url + "/v1/chat/completions", json=body, timeout=60).json()
     info = httpx.get(traced_server.url + "/server_info", timeout=30).json()
     assert info["max_total_tokens"] < info["context_length"]
     want = info["max_total_tokens"] + 1 - out["usage"]["prompt_tokens"]  # the last token's KV is never stored
