@@ -165,21 +165,31 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     set that reaches it, as transformers and vLLM keep; never the top token). A row whose top_p is 1 loses
     nothing to it: a float32 running sum over a large vocabulary passes 1 before its tail.
 
-    Measured first on each row's most likely tokens (topk), which is enough when every cut ends inside
-    them; a full sort of the vocabulary (170 ms at batch 64 on a 2-core machine) only where one does not."""
-    vocab = probs.shape[-1]
-    cut = (top_k < vocab) | (top_p < 1.0)  # rows that lose anything
+    Measured first on each row's most likely tokens (topk), which is enough for a row whose cut ends
+    inside them; only the rows whose cut does not go on to the next window, then to a full sort of the
+    vocabulary (170 ms at batch 64 on a 2-core machine): one broad row does not send the batch there."""
+    rows, vocab = probs.shape
+    pending = ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)  # rows that lose anything, still to cut
+    if not pending.numel():
+        return probs
+    out = torch.empty_like(probs) if pending.numel() == rows else probs.clone()
     for window in TOP_WINDOWS:
-        if window >= vocab:
+        if window >= vocab or not pending.numel():
             break
-        values, ids = probs.topk(window, dim=-1)
-        drop = _dropped(values, top_k, top_p)
-        if bool((drop[:, -1] | ~cut).all()):  # every cut ends in the window: what is past it goes too
-            kept = torch.zeros_like(probs).scatter_(1, ids, values.masked_fill(drop, 0.0))
-            return kept if bool(cut.all()) else torch.where(cut[:, None], kept, probs)
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    drop = _dropped(sorted_probs, top_k, top_p)
-    return probs.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+        values, ids = probs.index_select(0, pending).topk(window, dim=-1)
+        drop = _dropped(values, top_k[pending], top_p[pending])
+        done = drop[:, -1]  # the cut ends in the window: what is past it goes too
+        if bool(done.any()):
+            kept = torch.zeros(int(done.sum()), vocab, dtype=probs.dtype, device=probs.device)
+            kept.scatter_(1, ids[done], values[done].masked_fill(drop[done], 0.0))
+            out.index_copy_(0, pending[done], kept)
+            pending = pending[~done]
+    if pending.numel():
+        part = probs.index_select(0, pending)
+        sorted_probs, sorted_idx = part.sort(dim=-1, descending=True)
+        drop = _dropped(sorted_probs, top_k[pending], top_p[pending])
+        out.index_copy_(0, pending, part.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0))
+    return out
 
 
 def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
