@@ -45,6 +45,10 @@ class SamplingTensors:
         self.max_top_logprobs = int(self.top_logprobs.max()) if self.top_logprobs.numel() else 0
         self.any_seed = any(s is not None for s in self.seeds)
         self.any_processor = any(p is not None for p in self.processors)
+        # which penalties some row uses: a step applies only those (each is a few passes over [B, V])
+        self.any_repetition = bool((self.repetition != 1.0).any())
+        self.any_frequency = bool((self.frequency != 0.0).any())
+        self.any_presence = bool((self.presence != 0.0).any())
 
     @classmethod
     def build(

@@ -36,12 +36,18 @@ class SampleOutput:
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Repetition (transformers' rule, over prompt and output), then frequency and presence (OpenAI's
-    rule, over output tokens)."""
-    rep = st.repetition[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(st.seen, penalized, logits)
+    rule, over output tokens). Only the kinds some row uses: the others change nothing, at a few passes
+    over [B, V] each."""
+    if st.any_repetition:
+        rep = st.repetition[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(st.seen, penalized, logits)
     counts = st.counts
-    return logits - st.frequency[:, None] * counts - st.presence[:, None] * (counts > 0).to(logits.dtype)
+    if st.any_frequency:
+        logits = logits - st.frequency[:, None] * counts
+    if st.any_presence:
+        logits = logits - st.presence[:, None] * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
