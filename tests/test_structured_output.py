@@ -230,7 +230,10 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_sch
             break
         time.sleep(0.01)
     assert [queued[r].cancelled() for r in ("r0", "r1", "r2", "r3")] == [False, True, True, True]
+    new = next(r.grammar for r in sched.waiting if r.rid == "new")
     release.set()
+    for future in (queued["r0"], new):  # the loop does not wait for a compile: this test does
+        future.exception(timeout=30)
     dict(run.finish_all())
     assert compiled == ["first", "new"]
     assert ("regex", "a1") not in grammars._compiled  # a cancelled compile is not served to a later request

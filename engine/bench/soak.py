@@ -10,6 +10,7 @@ small object per request would show as a steady climb.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 
@@ -87,6 +88,7 @@ def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log
         left = busy(stats)
         failures += [f"round {r}: {p}" for p in found + left]
         pids = engine.pids
+        gc.collect()  # what is garbage already (an earlier test's sockets, in a suite) closes now, not mid-run
         sample = {"round": r, "wall_s": wall, "requests": per_round, "problems": len(found), "not_idle": left,
                   "cancelled": sum(o.cancelled for o in outcomes), "early": sum(o.spec.early is not None for o in outcomes),
                   "generated_tokens": stats["generated_tokens"]}  # fmt: skip
