@@ -58,8 +58,9 @@ def _abort_left(tm: TokenizerManager, remaining: dict[str, ReqState]) -> None:
 
 
 class Stream:
-    """The chunks of one streaming call. Closing it, or dropping it, aborts whatever still runs, even
-    before the first chunk was read (a plain generator's clean-up would not run then)."""
+    """The chunks of one streaming call. Closing it (or ending its `with` block), or dropping it, aborts
+    whatever still runs, even before the first chunk was read (a plain generator's clean-up would not
+    run then)."""
 
     def __init__(self, tm: TokenizerManager, chunks, remaining: dict[str, ReqState]) -> None:
         self._chunks = chunks
@@ -75,9 +76,15 @@ class Stream:
         self._chunks.close()
         self._finalizer()
 
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc_info) -> None:  # `break` never closes an iterator: a with block does
+        self.close()
+
 
 class AsyncStream:
-    """The async form of Stream: `async for chunk in stream`, `await stream.aclose()`."""
+    """The async form of Stream: `async for chunk in stream`, `await stream.aclose()`, `async with`."""
 
     def __init__(self, tm: TokenizerManager, chunks, remaining: dict[str, ReqState]) -> None:
         self._chunks = chunks
@@ -92,6 +99,12 @@ class AsyncStream:
     async def aclose(self) -> None:
         await self._chunks.aclose()
         self._finalizer()
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
 
 
 def sync_stream(tm: TokenizerManager, submit: dict) -> Stream:

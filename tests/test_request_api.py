@@ -263,6 +263,31 @@ def test_stream_closed_before_reading_aborts_its_request(engine):
     assert engine_idle(stats)
 
 
+def test_a_stream_in_a_with_block_is_aborted_when_the_block_ends(engine):
+    """`break` never closes an iterator, so a stream held in a variable ran on to max_new_tokens after
+    its loop; a `with` block (or `async with`) closes it however the block ends."""
+    import asyncio
+
+    with engine.generate(PROMPTS[6], {"max_new_tokens": 3000, "ignore_eos": True}, stream=True) as stream:
+        for _ in stream:
+            break
+    deadline = time.monotonic() + 10
+    while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_idle(stats)
+
+    async def read_one() -> None:
+        async with await engine.async_generate(PROMPTS[6], {"max_new_tokens": 3000, "ignore_eos": True}, stream=True) as s:
+            async for _ in s:
+                break
+
+    asyncio.run(read_one())
+    deadline = time.monotonic() + 10
+    while not engine_idle(stats := engine.get_stats()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_idle(stats)
+
+
 def test_stop_string_counts_as_a_finish_not_an_abort(engine):
     before = engine.get_stats()
     out = engine.generate(PROMPTS[7], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [" "]})
