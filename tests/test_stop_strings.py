@@ -114,6 +114,31 @@ def test_detokenizer_flushes_held_text_when_a_request_ends_before_min_new_tokens
     assert not detokenizer.stop_states
 
 
+def test_held_text_reaches_the_caller_when_a_batch_fails(detokenizer, tokenizer, monkeypatch):
+    """A batch the detokenizer fails (a plugin's hook, any exception) ends its requests with an abort:
+    the text held back for a stop string that had not completed was dropped with them, though held text
+    always reaches the caller when a request ends without a match."""
+    from engine.hooks import HookError
+    from engine.ipc.messages import BatchTokenOut, RequestHeader
+
+    ids = tokenizer.encode("Hello wor", add_special_tokens=False)
+    header = RequestHeader(prompt_tokens=3, stop=("world",))
+    text = ""
+    for i, token in enumerate(ids):
+        out = BatchTokenOut(["r"], [token], [None], [None], [header if i == 0 else None])
+        text += detokenizer.detokenize(out).text_deltas[0]
+    assert text == "Hello "  # "wor" may start the stop string: held
+
+    def fail(*args, **kwargs):
+        raise HookError("a_plugin", "engine_detokenize", RuntimeError("boom"))
+
+    monkeypatch.setattr(detokenizer, "_decode", fail)
+    last = detokenizer.detokenize(BatchTokenOut(["r"], [tokenizer.encode("!", add_special_tokens=False)[0]], [None],
+                                                [None], [None]))  # fmt: skip
+    assert last.finished[0].type == "abort" and text + last.text_deltas[0] == "Hello wor"
+    assert not detokenizer.stop_states
+
+
 def test_min_new_tokens_is_clipped_with_max_new_tokens(tiny_engine):
     """A prompt near the context end: max_new_tokens shrinks to the room left, min_new_tokens with it;
     the text held back for a stop string that never completes still reaches the caller."""

@@ -214,15 +214,17 @@ class DetokenizerManager:
         reason = FinishReason("abort", message=message)
         running = [rid for rid, f in zip(out.rids, out.finished) if f is None]
         seqs = [self.seqs.get(rid, 0) for rid in running]
+        held = []  # text a stop string held back: it reaches the caller when a request ends without a match
         for rid in out.rids:
             self.incremental.forget(rid)
-            self.stop_states.pop(rid, None)
+            state = self.stop_states.pop(rid, None)
+            held.append(state.matcher.pending if state is not None else "")
             self.seqs.pop(rid, None)
         if running:
             self.stopped.update(running)
             self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(running, message, seqs)))
         n = len(out.rids)
-        return BatchTextOut(out.rids, [""] * n, out.token_ids, [reason] * n, out.meta, out.headers, out.logprobs)
+        return BatchTextOut(out.rids, held, out.token_ids, [reason] * n, out.meta, out.headers, out.logprobs)
 
     def _match_stop_strings(self, out: BatchTokenOut, deltas: list[str]) -> None:
         stopping: list[str] = []
