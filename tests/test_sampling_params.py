@@ -249,3 +249,14 @@ def test_a_json_schema_nested_too_deeply_is_a_value_error(depth):
     for schema in (nested, '{"not": ' * depth + "{}" + "}" * depth):
         with pytest.raises(ValueError, match="json_schema is nested too deeply"):
             parse_sampling_params({"json_schema": schema}, 49152, get_logit_processor)
+
+
+def test_logit_bias_naming_one_token_twice_is_refused():
+    """{"05": 2, "5": 1} (JSON keys are strings) or {5: 1, "5": 2} named token 5 twice; which bias
+    applied depended on the sort of the pairs."""
+    from engine.sampling.processors import get_logit_processor
+    from engine.sampling_params import parse_sampling_params
+
+    for bias in ({"05": 2, "5": 1}, {5: 1, "5": 2}):
+        with pytest.raises(ValueError, match="logit_bias names token 5 twice"):
+            parse_sampling_params({"logit_bias": bias}, 49152, get_logit_processor)
