@@ -129,10 +129,11 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         if not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
         out.append((token, float(bias)))
-    tokens = [t for t, _ in out]
-    twice = sorted({t for t in tokens if tokens.count(t) > 1}) if len(set(tokens)) < len(tokens) else []
-    if twice:  # "05" and "5": which bias applied depended on the pairs' sort
-        raise ValueError(f"logit_bias names token {twice[0]} twice")
+    seen: set[int] = set()
+    for token, _ in out:
+        if token in seen:  # "05" and "5": which bias applied depended on the pairs' sort
+            raise ValueError(f"logit_bias names token {token} twice")
+        seen.add(token)
     return tuple(sorted(out))
 
 

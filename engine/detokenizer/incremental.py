@@ -8,8 +8,8 @@ that). The window starts at the previous emission
 boundary, not at the beginning, so the cost per step stays small; decoding the already-emitted
 tokens with the new ones (rather than the new ones alone) keeps tokenizers that strip or merge
 leading spaces honest. Tokens that add no text to text already out (special tokens skipped) are
-dropped from the window, which would otherwise widen by each of them. Requests are grouped by their (skip_special_tokens,
-spaces_between_special_tokens) setting; the usual batch has one group, so one call.
+dropped from the window, which would otherwise widen by each of them. Requests are grouped by their
+(skip_special_tokens, spaces_between_special_tokens) setting; the usual batch has one group, so one call.
 """
 
 from __future__ import annotations

@@ -107,10 +107,10 @@ def _rows_alone(logits: torch.Tensor, rows: list[int], batch: ProcessorBatch, pr
 def draw(probs: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> torch.Tensor:
     """One token per row, token i with probability p_i / sum(p): the inverse of each row's cumulative
     distribution (float64: a token's share is lost to rounding only below about 1e-16 of the sum) at
-    one uniform draw. One draw per
-    row, not one per token as the exponential race needs: 49,152 exponential draws per row cost 120 ms
-    at batch 64 on a 2-core machine, a whole decode step; this costs 10 ms. A seeded row draws from its
-    own generator seeded with (seed, tokens generated so far): it does not depend on its neighbours."""
+    one uniform draw. One draw per row, not one per token as the exponential race needs (49,152
+    exponential draws per row cost 120 ms at batch 64 on a 2-core machine, a whole decode step). A
+    seeded row draws from its own generator seeded with (seed, tokens generated so far): it does not
+    depend on its neighbours."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
     if st.any_seed:
@@ -149,9 +149,9 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
 
 def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[int, str]) -> None:
     """A sampled row a custom processor left all -inf (it banned every token, or every token the grammar
-    allows: it runs before the mask) would give a token nothing allows (greedy: 0; sampled: the last id),
-    which a grammar then refuses, blamed on the grammar. It fails here, naming the processor. (Beam searches: a beam left so is hopeless; a
-    search whose every beam is ends with no hypothesis.)"""
+    allows: it runs before the mask) would give a token nothing allows (greedy: 0; sampled: the last
+    id), which a grammar then refuses, blamed on the grammar. It fails here, naming the processor.
+    (Beam searches: a beam left so is hopeless; a search whose every beam is ends with no hypothesis.)"""
     rows = [r for r, sel in enumerate(st.processors) if sel is not None and r not in failed]
     if not rows:
         return
