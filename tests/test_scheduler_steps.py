@@ -264,6 +264,36 @@ def _counting_order_waiting(monkeypatch) -> list[int]:
     return calls
 
 
+def test_requests_finished_in_a_step_that_then_fails_are_still_answered(tiny_llama_dir):
+    """The results stage marked each finishing request finished and freed it, then sent one message for
+    the step: an exception freeing the second (a CUDA out-of-memory in torch.cat would do) left the first
+    finished but never answered (the failure handler skips finished requests), so its caller waited
+    forever. The finishes are sent before anything is freed now."""
+    run = InProcess(tiny_llama_dir, max_total_tokens=512, max_running_requests=4)
+    try:
+        sched, real = run.sched, run.sched.kv.free_request
+        failed = []
+
+        def flaky(req, kv_len, keep=True):
+            if req.rid == "b" and req.finished is not None and not failed:
+                failed.append(req.rid)
+                raise RuntimeError("injected in free_request")
+            return real(req, kv_len, keep)
+
+        sched.kv.free_request = flaky
+        short = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        run.submit(TokenizedRequest("a", [1, 2, 3], short), TokenizedRequest("b", [1, 4, 5], short),
+                   TokenizedRequest("c", [1, 6, 7], SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)))
+        finishes: dict[str, list] = {}
+        for rid, reason in run.finish_all():
+            finishes.setdefault(rid, []).append(reason)
+        assert failed == ["b"]
+        assert {rid: [f.type for f in reasons] for rid, reasons in finishes.items()} == {
+            "a": ["length"], "b": ["length"], "c": ["abort"]}, finishes  # c: the failed step's other request
+    finally:
+        run.close()
+
+
 def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, monkeypatch):
     """With every request slot taken, or the pool's headroom all reserved for the running requests,
     a prefill step cannot admit anyone: the queue is not ordered (SGLang skips it the same way)."""

@@ -51,6 +51,7 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
     headers = first_headers(sched, reqs) if step.mode is ForwardMode.EXTEND else []
     logprobs = output_logprobs(rows, sampled) if sampled.logprobs is not None else []
     sched.counters["generated_tokens"] += len(ids) - len(sampled.failed)
+    error: Exception | None = None  # freeing a finished request failed: raised once the step's answer is sent
     if bool(done.any()):
         done_list = done.tolist()
         stop_list = hit_stop.tolist()
@@ -68,11 +69,16 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
                 sched.counters["finished_requests"] += 1
             finished[i] = req.finished = reason
             meta[i] = request_meta(req)
-            sched.kv.free_request(req, kv_lens[i], keep=i not in sampled.failed)
+            try:
+                sched.kv.free_request(req, kv_lens[i], keep=i not in sampled.failed)
+            except Exception as exc:  # noqa: BLE001 - marked finished, so the failure handler skips it: answer it first
+                error = error or exc
             finished_hook(req)
         rows.filter(~done, [not d for d in done_list])
     out = BatchTokenOut(rids, ids, finished, meta, headers, logprobs)
     sched.send_sock.send(sched.send_codec.encode(out))
+    if error is not None:  # the step fails as it would have (its other requests end), none unanswered
+        raise error
     if step.mode is ForwardMode.EXTEND and len(rows):
         for req in rows.reqs:
             sched.kv.cache_prompt(req)
