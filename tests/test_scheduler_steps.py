@@ -294,6 +294,35 @@ def test_requests_finished_in_a_step_that_then_fails_are_still_answered(tiny_lla
         run.close()
 
 
+def test_requests_retracted_before_a_retraction_fails_are_not_lost(tiny_llama_dir):
+    """Memory pressure retracts requests into a list that joins the waiting queue once the loop ends:
+    an exception freeing the second one (a CUDA out-of-memory in torch.cat would do) lost the first,
+    out of the running batch and never queued again, never answered."""
+    run = InProcess(tiny_llama_dir, max_total_tokens=64, max_running_requests=4)
+    try:
+        sched, real = run.sched, run.sched.kv.free_request
+        retractions = []
+
+        def flaky(req, kv_len, keep=True):
+            if req.finished is None:  # only a retraction frees a request that has not finished
+                retractions.append(req.rid)
+                if len(retractions) == 2:
+                    raise RuntimeError("injected in free_request")
+            return real(req, kv_len, keep)
+
+        sched.kv.free_request = flaky
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        rids = [f"r{i}" for i in range(4)]
+        run.submit(*(TokenizedRequest(rid, [1, 10 + i, 20 + i], params) for i, rid in enumerate(rids)))
+        finishes: dict[str, list] = {}
+        for rid, reason in run.finish_all():
+            finishes.setdefault(rid, []).append(reason.type)
+        assert len(retractions) >= 2, retractions
+        assert sorted(finishes) == rids and all(len(f) == 1 for f in finishes.values()), finishes
+    finally:
+        run.close()
+
+
 def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, monkeypatch):
     """With every request slot taken, or the pool's headroom all reserved for the running requests,
     a prefill step cannot admit anyone: the queue is not ordered (SGLang skips it the same way)."""

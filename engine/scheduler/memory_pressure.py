@@ -33,28 +33,30 @@ def make_room_for_decode(sched: Scheduler) -> bool:
     if kv.headroom >= need():
         return True
     retracted: list[Req] = []
-    while kv.headroom < need() * RETRACT_HEADROOM_STEPS and (sched.chunked_req is not None or len(rows) + len(beams.groups) > 1):
-        if sched.chunked_req is not None:
-            req, kv_len, sched.chunked_req = sched.chunked_req, sched.chunked_req.kv_len, None
-        elif not len(rows):
-            if kv.headroom >= need():  # a search starts over if retracted: only when the next step cannot run
-                break
-            retracted.append(beam_stage.retract_last(sched))
-            continue
-        else:
-            req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
-            keep = [True] * (len(rows) - 1) + [False]
-            rows.filter(torch.tensor(keep, device=sched.device), keep)
-        kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
-        req.fill_ids = req.all_ids()
-        if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
-            req.reset_prompt_logprobs()
-        retracted.append(req)
-    if retracted:
-        sched.waiting[:0] = retracted[::-1]
-        sched.counters["retracted_requests"] += len(retracted)
-        ratio = sched.config.init_new_token_ratio
-        sched.new_token_ratio = min(1.0, max(ratio, sched.new_token_ratio + 0.1))
+    try:
+        while kv.headroom < need() * RETRACT_HEADROOM_STEPS and (sched.chunked_req is not None or len(rows) + len(beams.groups) > 1):
+            if sched.chunked_req is not None:
+                req, kv_len, sched.chunked_req = sched.chunked_req, sched.chunked_req.kv_len, None
+            elif not len(rows):
+                if kv.headroom >= need():  # a search starts over if retracted: only when the next step cannot run
+                    break
+                retracted.append(beam_stage.retract_last(sched))
+                continue
+            else:
+                req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
+                keep = [True] * (len(rows) - 1) + [False]
+                rows.filter(torch.tensor(keep, device=sched.device), keep)
+            retracted.append(req)  # first: out of the batch, it must reach the queue whatever happens next
+            kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
+            req.fill_ids = req.all_ids()
+            if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
+                req.reset_prompt_logprobs()
+    finally:  # also when freeing one raised (the step then fails): every request taken out is queued again
+        if retracted:
+            sched.waiting[:0] = retracted[::-1]
+            sched.counters["retracted_requests"] += len(retracted)
+            ratio = sched.config.init_new_token_ratio
+            sched.new_token_ratio = min(1.0, max(ratio, sched.new_token_ratio + 0.1))
     if kv.headroom >= need():
         return True
     # one request left and the pool cannot hold its next token (the user process refuses requests
