@@ -46,11 +46,11 @@ def make_room_for_decode(sched: Scheduler) -> bool:
                 req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
                 keep = [True] * (len(rows) - 1) + [False]
                 rows.filter(torch.tensor(keep, device=sched.device), keep)
-            retracted.append(req)  # first: out of the batch, it must reach the queue whatever happens next
-            kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
+            retracted.append(req)  # first, ready to resume: out of the batch, it must reach the queue whatever happens next
             req.fill_ids = req.all_ids()
             if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
                 req.reset_prompt_logprobs()
+            kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
     finally:  # also when freeing one raised (the step then fails): every request taken out is queued again
         if retracted:
             sched.waiting[:0] = retracted[::-1]
