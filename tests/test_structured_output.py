@@ -239,6 +239,14 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_sch
     assert ("regex", "a1") not in grammars._compiled  # a cancelled compile is not served to a later request
 
 
+def _wait_for_compiles(sched) -> None:
+    """Until no waiting request's grammar is still compiling (the compiles run off the loop)."""
+    for _ in range(500):
+        if not any(r.grammar is not None and not r.grammar.done() for r in sched.waiting):
+            return
+        time.sleep(0.01)
+
+
 def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_scheduler, monkeypatch):
     """A plugin's backend (its fill_masks, apply_masks, accept_token) is the plugin's own code: one that
     raised for one row failed the whole step, its unconstrained and constrained neighbours too."""
@@ -277,10 +285,7 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy)),
                TokenizedRequest("good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy)),
                TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)))  # fmt: skip
-    for _ in range(500):  # the compiles are off the loop
-        if not any(r.grammar is not None and not r.grammar.done() for r in sched.waiting):
-            break
-        time.sleep(0.01)
+    _wait_for_compiles(sched)
     finished = dict(run.finish_all())
     assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
     assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
@@ -289,10 +294,7 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     from engine.ipc.messages import BeamParams
 
     run.submit(TokenizedRequest("beams", [1, 2, 3], SamplingParams(regex="b+", max_new_tokens=4, temperature=0.0), beam=BeamParams(2)))
-    for _ in range(500):
-        if not any(r.grammar is not None and not r.grammar.done() for r in sched.waiting):
-            break
-        time.sleep(0.01)
+    _wait_for_compiles(sched)
     finished = dict(run.finish_all())
     assert finished["beams"].type == "abort" and "the plugin's bug" in finished["beams"].message, finished
     stats = sched.stats("s")

@@ -157,6 +157,8 @@ def admissible(sched: Scheduler, reserved: int, entries: list) -> bool:
     room = sched.kv.headroom - reserved
     if room < 1 or len(sched.waiting) > LPM_MAX_QUEUE:  # a long queue is not ordered anyway: no need to look
         return room >= 1
+    if room >= 1 + int(sched.new_token_ratio * CLIP_NEW_TOKENS):  # past any request's least need: no loop
+        return True
     return room >= min(least_need(sched, r) for r in sched.waiting)
 
 
