@@ -3,6 +3,7 @@ aborts only its own requests, frees their memory, and the scheduler goes on serv
 
 from __future__ import annotations
 
+import pytest
 import zmq
 
 from engine.config import EngineConfig
@@ -319,6 +320,46 @@ def test_requests_retracted_before_a_retraction_fails_are_not_lost(tiny_llama_di
             finishes.setdefault(rid, []).append(reason.type)
         assert len(retractions) >= 2, retractions
         assert sorted(finishes) == rids and all(len(f) == 1 for f in finishes.values()), finishes
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("when", ["finish", "retraction"])
+def test_a_free_that_raises_leaks_no_slot_lock_or_kv(tiny_llama_dir, when):
+    """A request leaving the running set (finished, or retracted under memory pressure) gives its slot
+    back, its lock on the cached prefix and its own K/V to the tree or the pool. When the tree's insert
+    raised (a CUDA out-of-memory in its clone would), the slot, the lock and the K/V all stayed taken:
+    a retracted request was even admitted again holding its old slot and lock. Each such event leaked
+    for good; now the request's own K/V goes back to the pool and its slot and lock are released."""
+    run = InProcess(tiny_llama_dir, max_total_tokens=64 if when == "retraction" else 512, max_running_requests=4)
+    try:
+        sched, cache = run.sched, run.sched.kv.cache
+        real_insert, real_free, leaving, failed = cache.insert, sched.kv.free_request, [], []
+
+        def freeing(req, kv_len, keep=True):  # which request the tree's insert is called for
+            leaving.append(req)
+            try:
+                return real_free(req, kv_len, keep)
+            finally:
+                leaving.pop()
+
+        def flaky(key, value):
+            if leaving and not failed and (leaving[-1].finished is not None) == (when == "finish"):
+                failed.append(leaving[-1].rid)
+                raise RuntimeError("injected in the tree's insert")
+            return real_insert(key, value)
+
+        sched.kv.free_request, cache.insert = freeing, flaky
+        params = SamplingParams(max_new_tokens=3 if when == "finish" else 40, temperature=0.0, ignore_eos=True)
+        rids = [f"r{i}" for i in range(4)]
+        run.submit(*(TokenizedRequest(rid, [1, 10 + i, 20 + i], params) for i, rid in enumerate(rids)))
+        finishes = {rid: f for rid, f in run.finish_all()}
+        assert failed and sorted(finishes) == rids, (failed, finishes)
+        sched.kv.cache.flush()
+        stats = sched.stats("s")
+        assert stats.cache_lock_refs == 0
+        assert stats.free_slots == stats.max_running_requests
+        assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens, (stats.free_tokens, stats.cache_tokens)
     finally:
         run.close()
 

@@ -72,17 +72,21 @@ class KVManager:
 
     def free_request(self, req, kv_len: int, keep: bool = True) -> None:
         """The request leaves the running set (finished, retracted or failed): its K/V goes to the tree
-        (keep) or back to the pool (not keep: after a failed step it may be garbage), its slot is freed."""
-        indices = self.table[req.slot, :kv_len]
-        if keep:
-            self.cache.cache_finished(req.all_ids()[:kv_len], indices, req.cache_node, req.cache_prefix_len)
-        else:
-            self.cache.release(indices, req.cache_node, req.cache_prefix_len)
-        self.slots.free(req.slot)
-        for slot in req.beam_slots:  # a beam search's other beams' rows
-            self.slots.free(slot)
-        req.beam_slots = []
-        req.slot, req.kv_len, req.prefix_indices, req.cache_node = None, 0, None, None
+        (keep) or back to the pool (not keep: after a failed step it may be garbage), its slot is freed.
+        Its slot and fields are cleared even when the tree raises (an out-of-memory in a copy), so that a
+        retracted request is admitted again afresh, not holding its old slot and lock."""
+        try:
+            indices = self.table[req.slot, :kv_len]
+            if keep:
+                self.cache.cache_finished(req.all_ids()[:kv_len], indices, req.cache_node, req.cache_prefix_len)
+            else:
+                self.cache.release(indices, req.cache_node, req.cache_prefix_len)
+        finally:
+            self.slots.free(req.slot)
+            for slot in req.beam_slots:  # a beam search's other beams' rows
+                self.slots.free(slot)
+            req.beam_slots = []
+            req.slot, req.kv_len, req.prefix_indices, req.cache_node = None, 0, None, None
 
     def stats(self) -> dict:
         cache = self.cache

@@ -139,11 +139,19 @@ class RadixCache:
 
     def cache_finished(self, key: list[int], indices: torch.Tensor, node: TreeNode, prefix_len: int) -> None:
         """A request leaves (finished or retracted): its K/V joins the tree, its duplicates are freed,
-        its lock is released. `prefix_len` tokens of `indices` came from the tree at `node`."""
-        already = self.insert(key, indices)
-        if already > prefix_len:
-            self.free_fn(indices[prefix_len:already])
-        self.dec_lock_ref(node)
+        its lock is released. `prefix_len` tokens of `indices` came from the tree at `node`. The lock is
+        released whatever raises; if the insert raises, the tree took none of the indices (it adds its new
+        node last), so they go back to the pool."""
+        try:
+            try:
+                already = self.insert(key, indices)
+            except BaseException:
+                self.free_fn(indices[prefix_len:])
+                raise
+            if already > prefix_len:
+                self.free_fn(indices[prefix_len:already])
+        finally:
+            self.dec_lock_ref(node)
 
     def cache_unfinished(
         self, key: list[int], indices: torch.Tensor, node: TreeNode, prefix_len: int
@@ -160,8 +168,10 @@ class RadixCache:
 
     def release(self, indices: torch.Tensor, node: TreeNode, prefix_len: int) -> None:
         """Drop a request without caching its own K/V (it may be garbage after a failed step)."""
-        self.free_fn(indices[prefix_len:])
-        self.dec_lock_ref(node)
+        try:
+            self.free_fn(indices[prefix_len:])
+        finally:
+            self.dec_lock_ref(node)
 
     # ------------------------------------------------------------------ eviction
 
