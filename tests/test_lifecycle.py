@@ -45,6 +45,22 @@ def test_process_titles_and_ctrl_c_does_not_kill_children():
         assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
 
 
+def test_sigterm_to_the_whole_group_leaves_the_children_to_the_parent():
+    """`timeout`, systemd's stop and `kill -- -PGID` send SIGTERM to every process of the group: the
+    children died of it at once, so `engine serve` never drained its requests (they failed with "the
+    scheduler process died") and a script's socket directory stayed in /tmp. Like Ctrl-C, it is the
+    parent's to act on: the children serve on, and stop when the parent stops them or dies."""
+    with Engine(**SMALL) as eng:
+        children = [eng.pids["scheduler"], eng.pids["detokenizer"]]
+        for pid in children:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
+        runtime_dir = eng.runtime_dir
+    assert wait_gone(children, 10) == []
+    assert not os.path.exists(runtime_dir)
+
+
 def test_scheduler_sigkill_mid_generation_raises_engine_dead():
     eng = Engine(**SMALL)
     runtime_dir = eng.runtime_dir

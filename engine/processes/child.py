@@ -66,8 +66,10 @@ def run_child(
     role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving], runtime_dir: str | None = None
 ) -> None:
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
-    # Ctrl-C reaches the whole process group; the parent decides when children stop.
+    # Ctrl-C, and the SIGTERM of `timeout`, systemd's stop or `kill -- -PGID`, reach the whole process
+    # group; the parent decides when children stop (over the pipe), and they go when it dies (the lifeline).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from engine.processes.launch import clean_inherited_env
 
     clean_inherited_env()

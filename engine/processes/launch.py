@@ -152,7 +152,7 @@ def _handle_status(child: Child, status: dict, pending: dict, on_progress) -> No
 
 
 def stop_children(children: list[Child], timeout: float = 5.0) -> None:
-    """Ask politely over the pipe, then SIGTERM, then SIGKILL; always reap."""
+    """Ask politely over the pipe, then SIGKILL (children ignore SIGTERM: it is the parent's); always reap."""
     for child in children:
         if child.process.is_alive():
             with contextlib.suppress(OSError, ValueError):
@@ -161,9 +161,6 @@ def stop_children(children: list[Child], timeout: float = 5.0) -> None:
     for child in children:
         child.process.join(max(0.0, deadline - time.monotonic()))
     for child in children:
-        if child.process.is_alive():
-            child.process.terminate()
-            child.process.join(2)
         if child.process.is_alive():
             child.process.kill()
             child.process.join(2)
