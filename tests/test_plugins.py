@@ -556,3 +556,77 @@ def test_forward_after_rows_and_rids_follow_the_documented_layout(probe):
     table = next(line for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
                  if line.startswith("| forward | `engine_forward_after`"))  # fmt: skip
     assert "beam" in table and "once per live beam" in table
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """A folder on sys.path for plugin modules a test writes, unloaded after it."""
+    import sys
+
+    from engine.hooks.loader import loaded_plugins
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(loaded_plugins())
+    yield tmp_path
+    unload_plugins([name for name in loaded_plugins() if name not in before])
+    for name in [m for m in sys.modules if m.startswith("tp_")]:
+        del sys.modules[name]
+
+
+def test_a_misspelt_hook_name_is_refused_naming_it(plugin_dir):
+    """pluggy registers an implementation of a hook nobody specifies without a word, so a plugin whose
+    `engine_forward_befor` was misspelt loaded and was never called. pytest refuses such a plugin; so
+    do we, naming the hook, and the plugin is not left registered."""
+    from engine.hooks.loader import PluginLoadError, load_plugins, loaded_plugins
+
+    (plugin_dir / "tp_typo").mkdir()
+    (plugin_dir / "tp_typo" / "__init__.py").write_text("")
+    (plugin_dir / "tp_typo" / "plugin.py").write_text(
+        "from engine.hooks import hookimpl\n\n@hookimpl\ndef engine_forward_befor(batch):\n    pass\n"
+    )
+    with pytest.raises(PluginLoadError, match="engine_forward_befor"):
+        load_plugins("tp_typo.plugin")
+    assert "tp_typo.plugin" not in loaded_plugins() and plugin_manager().get_plugin("tp_typo.plugin") is None
+
+
+def test_one_plugin_named_two_ways_loads_once(plugin_dir):
+    """`ENGINE_PLUGINS=engine.plugins.metrics engine serve` could not start (the server adds `metrics`,
+    the same module: pluggy refused it under a second name), and `ENGINE_TRACING=1` beside
+    `ENGINE_PLUGINS=engine.tracing.plugin:TracingPlugin` registered two tracing plugins: every span
+    twice. A plugin already loaded under another name is loaded once."""
+    from engine.hooks.loader import load_plugins
+    from engine.hooks.runtime import implementers
+
+    load_plugins("noop,engine.plugins.noop")
+    assert implementers("engine_step_end").count("noop") == 1
+    assert "engine.plugins.noop" not in implementers("engine_step_end")
+    (plugin_dir / "tp_pkg").mkdir()
+    (plugin_dir / "tp_pkg" / "impl.py").write_text(
+        "from engine.hooks import hookimpl\n\nclass P:\n    @hookimpl\n    def engine_step_end(self, step):\n        pass\n"
+    )
+    (plugin_dir / "tp_pkg" / "__init__.py").write_text("from tp_pkg.impl import P\n")
+    load_plugins("tp_pkg:P,tp_pkg.impl:P")
+    assert [n for n in implementers("engine_step_end") if n.startswith("tp_pkg")] == ["tp_pkg:P"]
+    unload_plugins(["noop", "engine.plugins.noop"])
+
+
+@pytest.mark.parametrize("spec, source", [
+    ("tp_bad.broken", "raise RuntimeError('broken at import')\n"),
+    ("tp_bad.syntax", "def (\n"),
+    ("tp_bad.ctor:P", "class P:\n    def __init__(self):\n        raise RuntimeError('no instance')\n"),
+    (":obj", None),
+    (".relative", None),
+])  # fmt: skip
+def test_a_plugin_that_fails_to_load_is_named_in_the_error(plugin_dir, spec, source):
+    """A dotted plugin whose import or construction raised escaped as the bare exception (or, in a
+    child's first pass, was taken for one not installed yet): `ENGINE_PLUGINS` and the plugin went
+    unnamed. Now a PluginLoadError naming it, as for an entry point."""
+    from engine.hooks.loader import PluginLoadError, load_plugins, loaded_plugins
+
+    if source is not None:
+        (plugin_dir / "tp_bad").mkdir()
+        (plugin_dir / "tp_bad" / "__init__.py").write_text("")
+        (plugin_dir / "tp_bad" / (spec.split(":")[0].split(".")[1] + ".py")).write_text(source)
+    with pytest.raises(PluginLoadError, match=re.escape(repr(spec))):
+        load_plugins(spec)
+    assert spec not in loaded_plugins()

@@ -2,7 +2,8 @@
 
 A bare name is an entry point of the group `engine.plugins`; anything with a dot or a colon is
 imported (`pkg.module` registers the module, `pkg.module:obj` the object; a class is instantiated).
-Loading is idempotent per process: a name loaded before is skipped.
+Loading is idempotent per process: a name loaded before is skipped, and so is a name for what another
+name loaded (`metrics` and `engine.plugins.metrics`: one plugin, registered once).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.hooks.runtime import PluginLoadError, registry_lock, plugin_manager,
 ENTRY_POINT_GROUP = "engine.plugins"
 ENV = "ENGINE_PLUGINS"
 _loaded: dict[str, object] = {}
+_targets: dict[str, object] = {}  # name -> what it names (a module, a class, an object), to spot two names for one
 
 
 def available_plugins() -> list[str]:
@@ -27,13 +29,14 @@ def parse_spec(spec: str | None) -> list[str]:
 
 
 def _resolve(name: str) -> object:
+    """What the name names: a module, a class (instantiated by _instantiate) or an object."""
     if ":" in name or "." in name:
         module, _, attr = name.partition(":")
         try:
             obj = importlib.import_module(module)
             for part in attr.split(".") if attr else []:
                 obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:  # not found, or its import raised (a SyntaxError, its own error): name it
             raise PluginLoadError(f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
     else:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
@@ -46,7 +49,16 @@ def _resolve(name: str) -> object:
             obj = found[0].load()
         except Exception as exc:  # its module or a dependency is missing or broken: name the plugin
             raise PluginLoadError(f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
-    return obj() if isinstance(obj, type) else obj
+    return obj
+
+
+def _instantiate(name: str, target: object) -> object:
+    if not isinstance(target, type):
+        return target
+    try:
+        return target()
+    except Exception as exc:
+        raise PluginLoadError(f"plugin {name!r} cannot be created: {type(exc).__name__}: {exc}") from exc
 
 
 def load_plugins(spec: str | None, strict: bool = True) -> list[str]:
@@ -66,12 +78,17 @@ def _load_one(name: str, strict: bool) -> bool:
     if name in _loaded:
         return True
     try:
-        obj = _resolve(name)
+        target = _resolve(name)
+        same = next((other for other, t in _targets.items() if t is target), None)
+        if same is not None:  # another name for a plugin loaded already
+            _loaded[name], _targets[name] = _loaded[same], target
+            return True
+        obj = _instantiate(name, target)
     except PluginLoadError:
         if strict:
             raise
         return False
-    register(obj, name)  # refuses a wrapper that cannot run as marked
+    register(obj, name)  # refuses a wrapper that cannot run as marked, or a hook no spec names
     provide = getattr(obj, "engine_logit_processors", None)
     if provide is not None:
         from engine.sampling.processors import register_logit_processor
@@ -79,11 +96,13 @@ def _load_one(name: str, strict: bool) -> bool:
         try:
             for proc_name, cls in (provide() or {}).items():
                 register_logit_processor(proc_name, cls)
-        except Exception as exc:  # not left half loaded
+        except BaseException as exc:  # not left half loaded, whatever it raised
             plugin_manager().unregister(obj)
             refresh()
+            if not isinstance(exc, Exception):
+                raise
             raise PluginLoadError(f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}") from exc
-    _loaded[name] = obj
+    _loaded[name], _targets[name] = obj, target
     return True
 
 
@@ -101,6 +120,7 @@ def unload_plugins(names: list[str]) -> None:
     with registry_lock:
         for name in names:
             obj = _loaded.pop(name, None)
-            if obj is not None:
+            _targets.pop(name, None)
+            if obj is not None and not any(other is obj for other in _loaded.values()) and pm.is_registered(obj):
                 pm.unregister(obj)
         refresh()

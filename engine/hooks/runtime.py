@@ -69,6 +69,10 @@ class _PluginManager(pluggy.PluginManager):
         with registry_lock:
             result = super().register(plugin, name)
             try:
+                try:
+                    self.check_pending()  # a hook no spec names: a misspelt one would never be called
+                except pluggy.PluginValidationError as exc:
+                    raise PluginLoadError(f"plugin {name or plugin!r} implements a hook the engine does not have: {exc}") from exc
                 _check(self)
             except PluginLoadError:
                 super().unregister(plugin)
