@@ -148,6 +148,35 @@ def test_no_step_spans_after_the_stop_hook_flushed():
     assert memory.get_finished_spans() == ()
 
 
+def test_a_flush_where_no_thread_can_start_flushes_in_the_calling_thread(monkeypatch):
+    """The flush bounds force_flush in a thread of its own; Python 3.12 refuses new threads at
+    interpreter shutdown, where the user process's last flush (atexit, an engine's close) runs, so its
+    spans of the last seconds, a short script's roots, were never exported: RuntimeError, nothing sent.
+    Where no thread can start, the flush runs in the calling thread."""
+    import threading
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.tracing.plugin import TracingPlugin
+
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(BatchSpanProcessor(memory, schedule_delay_millis=60_000))
+    plugin.provider.get_tracer("t").start_span("root").end()
+
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    plugin.flush()
+    monkeypatch.undo()
+    assert [s.name for s in memory.get_finished_spans()] == ["root"]
+    plugin.provider.shutdown()
+
+
 @pytest.mark.parametrize("hook", ["engine_request_finished", "engine_detokenize_output"])
 def test_spans_a_hook_is_making_when_the_stop_hook_runs_are_in_its_flush(hook):
     """The same race for a request's own spans: the hook takes the request off the live list, then makes

@@ -150,11 +150,16 @@ class TracingPlugin:
 
     def flush(self) -> None:
         """force_flush ignores its timeout in the SDK (it exports in the calling thread): bound it here,
-        so a collector that does not answer cannot hold a shutdown."""
+        so a collector that does not answer cannot hold a shutdown. Where no thread can start (Python 3.12
+        at interpreter shutdown, where the user process's last flush runs), it flushes in this thread."""
         self.dirty = False
         if self.provider is not None:
             worker = threading.Thread(target=self.provider.force_flush, name="engine-trace-flush", daemon=True)
-            worker.start()
+            try:
+                worker.start()
+            except RuntimeError:
+                self.provider.force_flush(int(FLUSH_SECONDS * 1000))
+                return
             worker.join(FLUSH_SECONDS)
 
     # ------------------------------------------------------------------ user process
