@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util  # its exit handler (which SIGTERMs daemonic children) registered before an engine's
 import os
 import sys
 import threading
@@ -79,6 +81,7 @@ class _Resources:
         self.lock = threading.Lock()
         self.closed = False
         self.started = False  # every process is ready and serving
+        self.pid = os.getpid()  # a fork of this process (os.fork) inherits the finalizer but owns nothing
 
     def kill_children(self, reason: str) -> None:
         """Called by the tokenizer manager when a child died: the rest must not linger."""
@@ -87,6 +90,8 @@ class _Resources:
             self.endpoints.remove()
 
     def close(self) -> None:
+        if os.getpid() != self.pid:
+            return
         with self.lock:
             if self.closed:
                 return
@@ -123,6 +128,9 @@ class Engine:
             hooks.call("engine_process_start", role="user", pid=os.getpid())
         res = self._resources = _Resources()
         self._finalizer = weakref.finalize(self, res.close)
+        # at exit, before multiprocessing's handler: weakref.finalize's own runs after it when the process
+        # made a finalizer before importing multiprocessing (atexit runs the last registered first)
+        atexit.register(self._finalizer)
         child_env = _child_env(plugins)
         try:
             announce = print if self.config.show_progress else None
@@ -293,6 +301,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop both children and remove the runtime directory. Safe to call twice."""
         self._finalizer()
+        atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "Engine":
         return self

@@ -139,6 +139,65 @@ def test_atexit_stops_children_without_shutdown_call():
     assert not os.path.exists(info["dir"])
 
 
+def test_atexit_closes_the_engine_before_multiprocessing_stops_its_children(tiny_llama_dir):
+    """Interpreter exit runs atexit handlers last registered first: weakref.finalize's (the engine's
+    close) is registered when the process makes its first finalizer, so a script that made one before
+    importing the engine (a tempfile.TemporaryDirectory) had multiprocessing's handler run first. It
+    SIGTERMed the children: no shutdown report, no stop hooks in them (now that they ignore SIGTERM, it
+    would wait for them forever). The engine's close is registered with atexit itself, after it."""
+    script = textwrap.dedent(f"""
+        import json, tempfile
+        keep = tempfile.TemporaryDirectory()  # the process's first weakref.finalize, before the engine's imports
+        from engine import Engine
+        if __name__ == "__main__":
+            eng = Engine(model_path={tiny_llama_dir!r}, dtype="float32", max_total_tokens=1024, plugins="stagetimer")
+            eng.generate(input_ids=[1, 2, 3], sampling_params={{"max_new_tokens": 2, "temperature": 0}})
+            print(json.dumps({{"pids": eng.pids, "dir": eng.runtime_dir}}), flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            children = _children_of(proc.pid)
+            proc.kill()
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            proc.communicate()
+    info = json.loads(out.splitlines()[0])
+    assert proc.returncode == 0, err[-2000:]
+    assert "stagetimer: seconds per stage" in err and "scheduler" in err.split("stagetimer: seconds per stage")[1], err[-2000:]
+    assert wait_gone([info["pids"]["scheduler"], info["pids"]["detokenizer"]], 10) == []
+    assert not os.path.exists(info["dir"])
+
+
+def test_a_fork_of_the_user_process_does_not_close_its_engine(tiny_llama_dir):
+    """A program that forks (os.fork) with an engine open: the fork inherits the engine's finalizer,
+    and its exit ran the close, stopping children that are not its own (an AssertionError from
+    multiprocessing, after failing the parent's waiting requests in the fork and closing its copy of
+    the sockets). The close belongs to the process that started the engine."""
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024) as eng:
+        runtime_dir = eng.runtime_dir
+        pid = os.fork()
+        if pid == 0:  # the fork: what its exit would run
+            code = 0
+            try:
+                eng._finalizer()
+            except BaseException:  # noqa: BLE001
+                code = 1
+            os._exit(code)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, done
+        assert os.path.exists(runtime_dir)
+        out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
+        assert len(out["output_ids"]) == 2
+
+
 def test_corrupt_weights_report_child_error_promptly(tmp_path, model_dir):
     for name in os.listdir(model_dir):
         if name != "model.safetensors" and not name.startswith("."):
