@@ -108,3 +108,21 @@ def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_match
     assert texts and texts <= answers and all(h.output_ids[-1] == eos for h in found), texts
     for h in sel.results(k):  # a kept beam's continuations never make a hypothesis with a stop token inside
         assert eos not in h.output_ids[:-1], [vocab[t] for t in h.output_ids]
+
+
+def test_a_start_with_fewer_allowed_tokens_than_beams_returns_no_placeholder_hypotheses():
+    """A grammar that allows fewer first tokens than beams: the start expands over every beam, the
+    prompt's copies at -1e9, and their candidates that finished (max_new_tokens 1, or a stop token)
+    were returned as hypotheses scored -1e9, duplicates of real ones. docs/structured_output.md
+    promises fewer hypotheses then, not fake ones."""
+    for max_new, allowed in ((1, [7]), (1, [7, 9]), (3, [2])):
+        sel = BeamSelection(4, max_new, (2,))
+        logprobs = torch.full((1, 50), float("-inf"))
+        logprobs[0, allowed] = torch.log_softmax(torch.arange(len(allowed), dtype=torch.float32), -1)
+        sel.step(logprobs)
+        while not sel.done:
+            sel.step(torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(sel.steps)), -1))
+        got = sel.results(4)
+        assert all(h.logprob > PUSH_DOWN / 2 for h in got), [(h.output_ids, h.logprob) for h in got]
+        if max_new == 1:
+            assert sorted(h.output_ids[0] for h in got) == sorted(allowed)

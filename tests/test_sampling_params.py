@@ -251,6 +251,19 @@ def test_a_json_schema_nested_too_deeply_is_a_value_error(depth):
             parse_sampling_params({"json_schema": schema}, 49152, get_logit_processor)
 
 
+def test_a_json_schema_dict_that_is_not_json_is_a_value_error():
+    """A dict holding what JSON cannot write (a set, a circular reference) escaped json.dumps as a
+    TypeError (ValueError for the circle) not naming json_schema."""
+    from engine.sampling.processors import get_logit_processor
+    from engine.sampling_params import parse_sampling_params
+
+    circular: dict = {"type": "object"}
+    circular["properties"] = {"a": circular}
+    for schema in ({"enum": {1, 2}}, {"const": object()}, circular):
+        with pytest.raises(ValueError, match="json_schema is not JSON"):
+            parse_sampling_params({"json_schema": schema}, 49152, get_logit_processor)
+
+
 def test_logit_bias_naming_one_token_twice_is_refused():
     """{"05": 2, "5": 1} (JSON keys are strings) or {5: 1, "5": 2} named token 5 twice; which bias
     applied depended on the sort of the pairs."""

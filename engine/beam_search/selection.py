@@ -123,8 +123,10 @@ class BeamSelection:
     def results(self, count: int) -> list[Hypothesis]:
         """The `count` best finished hypotheses, best first; fewer when fewer finished (a grammar with
         fewer token paths than beams). A slot never filled holds a placeholder, or a candidate that did
-        not finish at a pushed-down score (-1e9 plus a log-probability rounds to -1e9 in float32)."""
-        kept = self.is_fin[:count]
+        not finish at a pushed-down score (-1e9 plus a log-probability rounds to -1e9 in float32); a
+        finished one from a pushed-down beam (the prompt's copies, at a start a grammar narrows to fewer
+        tokens than beams) is no hypothesis either."""
+        kept = self.is_fin[:count] & (self.fin_logprobs[:count] > PUSH_DOWN / 2)
         scores, logprobs = self.fin_scores[:count][kept].tolist(), self.fin_logprobs[:count][kept].tolist()
         lens, tokens = self.fin_lens[:count][kept].tolist(), self.fin_tokens[:count][kept].tolist()
         stops = set(self.stop_ids.tolist())

@@ -31,6 +31,8 @@ def normalize(params: dict) -> dict[str, str]:
                 value = json.dumps(value)  # its property order is the output order
             except RecursionError:
                 raise ValueError(TOO_DEEP) from None
+            except (TypeError, ValueError) as exc:  # a set, an object, a circular reference
+                raise ValueError(f"json_schema is not JSON: {exc}") from None
         elif not isinstance(value, str):
             raise ValueError(f"json_schema must be a JSON Schema as a dict or a string, got {type(value).__name__}")
     elif not isinstance(value, str) or not value:
