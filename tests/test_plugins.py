@@ -630,3 +630,51 @@ def test_a_plugin_that_fails_to_load_is_named_in_the_error(plugin_dir, spec, sou
     with pytest.raises(PluginLoadError, match=re.escape(repr(spec))):
         load_plugins(spec)
     assert spec not in loaded_plugins()
+
+
+def test_two_engines_ready_at_once_start_one_metrics_port(monkeypatch):
+    """Two Engines started from two threads both found no metrics server and both bound
+    ENGINE_METRICS_PORT: the second got `Address already in use` from its ready hook, and that
+    Engine() was torn down. The port is taken once, under a lock."""
+    import socket
+
+    from engine.plugins import metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("ENGINE_METRICS_PORT", str(port))
+    monkeypatch.setattr(metrics, "_http", None)
+    real_start, errors = None, []
+
+    import prometheus_client
+
+    real_start = prometheus_client.start_http_server
+
+    def slow_start(*args, **kwargs):  # widen the window between the check and the bind
+        time.sleep(0.2)
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", slow_start)
+    barrier = threading.Barrier(2)
+
+    def ready() -> None:
+        barrier.wait()
+        try:
+            metrics.engine_process_ready(role="user", pid=0, info={})
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=ready) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    try:
+        assert errors == []
+    finally:
+        if metrics._http is not None:
+            server, thread = metrics._http
+            server.shutdown()
+            server.server_close()
+            thread.join(5)

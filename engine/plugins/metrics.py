@@ -44,6 +44,7 @@ _queue_gone = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}
 _scrape_lock = threading.Lock()  # one scrape at a time (they run in worker threads): the bookkeeping above
 # stays in order; not _lock, which the hooks take while a scrape waits for get_stats
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
+_http_lock = threading.Lock()  # two engines starting in two threads check and bind the port one at a time
 _copies: set[int] = set()  # user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
 _announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
 
@@ -181,28 +182,34 @@ def engine_process_ready(role: str, pid: int, info: dict) -> None:
         return
     user_metrics()
     port = envvars.read("ENGINE_METRICS_PORT")
-    if port and _http is None:
-        from prometheus_client import start_http_server
+    if not port:
+        return
+    with _http_lock:
+        if _http is None:
+            from prometheus_client import start_http_server
 
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"ENGINE_METRICS_PORT={port!r}: give a TCP port number")
-        _http = start_http_server(int(port), addr="127.0.0.1", registry=user_metrics().registry)
-        print(f"engine metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"ENGINE_METRICS_PORT={port!r}: give a TCP port number")
+            _http = start_http_server(int(port), addr="127.0.0.1", registry=user_metrics().registry)
+            print(f"engine metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
 
 
 @hookimpl
 def engine_process_stop(role: str, pid: int) -> None:
     """The metrics port closes with the last engine of the process."""
     global _http
-    if role == "user" and _http is not None:
-        from engine.entrypoint import live_engines
+    if role != "user":
+        return
+    from engine.entrypoint import live_engines
 
-        if not live_engines():
-            server, thread = _http
-            _http = None
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
+    with _http_lock:
+        if _http is None or live_engines():
+            return
+        server, thread = _http
+        _http = None
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
 
 
 @hookimpl
