@@ -230,3 +230,19 @@ def test_an_offline_engine_serves_metrics_at_engine_metrics_port(tiny_llama_dir,
     assert samples["engine:generation_tokens_total"] == 3
     assert samples["engine:request_queue_time_seconds_count"] == 1  # from the scheduler, via engine_stats
     assert proc.stdout.strip().endswith("CLOSED")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--port", "70000"), ("--port", "-1"), ("--shutdown-timeout", "nan"), ("--shutdown-timeout", "-5"),
+    ("--max-request-bytes", "0"),
+])  # fmt: skip
+def test_server_flags_out_of_range_are_refused_before_the_engine_starts(flag, value, capsys):
+    """`--port 70000` passed argparse, the engine loaded, then asyncio's bind raised OverflowError: a
+    traceback, not the documented exit; `--shutdown-timeout nan` (or a negative one) drained nothing,
+    `--max-request-bytes 0` made every request a 413. argparse refuses them now, naming the flag (exit 2)."""
+    from engine.serve.cli import parser
+
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args([flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err

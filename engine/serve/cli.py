@@ -34,14 +34,38 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=f.name, type=convert, default=default, help="(default %(default)s)")
 
 
+def _number(text: str, kind: type, ok, what: str):
+    """argparse's type for a number in a range: refused at parsing (exit 2, naming the flag), not once
+    the engine has started."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"give {what}, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    return _number(text, int, lambda v: 0 <= v <= 65535, "a TCP port, 0-65535 (0: any free one)")
+
+
+def _seconds(text: str) -> float:
+    return _number(text, float, lambda v: v >= 0, "seconds >= 0 (inf: wait for every request)")  # NaN fails too
+
+
+def _positive(text: str) -> int:
+    return _number(text, int, lambda v: v > 0, "a whole number > 0")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine serve", description="the engine behind an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None, help="clients must send it as a Bearer token (or ENGINE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name in the API (default: the model's)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--max-request-bytes", type=_positive, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM or Ctrl-C (default 30)")  # fmt: skip
     p.add_argument("--open-metrics", action="store_true",
                    help="serve /metrics without the API key (default: it needs the key, as every route but /health)")
