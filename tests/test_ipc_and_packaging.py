@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 
 from engine.ipc.messages import (
     BatchTokenOut,
@@ -140,3 +141,24 @@ def test_profiling_a_command_that_does_not_exist_is_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.strip().startswith("engine profile: cannot run 'no-such-program-xyz'") and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_long_tmpdir_still_gives_sockets_that_bind(tmp_path, monkeypatch):
+    """A Unix socket's path holds at most 107 bytes: under a TMPDIR past about 79 (Bazel's and some CI
+    sandboxes'), every start failed in zmq's bind with `File name too long`, naming neither TMPDIR nor
+    the path. The runtime directory then goes under /tmp."""
+    import tempfile
+
+    from engine.ipc.channels import Endpoints, pull_socket
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    endpoints = Endpoints.create()
+    ctx = zmq.Context()
+    try:
+        for address in (endpoints.scheduler, endpoints.detokenizer, endpoints.tokenizer):
+            pull_socket(ctx, address).close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+        endpoints.remove()

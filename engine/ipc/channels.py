@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import zmq
 
 
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
+
+
 @dataclass(frozen=True)
 class Endpoints:
     """ipc:// addresses of the three PULL sockets, inside one private directory."""
@@ -22,6 +25,9 @@ class Endpoints:
     @classmethod
     def create(cls) -> "Endpoints":
         runtime_dir = tempfile.mkdtemp(prefix="engine-")  # mode 0700: only this user can reach the sockets
+        if len(os.fsencode(os.path.join(runtime_dir, "detokenizer"))) > SOCKET_PATH_MAX:  # a long TMPDIR
+            os.rmdir(runtime_dir)
+            runtime_dir = tempfile.mkdtemp(prefix="engine-", dir="/tmp")
         os.chmod(runtime_dir, 0o700)
         return cls(
             runtime_dir=runtime_dir,
