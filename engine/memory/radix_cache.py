@@ -7,12 +7,15 @@ match that ends inside an edge splits that edge so a node ends exactly where the
 Ownership: pool indices stored in the tree belong to the tree. A request that matched a prefix locks
 the path from its node to the root (lock_ref), so eviction never frees K/V that a running request
 reads. Unlocked leaves are evicted least recently used first; a parent whose last child goes becomes
-a leaf and can follow.
+a leaf and can follow. The candidates are kept in a heap as they appear (a new leaf, a leaf unlocked,
+a parent left childless), checked when popped: no walk of the whole tree for each eviction, which
+comes every step or two once the pool is full of cache.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Callable
 
 import torch
@@ -60,6 +63,11 @@ class RadixCache:
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
         self._clock = 0
+        # eviction candidates (last access when offered, tie-break, node); stale entries are skipped when
+        # popped, and one whose node was touched since goes back with its new time
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._order = itertools.count()
+        self._nodes = 0  # nodes below the root, to bound the heap's stale entries
 
     @property
     def total_size(self) -> int:
@@ -99,6 +107,8 @@ class RadixCache:
                 new.last_access = now
                 node.children[key[pos]] = new
                 self.evictable_size += len(new)
+                self._nodes += 1
+                self._offer(new)
                 return pos
             n = _common_len(child.key, key, pos)
             if n < len(child.key):
@@ -115,6 +125,7 @@ class RadixCache:
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
         mid.children[child.key[0]] = child
         parent.children[mid.key[0]] = mid
+        self._nodes += 1
         return mid
 
     # ------------------------------------------------------------------ locking
@@ -132,6 +143,8 @@ class RadixCache:
             if node.lock_ref == 1:
                 self.evictable_size += len(node)
                 self.protected_size -= len(node)
+                if not node.children:
+                    self._offer(node)
             node.lock_ref -= 1
             node = node.parent
 
@@ -180,22 +193,34 @@ class RadixCache:
         runs out of unlocked nodes). Returns the number freed."""
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed, values = 0, []
+        if len(self._heap) > 2 * self._nodes + 1024:  # mostly stale entries: start again from the leaves
+            self._heap = [(n.last_access, next(self._order), n) for n in self._leaves() if n.lock_ref == 0]
+            heapq.heapify(self._heap)
+        heap, freed, values = self._heap, 0, []
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            stamp, _, leaf = heapq.heappop(heap)
+            if leaf.parent is None or leaf.children or leaf.lock_ref:
+                continue  # evicted already, no longer a leaf, or in use: offered again when that changes
+            if stamp != leaf.last_access:  # touched since it was offered: back in at its new place
+                heapq.heappush(heap, (leaf.last_access, next(self._order), leaf))
+                continue
             values.append(leaf.value)
             freed += len(leaf)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
+            leaf.parent = None
+            self._nodes -= 1
             self.evictable_size -= len(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                self._offer(parent)
         if values:
             self.free_fn(torch.cat(values))
         self.evicted_tokens += freed
         return freed
+
+    def _offer(self, node: TreeNode) -> None:
+        """An unlocked leaf: a candidate for eviction."""
+        heapq.heappush(self._heap, (node.last_access, next(self._order), node))
 
     def flush(self) -> int:
         """Evict every unlocked token (what running requests hold stays). Returns the number freed."""
