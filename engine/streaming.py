@@ -199,7 +199,7 @@ async def async_collect(tm: TokenizerManager, submit: dict) -> list[dict] | dict
     async for _ in _async_chunks(tm, events, {s.rid: s for s in states}):
         pass
     # off the event loop: a result's lists of logprobs are built here, and the output hook may take its time
-    results = await asyncio.to_thread(lambda: [tm.output(s.result()) for s in states])
+    results = await asyncio.to_thread(lambda: [tm.output(s.result(), s.seq) for s in states])
     return results if is_batch else results[0]
 
 

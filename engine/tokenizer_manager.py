@@ -495,15 +495,15 @@ class TokenizerManager:
         except BaseException:  # Ctrl-C in the caller: its requests must not run on (as a closed stream's)
             self.abort_requests(states)
             raise
-        return [self.output(s.result()) for s in states]
+        return [self.output(s.result(), s.seq) for s in states]
 
     @staticmethod
-    def output(result: dict) -> dict:
+    def output(result: dict, seq: int) -> dict:
         """The output stage: a finished result passes the output hook before the caller gets it. If
         the hook fails, that result (only) comes back marked aborted, with the plugin's error."""
         if hooks.has("engine_output"):
             try:
-                hooks.call("engine_output", result=result)
+                hooks.call("engine_output", result=result, seq=seq)
             except hooks.HookError as exc:
                 result["meta_info"]["finish_reason"] = {"type": "abort", "message": str(exc)}
         return result

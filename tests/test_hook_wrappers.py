@@ -84,7 +84,7 @@ def test_new_and_old_style_wrappers_run_around_the_plain_implementations(plugins
     new = plugins(NewStyle(), "new")
     plugins(OldStyle(), "old")
     result: dict = {}
-    out = hooks.call("engine_output", result=result)
+    out = hooks.call("engine_output", result=result, seq=0)
     # before the fix the wrappers' generators were returned as results and their bodies never ran
     assert out == [1, "added by the wrapper"]
     assert result["order"] == ["old:before", "new:before", "plain", "new:after", "old:after"]
@@ -119,7 +119,7 @@ def test_failures_are_named_and_wrappers_see_them(plugins):
     plugins(OldStyle(), "old")
     result: dict = {}
     with pytest.raises(HookError, match="plugin 'breaks' failed in hook engine_output: ValueError: plain broke") as info:
-        hooks.call("engine_output", result=result)
+        hooks.call("engine_output", result=result, seq=0)
     assert info.value.plugin == "breaks"
     assert isinstance(new.saw_error, HookError) and new.saw_error.plugin == "breaks"  # thrown into the wrapper
     assert "plain broke" in result["old_saw"]
@@ -138,7 +138,7 @@ def test_a_wrapper_that_raises_is_named(plugins, where):
     plugins(Plain(value=1), "plain")
     plugins(Broken(), "broken")
     with pytest.raises(HookError, match="plugin 'broken' failed in hook engine_output"):
-        hooks.call("engine_output", result={})
+        hooks.call("engine_output", result={}, seq=0)
 
 
 def test_a_wrapper_may_swallow_an_inner_failure(plugins):
@@ -152,7 +152,7 @@ def test_a_wrapper_may_swallow_an_inner_failure(plugins):
 
     plugins(Plain(fail=True), "breaks")
     plugins(Forgiving(), "forgiving")
-    assert hooks.call("engine_output", result={}) == ["recovered"]
+    assert hooks.call("engine_output", result={}, seq=0) == ["recovered"]
 
 
 def test_misbehaving_wrappers_are_named(plugins):
@@ -172,7 +172,7 @@ def test_misbehaving_wrappers_are_named(plugins):
     plugins(Twice(), "twice")
     plugins(Never(), "never")
     with pytest.raises(HookError, match="plugin 'twice'.*yield exactly once; it yielded twice"):
-        hooks.call("engine_output", result={})
+        hooks.call("engine_output", result={}, seq=0)
     with pytest.raises(HookError, match="plugin 'never'.*returned without yielding"):
         hooks.call("engine_sample_after", rids=[], next_ids=None, logprobs=None)
 
@@ -202,7 +202,7 @@ def test_fatal_mode_raises_past_request_isolation(plugins, monkeypatch):
     plugins(NewStyle(), "new")
     monkeypatch.setenv("ENGINE_PLUGIN_ERRORS", "raise")
     with pytest.raises(FatalHookError, match="plugin 'breaks' failed in hook engine_output"):
-        hooks.call("engine_output", result={})
+        hooks.call("engine_output", result={}, seq=0)
 
 
 def test_wrapper_example_from_the_docs_loads_and_unloads(tmp_path, monkeypatch):
@@ -215,7 +215,7 @@ def test_wrapper_example_from_the_docs_loads_and_unloads(tmp_path, monkeypatch):
     try:
         assert hooks.implementers("engine_forward_after") == [module]
         result = {"meta_info": {}}
-        hooks.call("engine_output", result=result)
+        hooks.call("engine_output", result=result, seq=0)
         assert result["meta_info"]["wrapped_in"] == "user"
         assert hooks.call_named("engine_stats", role="user")[module]["wrapped"] == 1
     finally:
@@ -315,7 +315,7 @@ def test_a_hook_raising_systemexit_or_any_baseexception_is_a_named_hook_error(pl
     scheduler, got past the step's isolation and killed the process (every request failed)."""
     plugins(Exits(exc), "exits")
     with pytest.raises(HookError, match=f"plugin 'exits' failed in hook engine_output: {type(exc).__name__}"):
-        hooks.call("engine_output", result={})
+        hooks.call("engine_output", result={}, seq=0)
     for where in ("before", "after"):
         name = f"wrapper_exits_{where}"
         plugins(WrapperExits(exc, where), name)
@@ -335,12 +335,12 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
     plugins(Exits(KeyboardInterrupt()), "interrupts")
     assert hooks.current_role() == "user"
     with pytest.raises(KeyboardInterrupt):
-        hooks.call("engine_output", result={})
+        hooks.call("engine_output", result={}, seq=0)
     caught: list[BaseException] = []  # another thread of the user process (the async submit worker): no Ctrl-C there
 
     def call_in_thread() -> None:
         try:
-            hooks.call("engine_output", result={})
+            hooks.call("engine_output", result={}, seq=0)
         except BaseException as exc:  # noqa: BLE001 - what the call raised is the test's subject
             caught.append(exc)
 
@@ -351,12 +351,12 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
     set_role("scheduler")
     try:
         with pytest.raises(HookError, match="plugin 'interrupts' failed in hook engine_output: KeyboardInterrupt"):
-            hooks.call("engine_output", result={})
+            hooks.call("engine_output", result={}, seq=0)
     finally:
         set_role("user")
     plugins(Exits(FatalHookError("stop now")), "fatal")  # the project's own fatal error passes unchanged
     with pytest.raises(FatalHookError, match="stop now"):
-        hooks.call("engine_output", result={})
+        hooks.call("engine_output", result={}, seq=0)
 
 
 class _After:

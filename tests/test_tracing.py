@@ -833,3 +833,39 @@ def test_two_engines_running_one_rid_keep_their_root_spans_apart():
     roots = [s for s in memory.get_finished_spans() if "gen_ai.operation.name" in s.attributes]
     assert [r.attributes["gen_ai.usage.output_tokens"] for r in roots] == [2, 4] and roots[0] is not roots[1]
     assert roots[0].context.trace_id != roots[1].context.trace_id
+
+
+def test_a_failing_output_hook_puts_its_span_in_its_own_requests_trace():
+    """The roots ended lately were kept by rid for a failing engine_output's `output` span: two engines
+    in one process finishing one caller-given rid put the first one's error span in the second one's
+    trace (and the second's got none). They are kept by the request's seq, which the hook now gets."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.hooks import HookError
+    from engine.hooks.types import PromptRequest
+    from engine.sampling_params import SamplingParams
+    from engine.tracing.plugin import TracingPlugin
+
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
+    plugin.tracer = plugin.provider.get_tracer("t")
+    for seq in (21, 22):  # one rid, two engines
+        plugin.engine_request_submitted(rid="same", request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
+                                        sampling=SamplingParams(max_new_tokens=4), trace_context={}, seq=seq)  # fmt: skip
+    roots = {}
+    for seq in (21, 22):
+        plugin.engine_request_done(rid="same", meta_info={"id": "same", "finish_reason": {"type": "length"}},
+                                   error=None, seq=seq)  # fmt: skip
+        roots[seq] = memory.get_finished_spans()[-1]
+    for seq in (21, 22):
+        wrapper = plugin.engine_output(result={"meta_info": {"id": "same"}}, seq=seq)
+        next(wrapper)
+        with pytest.raises(HookError):
+            wrapper.throw(HookError("bad", "engine_output", ValueError(f"failed for {seq}")))
+        output = memory.get_finished_spans()[-1]
+        assert output.name == "output" and f"failed for {seq}" in output.status.description
+        assert output.context.trace_id == roots[seq].context.trace_id and output.parent.span_id == roots[seq].context.span_id

@@ -204,10 +204,12 @@ class EngineSpecs:
     # ------------------------------------------------------------------ output (user process)
 
     @hookspec
-    def engine_output(self, result: dict[str, Any]) -> None:
+    def engine_output(self, result: dict[str, Any], seq: int) -> None:
         """A finished result in the user process, before generate returns it (not for stream chunks).
         Once per request. May change the dict in place. If it raises, that result comes back with
-        finish_reason abort and the error; the call's other results are untouched."""
+        finish_reason abort and the error; the call's other results are untouched. `seq`: the
+        request's submission number, as engine_request_submitted and engine_request_done gave it (two
+        engines in one process may both run a caller-given rid)."""
 
     # ------------------------------------------------------------------ plugin services
 

@@ -87,7 +87,7 @@ def engine_detokenize_after(rids, texts):
 
 
 @hookimpl
-def engine_output(result):
+def engine_output(result, seq):
     return None
 
 

@@ -93,9 +93,9 @@ class TracingPlugin:
         # spans a hook makes are made under it, so they are ended before the stop hook's flush or not made
         self.lock = threading.Lock()
         self.roots: dict[int, object] = {}  # user process: the request's seq -> its open root span
-        # user process: rid -> the context of its ended root, for a failing engine_output (streams never
+        # user process: seq -> the context of its ended root, for a failing engine_output (streams never
         # reach that hook, so the oldest are dropped)
-        self.ended: collections.OrderedDict[str, SpanContext] = collections.OrderedDict()
+        self.ended: collections.OrderedDict[int, SpanContext] = collections.OrderedDict()
         self.detok: dict[str, tuple[int, dict, str]] = {}  # detokenizer: rid -> (first output ns, trace headers, rid)
         # scheduler: every request from its arrival to its finish, whatever ENGINE_TRACE_STEPS keeps, so
         # the stop hook can make the spans of those a shutdown cuts off, queued ones too
@@ -211,23 +211,23 @@ class TracingPlugin:
         root.end()
         if error is None:
             with self.lock:
-                self.ended[rid] = root.get_span_context()
+                self.ended[seq] = root.get_span_context()
                 if len(self.ended) > ENDED_KEPT:
                     self.ended.popitem(last=False)
         self.dirty = True
 
     @hookimpl(wrapper=True, tryfirst=True)
-    def engine_output(self, result: dict):
+    def engine_output(self, result: dict, seq: int):
         """Around the other plugins' engine_output: the request ended (its root too) before this stage,
         so a result a failing hook marks aborted gets an `output` span with the error, under its root."""
         with self.lock:
-            sc = self.ended.pop(result.get("meta_info", {}).get("id"), None)
+            sc = self.ended.pop(seq, None)
         start = time.time_ns()
         try:
             return (yield)
         except HookError as exc:
             if sc is not None and self.tracer is not None:
-                rid = result["meta_info"]["id"]
+                rid = result.get("meta_info", {}).get("id", "")
                 span = self.tracer.start_span("output", context=set_span_in_context(NonRecordingSpan(sc)),
                                               start_time=start, attributes={"engine.request_id": rid})  # fmt: skip
                 _set_error(span, str(exc))
