@@ -236,6 +236,32 @@ def test_flamegraph_labels_cut_to_the_box_stay_well_formed(tmp_path):
         assert any(t.startswith("<") for t in texts[1:]), texts  # labels are shown unescaped once parsed
 
 
+def test_thread_frames_keep_their_name_and_id_in_every_output(tmp_path):
+    """py-spy --threads starts each stack with `thread (<tid>): <name>`, and writes a `;` in a thread's
+    name unescaped: the name's second part was taken for a frame, the speedscope file named every
+    thread just `thread` (its id taken for a file or a line), and so did the flamegraph's boxes."""
+    import json
+
+    from engine.profiling.breakdown import split_thread
+    from engine.profiling.stacks import parse_collapsed, write_speedscope
+
+    raw = ("thread (6259): my;thread name;Thread.run (threading.py:982);spin (target.py:8);K.w\u00f6rk (target.py:6) 66\n"
+           "thread (6256);<module> (<string>:1);main (x.py:3) 4\n")  # fmt: skip
+    stacks = parse_collapsed(raw)
+    threads = {split_thread(stack)[0]: split_thread(stack)[1] for stack in stacks}
+    assert threads == {
+        "thread (6259): my;thread name": ("Thread.run (threading.py:982)", "spin (target.py:8)", "K.w\u00f6rk (target.py:6)"),
+        "thread (6256)": ("<module> (<string>:1)", "main (x.py:3)"),
+    }
+    write_speedscope(stacks, "t", str(tmp_path / "s.json"))
+    frames = json.loads((tmp_path / "s.json").read_text())["shared"]["frames"]
+    assert {"name": "thread (6259): my;thread name"} in frames and {"name": "thread (6256)"} in frames, frames
+    assert {"name": "K.w\u00f6rk", "file": "target.py", "line": 6} in frames
+    write_flamegraph(stacks, "t", str(tmp_path / "f.svg"), width=2000)
+    texts = [t.text or "" for t in ElementTree.parse(tmp_path / "f.svg").getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert "thread (6259): my;thread name" in texts and "thread (6256)" in texts, texts
+
+
 def _stacks(**stage_counts) -> Counter:
     functions = {"detokenize": "DetokenizerManager.detokenize (engine/detokenizer/manager.py:1)",
                  "tokenize": "TokenizerManager.tokenize (engine/tokenizer_manager.py:1)",

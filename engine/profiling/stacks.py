@@ -8,7 +8,10 @@ import re
 import zlib
 from collections import Counter
 
+from engine.profiling.breakdown import THREAD
+
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+_FRAME = re.compile(r"^(.*) \((.*?)(?::(\d+))?\)$")  # "function (file:line)", or "function (file)"
 
 
 def _xml_text(text: str) -> str:
@@ -34,8 +37,24 @@ def parse_collapsed(text: str) -> Counter:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        stacks[tuple(stack.split(";"))] += int(count)
+        stacks[_frames(stack.split(";"))] += int(count)
     return stacks
+
+
+def _frames(parts: list[str]) -> tuple[str, ...]:
+    """py-spy writes a `;` in a thread's name as it is: the parts after the thread's label that are no
+    frame ("function (file:line)") belong to its name."""
+    if not parts[0].startswith(THREAD):
+        return tuple(parts)
+    end = 1
+    while end < len(parts) and not _FRAME.match(parts[end]):
+        end += 1
+    return (";".join(parts[:end]), *parts[end:])
+
+
+def _function(frame: str) -> str:
+    """A frame's function, or a thread's whole label."""
+    return frame if frame.startswith(THREAD) else frame.split(" (")[0]
 
 
 def write_speedscope(stacks: Counter, name: str, path: str) -> None:
@@ -48,13 +67,12 @@ def write_speedscope(stacks: Counter, name: str, path: str) -> None:
         for frame in stack:
             if frame not in index:
                 index[frame] = len(frames)
-                func, _, where = frame.partition(" (")
-                file, _, line = where.rstrip(")").rpartition(":")
-                entry = {"name": func}
-                if file:
-                    entry["file"] = file
-                if line.isdigit():
-                    entry["line"] = int(line)
+                match = None if frame.startswith(THREAD) else _FRAME.match(frame)
+                entry = {"name": match.group(1) if match else frame}
+                if match and match.group(2):
+                    entry["file"] = match.group(2)
+                if match and match.group(3):
+                    entry["line"] = int(match.group(3))
                 frames.append(entry)
             ids.append(index[frame])
         samples.append(ids)
@@ -90,9 +108,9 @@ def write_flamegraph(stacks: Counter, title: str, path: str, width: int = 1200, 
             w = child["n"] / total * width
             if w >= 0.5:
                 y = height - (level + 2) * row
-                hue = 20 + (zlib.crc32(frame.split(" (")[0].encode()) % 40)  # stable across runs
+                hue = 20 + (zlib.crc32(_function(frame).encode()) % 40)  # stable across runs
                 label = _xml_text(frame)
-                text = _xml_text(_fit(frame.split(" (")[0], int(w / 7)))
+                text = _xml_text(_fit(_function(frame), int(w / 7)))
                 rects.append(
                     f'<g><title>{label}: {child["n"]} samples ({100 * child["n"] / total:.1f}%)</title>'
                     f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 1}" fill="hsl({hue},85%,60%)"/>'
