@@ -678,3 +678,20 @@ def test_two_engines_ready_at_once_start_one_metrics_port(monkeypatch):
             server.shutdown()
             server.server_close()
             thread.join(5)
+
+
+def test_stagetimer_counts_no_sample_stage_in_a_step_that_samples_nothing():
+    """A prompt chunk that is not the last samples nothing: its step has no engine_sample_after, and
+    stagetimer's sample stage, started at every engine_forward_after, ran to the step's end (its
+    result processing counted as sampling, and a call too)."""
+    import torch
+
+    from engine.plugins import stagetimer
+
+    before = dict(stagetimer.engine_stats("scheduler")["calls"])
+    stagetimer.engine_forward_before(batch=None, rids=["a"])
+    stagetimer.engine_forward_after(batch=None, rids=["a"], logits=torch.empty(0, 8))
+    stagetimer.engine_step_end(step=None)
+    calls = stagetimer.engine_stats("scheduler")["calls"]
+    assert calls.get("forward", 0) == before.get("forward", 0) + 1
+    assert calls.get("sample", 0) == before.get("sample", 0)

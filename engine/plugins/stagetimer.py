@@ -64,7 +64,8 @@ def engine_forward_before(batch, rids) -> None:
 @hookimpl
 def engine_forward_after(batch, rids, logits) -> None:
     _stop("forward")
-    _start("sample")
+    if logits is not None and logits.shape[0]:  # a prompt chunk that is not the last samples nothing
+        _start("sample")
 
 
 @hookimpl
