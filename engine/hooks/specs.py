@@ -53,7 +53,8 @@ class EngineSpecs:
     def engine_process_stop(self, role: str, pid: int) -> None:
         """The process is about to stop on a regular shutdown (not after a crash or SIGKILL): a child
         once; the user process once per Engine, when that engine shuts down, last (after its
-        children stopped and every request ended)."""
+        children stopped and every request ended). In a child it runs in the thread that watches the
+        parent, while the serving thread may still be in another hook: lock what both touch."""
 
     # ------------------------------------------------------------------ tokenize (user process)
 
