@@ -332,3 +332,32 @@ def test_without_xgrammar_a_constraint_is_a_value_error_saying_how_to_get_it(mon
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
     with pytest.raises(ValueError, match=r"needs xgrammar.*pip install --no-deps xgrammar"):
         parse_sampling_params({"regex": "a"}, 100, None)
+
+
+def test_a_beam_whose_token_its_grammar_refuses_never_wins(model_dir):
+    """A hook running after the grammar's mask (engine_process_logits) can put a refused token back:
+    a beam took it, its matcher's accept_token said no, and the refusal was ignored; the beam went on
+    from the state before the token, so its hypothesis broke the grammar (docs: every returned
+    hypothesis is valid). Such a beam now drops out (-inf), as a token never allowed does."""
+    import torch
+
+    from engine.beam_search.batch import advance_matchers
+    from engine.beam_search.selection import BeamSelection
+    from engine.grammar.stage import Grammars
+    from engine.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(model_dir)
+    a, z = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("z")
+    grammars = Grammars(model_dir, 49152, [tok.eos_token_id])
+    try:
+        start = grammars.matcher(grammars.request("regex", "ab"))
+        sel = BeamSelection(2, 4, (tok.eos_token_id,))
+        logprobs = torch.full((1, 49152), float("-inf"))
+        logprobs[0, a], logprobs[0, z] = -0.1, -1.0  # "z": what a hook put back after the mask
+        parents, tokens = sel.step(logprobs)
+        matchers = advance_matchers([start], parents.tolist(), tokens.tolist(), sel)
+        refused = tokens.tolist().index(z)
+        assert sel.scores[refused] == float("-inf") and sel.scores[1 - refused] > -1
+        assert len(matchers) == 2
+    finally:
+        grammars.close()

@@ -57,7 +57,8 @@ def start_sampling(reqs: list[Req], copies: int, vocab_size: int, device) -> Sam
 
 def advance_matchers(matchers: list, parents: list[int], tokens: list[int], selection: BeamSelection) -> list:
     """Each next beam's grammar matcher: its parent's, forked, advanced by its token. A beam that can
-    never win keeps its parent's state: one at -inf (its token was never allowed) and one pushed down
+    never win keeps its parent's state: one at -inf (its token was never allowed, or the grammar refuses
+    it: a hook after the mask put it back, and the beam drops out) and one pushed down
     (fewer continuations than beams that are not stop tokens: it carries a stop token, which would
     terminate its matcher, and a terminated matcher has no next mask). A pushed-down beam is made -inf
     too: its continuations, from the state before its stop token, would make hypotheses with a stop
@@ -67,7 +68,8 @@ def advance_matchers(matchers: list, parents: list[int], tokens: list[int], sele
     for j, (parent, token, score) in enumerate(zip(parents, tokens, scores)):
         m = matchers[parent].fork()
         if score > PUSH_DOWN / 2 and not m.is_terminated():
-            m.accept_token(token)
+            if not m.accept_token(token):  # a hook after the mask put back a token the grammar refuses
+                selection.scores[j] = float("-inf")
         elif score != float("-inf"):
             selection.scores[j] = float("-inf")
         out.append(m)
