@@ -1,8 +1,9 @@
 """Messages written straight into the engine's sockets by something that is not the engine: random
 bytes, truncated messages, the wrong message type for the socket, well-typed messages with wrong
-contents, huge ones. Each is dropped with a log line naming the process, none obeyed, none fatal: the
-engine serves on and its requests are not disturbed. Its own engine (tiny model): a failure here
-must not take the shared one down."""
+contents, huge ones. Each one that does not decode, or holds what no message may (lists of unequal
+length), is dropped with a log line naming the process; the well-formed ones name requests that do not
+exist and change nothing; none is fatal: the engine serves on, and the request running while they
+arrive is not disturbed. Its own engine (tiny model): a failure here must not take the shared one down."""
 
 from __future__ import annotations
 
@@ -69,26 +70,45 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(endpoint)
+    codec = Codec({"scheduler": ToScheduler, "detokenizer": ToDetokenizer, "tokenizer": ToTokenizer}[target])
+    params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    user, line = "", f"engine::{role}: dropped a malformed message"
+    err = ""  # the user process's lines (the tokenizer manager's), then the children's
     try:
-        running = victim.generate("Once upon a time", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}, stream=True)
+        running = victim.generate("Once upon a time", params, stream=True)
         first = next(iter(running))
         messages = hostile_messages(len(target))
+        undecodable = sum(1 for data in messages if not _decodes(codec, data))
         for data in messages:
             sock.send(data)
+        # every message that cannot decode is dropped, named, while the request runs
+        deadline = time.monotonic() + 60
+        while err.count(line) < undecodable and time.monotonic() < deadline:
+            time.sleep(0.05)
+            user += capfd.readouterr().err
+            err = user + victim.stderr_log.read_text(errors="replace")
+        assert err.count(line) >= undecodable > 0, (undecodable, err[-2000:])
         rest = list(running)
-        time.sleep(0.5)
         assert victim.alive, "a hostile message took the engine down"
-        out = victim.generate("Once upon a time", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+        assert rest, "the request ended before the messages were read"
+        out = victim.generate("Once upon a time", params)
         streamed = first["output_ids"] + [i for c in rest for i in c["output_ids"]]
-        assert streamed == out["output_ids"] and len(out["output_ids"]) == 40
+        assert streamed == out["output_ids"] and len(out["output_ids"]) == 400
         assert not busy(wait_idle(victim))
     finally:
         sock.close()
         ctx.term()
-    err = capfd.readouterr().err + victim.stderr_log.read_text(errors="replace")  # user process + children
-    assert f"engine::{role}: dropped a malformed message" in err, err[-2000:]
+    err = user + capfd.readouterr().err + victim.stderr_log.read_text(errors="replace")
     if target in ("detokenizer", "tokenizer"):  # well-typed, but lists of unequal length: refused, not cut short
         assert "rids but lists of" in err, err[-2000:]
+
+
+def _decodes(codec: Codec, data: bytes) -> bool:
+    try:
+        codec.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def test_sockets_and_their_directory_are_private(victim):
