@@ -37,6 +37,7 @@ def test_two_engines_started_from_two_threads_leave_the_environment_clean(tiny_l
             t.join(300)
         try:
             assert not failures, failures
+            assert len(engines) == 2 and not any(t.is_alive() for t in threads)  # neither start hung
             assert dict(os.environ) == before  # before the lock: PYTHONPATH kept a sitecustomize entry
             for eng in engines:
                 out = eng.generate("Hello", {"max_new_tokens": 2, "temperature": 0})
