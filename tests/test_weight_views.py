@@ -97,3 +97,22 @@ def test_a_model_packed_from_its_file_computes_what_read_weights_packed_compute(
         again = F32Linear(plain, layer._lib) if isinstance(layer, F32Linear) else PackedLinear(plain)
         assert torch.equal(layer(inputs), again(inputs)), name
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("field, change", [("intermediate_size", -32), ("intermediate_size", 32), ("num_key_value_heads", 2)])
+def test_a_config_that_does_not_fit_its_weights_is_refused_when_packing_from_the_file(tiny_llama_dir, tmp_path, field, change):
+    """Layers packed straight from the file were never checked against the config's shapes (reading
+    them all, load_state_dict was): a smaller intermediate_size computed with the wrong weights, a
+    larger one packed past the end of the file's tensor. Either is now refused naming the weight."""
+    import json
+    import shutil
+
+    if not packing_available(torch.float32, "cpu"):
+        pytest.skip("float32 is not packed on this CPU (AVX-512 keeps MKL): the loader reads every weight")
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = config[field] + change if field == "intermediate_size" else change
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="do not fit"):
+        load_model(str(folder), load_hf_config(str(folder)), torch.float32, "cpu", 64)

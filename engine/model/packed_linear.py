@@ -121,7 +121,11 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
         if panels and name in panels and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
             return f32_linear.F32Linear(linear, lib, panels[name])  # its weight never read
         if weights is not None and linear.weight.is_meta:
-            linear.weight = nn.Parameter(weights(name), requires_grad=False)
+            weight = weights(name)
+            if tuple(weight.shape) != (linear.out_features, linear.in_features):  # load_state_dict's check, for these
+                raise ValueError(f"weights do not fit the model: {name}.weight is {tuple(weight.shape)} in the checkpoint, "
+                                 f"the config makes it {(linear.out_features, linear.in_features)}")  # fmt: skip
+            linear.weight = nn.Parameter(weight, requires_grad=False)
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
         if lib is not None and kernel.module.fits(linear):
