@@ -116,3 +116,31 @@ def test_a_config_that_does_not_fit_its_weights_is_refused_when_packing_from_the
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="do not fit"):
         load_model(str(folder), load_hf_config(str(folder)), torch.float32, "cpu", 64)
+
+
+def test_rope_settings_transformers_takes_are_taken_and_those_it_recomputes_per_length_refused():
+    """A config.json whose rope_parameters are `{"rope_type": "default"}` with rope_theta at the top
+    level (transformers takes it) failed with KeyError 'rope_theta'; `longrope`, which transformers
+    switches to its long factors past original_max_position_embeddings, was taken with its short
+    factors at every length (cos off by 2 at position 100 in a reviewer's run): refused, as
+    `dynamic` is."""
+    from types import SimpleNamespace
+
+    from engine.model.rope import inv_freq_and_scaling
+
+    top = SimpleNamespace(rope_parameters={"rope_type": "default"}, rope_theta=500000.0)
+    inv_freq, scaling = inv_freq_and_scaling(top, 16)
+    assert scaling == 1.0 and torch.allclose(inv_freq, 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16)))
+    long = SimpleNamespace(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                            "long_factor": [2.0] * 8, "original_max_position_embeddings": 64})  # fmt: skip
+    with pytest.raises(ValueError, match="longrope"):
+        inv_freq_and_scaling(long, 16)
+
+
+def test_rotary_inv_freq_buffers_older_checkpoints_hold_are_ignored(tiny_llama_dir):
+    """Older exports saved each layer's `rotary_emb.inv_freq` buffer; transformers drops them, the
+    engine refused the checkpoint as holding unexpected weights."""
+    cfg = model_config_from_hf(load_hf_config(tiny_llama_dir))
+    names = set(index_weights(tiny_llama_dir)) | {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_layers)}
+    plan = weight_plan(cfg, names)
+    assert not any("inv_freq" in part for parts in plan.values() for part in parts)

@@ -131,7 +131,8 @@ def weight_plan(cfg: ModelConfig, names: set[str]) -> dict[str, list[str]]:
         plan[f"layers.{i}.post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
     used = {n for parts in plan.values() for n in parts}
     missing = sorted(used - names)
-    unexpected = sorted(names - used - {"lm_head.weight"})  # tied copies some exporters write anyway
+    unexpected = sorted(n for n in names - used - {"lm_head.weight"}  # tied copies some exporters write anyway
+                        if not n.endswith("rotary_emb.inv_freq"))  # older exports' buffers, which transformers drops too
     if missing:
         raise ValueError(f"weights missing from checkpoint: {missing[:8]}")
     if unexpected:
