@@ -149,3 +149,26 @@ def test_a_cached_library_is_used_where_no_compiler_is(tmp_path):
     _plant(tmp_path / "kernels", tmp_path)
     res = _python(PLANT, tmp_path, CC="no-such-compiler-xyz")
     assert res.returncode == 0 and res.stdout.strip() == "planted", res.stderr
+
+
+def test_cache_folders_the_engine_makes_are_private_under_a_group_umask(tmp_path, monkeypatch, tiny_llama_dir):
+    """mkdir's mode covers only the last folder: under umask 002 (Ubuntu's and Fedora's default for a
+    user with a private group) the cache's root came out group-writable, and the engine, refusing a
+    cache others may write, then refused its own: the int8 weights, the panels and the kernels were
+    made again at every start. Every folder the engine makes is 0700 now."""
+    import torch
+
+    from engine.quantization.cache import cache_file, load_cached, save_cached
+
+    root = tmp_path / "a" / "b"
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(root))
+    old = os.umask(0o002)
+    try:
+        path = cache_file(tiny_llama_dir, "int8")
+        save_cached(path, {"x": torch.ones(4)}, tiny_llama_dir, "int8")
+    finally:
+        os.umask(old)
+    assert path.exists()
+    for folder in (tmp_path / "a", root, path.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert load_cached(path) is not None

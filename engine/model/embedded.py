@@ -60,7 +60,9 @@ def convert_gguf(gguf: Path) -> Path:
     target = converted_dir_for(gguf)
     if is_converted(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    from engine.kernels.cpu.build import make_private_dirs
+
+    make_private_dirs(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         if not convert_here(gguf, tmp):

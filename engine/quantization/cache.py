@@ -120,7 +120,9 @@ def save_cached(path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mo
     try:
         if not trusted(path):
             return
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        from engine.kernels.cpu.build import make_private_dirs
+
+        make_private_dirs(path.parent)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if shutil.disk_usage(path.parent).free < 2 * size:
             return
