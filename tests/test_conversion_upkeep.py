@@ -128,3 +128,64 @@ def test_a_neighbour_pruning_cannot_read_never_fails_the_conversion(tmp_path, mo
     fresh.mkdir()
     install_conversion(fresh, root / ("m-" + HEX), gguf)
     assert conversion_source(root / ("m-" + HEX)) is not None and broken.is_dir()
+
+
+def test_leftovers_of_a_killed_conversion_or_cache_write_are_removed_once_stale(tmp_path, monkeypatch):
+    """A conversion, a cache file's write or a kernel build killed midway (SIGKILL, the OOM killer, a
+    closed terminal) left its temporary folder or file for good: 514 MB a killed conversion of the
+    embedded model. Those older than a day go with the next upkeep of their folder; younger ones may
+    be another process's work in progress, and stay."""
+    import os
+    import time
+
+    from engine.cache_upkeep import STALE_SECONDS
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    root, gguf = tmp_path / "cache", tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    root.mkdir()
+    old, young = root / ".convert-killed1", root / ".convert-running"
+    for folder in (old, young):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+    stale = time.time() - STALE_SECONDS - 60
+    os.utime(old, (stale, stale))
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.json").write_text("{}")
+    install_conversion(fresh, root / ("m-" + HEX), gguf)
+    assert not old.exists() and young.exists()
+    # a cache file's write: tmp*.tmp beside the cache files
+    kept = _cached(root / ("m-" + HEX))
+    old_tmp, young_tmp = kept.parent / "tmpkilled.tmp", kept.parent / "tmprunning.tmp"
+    for f in (old_tmp, young_tmp):
+        f.write_bytes(b"x")
+    os.utime(old_tmp, (stale, stale))
+    _cached(root / ("m-" + HEX))
+    assert not old_tmp.exists() and young_tmp.exists()
+
+
+def test_a_conversion_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatch):
+    """The `.complete` mark is all a later start trusts: with nothing synced, a power cut could leave a
+    folder marked complete around an empty or truncated model.safetensors, failing every start after."""
+    import os
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    root, gguf = tmp_path / "cache", tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.json").write_text("{}")
+    (fresh / "model.safetensors").write_bytes(b"x" * 100)
+    root.mkdir()
+    synced: dict[str, bool] = {}
+    real = os.fsync
+
+    def fsync(fd):
+        synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))] = (fresh / ".complete").exists()
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    install_conversion(fresh, root / ("m-" + HEX), gguf)
+    assert synced.get("model.safetensors") is False and synced.get("config.json") is False, synced  # before the mark
+    assert "fresh" in synced and ".complete" in synced, synced  # the folder's entries, and the mark itself

@@ -60,7 +60,7 @@ def convert_gguf(gguf: Path) -> Path:
     target = converted_dir_for(gguf)
     if is_converted(target):
         return target
-    from engine.kernels.cpu.build import make_private_dirs
+    from engine.cache_upkeep import make_private_dirs
 
     make_private_dirs(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -116,9 +116,15 @@ def convert_with_transformers(gguf: Path, out: Path) -> None:
 
 
 def install_conversion(tmp: Path, target: Path, gguf: Path) -> None:
-    """Mark tmp as converted from gguf on this host, move it to target, and remove what it replaces."""
+    """Mark tmp as converted from gguf on this host, move it to target, and remove what it replaces. What
+    it holds is on disk before the mark, which is all a later start trusts (a power cut must not leave
+    a marked folder around a truncated model)."""
+    from engine.cache_upkeep import remove_stale, sync_file, sync_tree
+
     (tmp / ".host").write_text(socket.gethostname())  # read by prune_conversions
+    sync_tree(tmp)
     (tmp / ".complete").write_text(str(gguf.resolve()))  # read back by quantization=gguf
+    sync_file(tmp / ".complete")
     try:
         os.replace(tmp, target)
     except OSError:
@@ -126,6 +132,8 @@ def install_conversion(tmp: Path, target: Path, gguf: Path) -> None:
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
     try:
+        sync_file(target.parent)
+        remove_stale(target.parent, (".convert-*",))  # conversions a killed process left
         if prune_conversions(target):
             from engine.quantization.cache import prune_orphans
 

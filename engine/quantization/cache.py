@@ -120,7 +120,7 @@ def save_cached(path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mo
     try:
         if not trusted(path):
             return
-        from engine.kernels.cpu.build import make_private_dirs
+        from engine.cache_upkeep import make_private_dirs, remove_stale, sync_file
 
         make_private_dirs(path.parent)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -131,10 +131,12 @@ def save_cached(path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mo
         try:
             meta = {"model_dir": str(Path(model_dir).resolve()), "mode": mode, "host": socket.gethostname()}
             write_safetensors(tmp, tensors, meta)
+            sync_file(Path(tmp))  # its data on disk before the rename makes it the cache's
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         prune(path, model_dir, mode, fmt)
+        remove_stale(path.parent, ("tmp*.tmp",))  # writes a killed process left
     except Exception:  # noqa: BLE001 - OSError (a full disk, a read-only directory): never fatal
         pass

@@ -91,20 +91,6 @@ def unsafe_reason(path: Path) -> str | None:
     return None
 
 
-def make_private_dirs(path: Path) -> None:
-    """path and every missing folder above it, each 0700: mkdir's mode covers only the last, and under a
-    umask of 002 the others came out group-writable, which unsafe_reason then refused at every start."""
-    missing = []
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(mode=0o700)
-        except FileExistsError:  # another process made it meanwhile
-            pass
-
-
 def _object(command: list[str], source: Path, folder: Path) -> bool:
     """Compile one source into folder/<name>.o; whether that worked (-shared is the link's alone)."""
     flags = [f for f in FLAGS if f != "-shared"]
@@ -167,6 +153,8 @@ def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
     may ship a warm cache and no gcc); `rebuild` replaces it (it would not load)."""
     target = cached_library()
     try:
+        from engine.cache_upkeep import make_private_dirs
+
         make_private_dirs(target.parent)
     except OSError:
         pass
@@ -179,10 +167,14 @@ def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
     if command is None:
         return None
     if problem is None:
+        from engine.cache_upkeep import remove_stale, sync_file
+
         built = _compile(command, target.parent)
         if built is None:
             return None
+        sync_file(built)
         os.replace(built, target)
+        remove_stale(target.parent, ("tmp*.so", ".objects-*"))  # builds a killed process left
         return target, False
     print(f"engine: not using the kernel cache ({problem}); building in a private directory", file=sys.stderr)
     private = Path(tempfile.mkdtemp(prefix="engine-kernels-"))

@@ -1,0 +1,64 @@
+"""The cache folders' upkeep (the converted models, int8 weights, float32 panels, compiled kernels): folders
+made private at every level, files on disk before they count as written, and what killed processes
+left behind removed once it is stale."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+STALE_SECONDS = 24 * 3600  # a temporary file or folder this old is no process's work in progress
+
+
+def make_private_dirs(path: Path) -> None:
+    """path and every missing folder above it, each 0700: mkdir's mode covers only the last, and under a
+    umask of 002 the others came out group-writable, which the caches' trust check then refused at
+    every start (engine/kernels/cpu/build.py's unsafe_reason)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it meanwhile
+            pass
+
+
+def sync_file(path: Path) -> None:
+    """The file's data on disk (before a rename or a mark makes it count)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """Every file under folder, then each folder's entries, on disk."""
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file() and not path.is_symlink():
+            sync_file(path)
+        elif path.is_dir() and not path.is_symlink():
+            sync_file(path)
+    sync_file(folder)
+
+
+def remove_stale(folder: Path, patterns: tuple[str, ...]) -> None:
+    """Remove what matches patterns in folder and is older than STALE_SECONDS: the temporary files and
+    folders of a conversion, a cache write or a kernel build whose process was killed (no `finally`
+    runs on SIGKILL). Younger ones may be another process's work in progress."""
+    cutoff = time.time() - STALE_SECONDS
+    for pattern in patterns:
+        for path in folder.glob(pattern):
+            try:
+                if path.is_symlink() or path.lstat().st_mtime > cutoff:
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink()
+            except OSError:
+                pass
