@@ -4,12 +4,15 @@ left behind removed once it is stale."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import IO
 
 STALE_SECONDS = 24 * 3600  # a temporary file or folder this old is no process's work in progress
+LEASE = ".lease"  # in a converted model's folder: engines running on it hold a shared lock on it
 
 
 def make_private_dirs(path: Path) -> None:
@@ -62,3 +65,35 @@ def remove_stale(folder: Path, patterns: tuple[str, ...]) -> None:
                     path.unlink()
             except OSError:
                 pass
+
+
+def hold_lease(folder: Path) -> IO | None:
+    """A shared lock on folder's lease, held while the file stays open: an engine running on a converted
+    model holds it, so that a newer conversion's upkeep does not remove the folder under it (the engine
+    reads it again later: transformers' tokenizer, the grammar compiler's). None where it cannot be
+    taken (a read-only folder): the engine runs without it."""
+    try:
+        lease = open(folder / LEASE, "a")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(lease, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # a removal holds it right now
+        lease.close()
+        return None
+    return lease
+
+
+def unleased(folder: Path) -> IO | None:
+    """An exclusive lock on folder's lease when no engine holds it (keep it open while removing the
+    folder); None while one does."""
+    try:
+        lease = open(folder / LEASE, "a")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lease.close()
+        return None
+    return lease

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import weakref
+from pathlib import Path
 
 from engine import envvars, hooks
 from engine.beam_search.api import DEFAULT_BEAM_MAX_NEW_TOKENS, beam_submit_args
@@ -16,6 +17,8 @@ from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
 from engine.hooks.loader import ENV, load_plugins, parse_spec
 from engine.ipc.channels import Endpoints
+from engine.cache_upkeep import hold_lease
+from engine.model.embedded import is_converted
 from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
@@ -82,6 +85,7 @@ class _Resources:
         self.closed = False
         self.started = False  # every process is ready and serving
         self.pid = os.getpid()  # a fork of this process (os.fork) inherits the finalizer but owns nothing
+        self.lease = None  # a converted model's lease, held while this engine runs (engine/cache_upkeep.py)
 
     def kill_children(self, reason: str) -> None:
         """Called by the tokenizer manager when a child died: the rest must not linger."""
@@ -106,6 +110,8 @@ class _Resources:
         stop_children(self.children)
         if self.endpoints is not None:
             self.endpoints.remove()
+        if self.lease is not None:
+            self.lease.close()
         if regular:
             _user_stop_hook()
 
@@ -135,6 +141,8 @@ class Engine:
         try:
             announce = print if self.config.show_progress else None
             self.model_dir = resolve_model_dir(self.config.model_path, announce)
+            if is_converted(Path(self.model_dir)):  # a newer conversion's upkeep leaves it while we run
+                res.lease = hold_lease(Path(self.model_dir))
             res.endpoints = Endpoints.create()
             ends, parent = res.endpoints.to_dict(), os.getpid()
             res.children.append(

@@ -189,3 +189,34 @@ def test_a_conversion_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypa
     install_conversion(fresh, root / ("m-" + HEX), gguf)
     assert synced.get("model.safetensors") is False and synced.get("config.json") is False, synced  # before the mark
     assert "fresh" in synced and ".complete" in synced, synced  # the folder's entries, and the mark itself
+
+
+def test_a_conversion_an_engine_is_running_on_is_not_removed(tmp_path, monkeypatch):
+    """A reinstall (the GGUF's time changed) made the next engine's conversion remove the folder a running
+    engine was started from; that engine reads it again later (transformers' tokenizer on the first chat
+    request, the grammar compiler's on the first constrained one), which then failed until a restart.
+    A running engine holds a shared lease on its conversion; a folder leased is left for a later upkeep."""
+    from engine.cache_upkeep import hold_lease
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    root, gguf = tmp_path / "cache", tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    running = _conversion(root, "m-" + "1" * 16, gguf, socket.gethostname())
+    lease = hold_lease(running)
+    assert lease is not None
+    try:
+        fresh = tmp_path / "fresh"
+        fresh.mkdir()
+        (fresh / "config.json").write_text("{}")
+        install_conversion(fresh, root / ("m-" + HEX), gguf)
+        assert running.exists() and conversion_source(running) is not None
+    finally:
+        lease.close()
+    assert prune_conversions(root / ("m-" + HEX)) == [running] and not running.exists()
+
+
+def test_a_running_engine_holds_its_conversions_lease(engine):
+    from engine.cache_upkeep import unleased
+
+    assert (Path(engine.model_dir) / ".complete").exists()  # the embedded model, converted
+    assert unleased(Path(engine.model_dir)) is None

@@ -189,11 +189,19 @@ def prune_conversions(kept: Path) -> list[Path]:
 
 
 def _remove(folder: Path) -> bool:
-    """Renamed first, so that a removal cut short never leaves a folder that still looks finished."""
+    """Renamed first, so that a removal cut short never leaves a folder that still looks finished; not
+    while an engine runs on it (it holds the folder's lease: engine/cache_upkeep.py)."""
+    from engine.cache_upkeep import unleased
+
+    lease = unleased(folder)
+    if lease is None:
+        return False
     doomed = folder.with_name(f".prune-{folder.name}")
     try:
         os.replace(folder, doomed)
     except OSError:
         return False
+    finally:
+        lease.close()
     shutil.rmtree(doomed, ignore_errors=True)
     return True
