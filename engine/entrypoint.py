@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing.util  # its exit handler (which SIGTERMs daemonic children) registered before an engine's
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -133,10 +132,11 @@ class Engine:
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role="user", pid=os.getpid())
         res = self._resources = _Resources()
-        self._finalizer = weakref.finalize(self, res.close)
-        # at exit, before multiprocessing's handler: weakref.finalize's own runs after it when the process
-        # made a finalizer before importing multiprocessing (atexit runs the last registered first)
-        atexit.register(self._finalizer)
+        # run when the engine is collected, and at exit as one of multiprocessing's own exit finalizers:
+        # before its exit handler SIGTERMs and joins daemonic children (which ignore SIGTERM: the join
+        # would wait for good), in the main process (atexit) and in a multiprocessing worker alike (which
+        # runs no atexit handler); a weakref.finalize's atexit hook could run after that handler
+        self._finalizer = multiprocessing.util.Finalize(self, res.close, exitpriority=100)
         child_env = _child_env(plugins)
         try:
             announce = print if self.config.show_progress else None
@@ -309,7 +309,6 @@ class Engine:
     def shutdown(self) -> None:
         """Stop both children and remove the runtime directory. Safe to call twice."""
         self._finalizer()
-        atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "Engine":
         return self

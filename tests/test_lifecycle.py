@@ -171,6 +171,44 @@ def test_atexit_closes_the_engine_before_multiprocessing_stops_its_children(tiny
     assert not os.path.exists(info["dir"])
 
 
+def test_an_engine_left_open_in_a_multiprocessing_worker_lets_the_worker_exit(tiny_llama_dir, tmp_path):
+    """A multiprocessing worker runs no atexit handlers: when its target ends, multiprocessing SIGTERMs
+    its daemonic children and joins them. With the engine's children ignoring SIGTERM (the parent's to
+    decide), an engine still referenced there (a global, or a frame a traceback keeps) hung the worker
+    for good. The engine's close is one of multiprocessing's own exit finalizers, run before that."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, multiprocessing, sys
+        from engine import Engine
+
+        def work(queue):
+            global ENGINE
+            ENGINE = Engine(model_path={tiny_llama_dir!r}, dtype="float32", max_total_tokens=1024)
+            queue.put(dict(ENGINE.pids))
+
+        if __name__ == "__main__":
+            ctx = multiprocessing.get_context("spawn")
+            queue = ctx.Queue()
+            worker = ctx.Process(target=work, args=(queue,))
+            worker.start()
+            pids = queue.get(timeout=120)
+            worker.join(60)
+            print(json.dumps({{"pids": pids, "exitcode": worker.exitcode}}), flush=True)
+            if worker.exitcode is None:
+                worker.kill()
+    """))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    info = json.loads(res.stdout.splitlines()[-1])
+    children = [info["pids"]["scheduler"], info["pids"]["detokenizer"]]
+    try:
+        assert info["exitcode"] == 0, res.stderr[-2000:]
+        assert wait_gone(children, 10) == []
+    finally:
+        for pid in children:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_fork_of_the_user_process_does_not_close_its_engine(tiny_llama_dir):
     """A program that forks (os.fork) with an engine open: the fork inherits the engine's finalizer,
     and its exit ran the close, stopping children that are not its own (an AssertionError from
