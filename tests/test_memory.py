@@ -136,3 +136,44 @@ def test_allocated_indices_hold_no_copy_of_the_free_list():
         kept.append(pool.alloc(4))
         pool.free(pool.alloc(1))
     assert all(t.untyped_storage().nbytes() == 4 * 8 for t in kept)
+
+
+def test_a_request_freed_twice_after_the_tree_raised_frees_nothing_twice():
+    """The first free of a leaving request raised in the tree (a beam search's, whose group then stayed
+    listed): the step's failure handler freed it again, with its slot already None, and put None into
+    the free list of slots (the next admission's assertion failed) after the tree raised again."""
+    import torch
+
+    from engine.memory.kv_pool import TokenKVPool
+    from engine.memory.manager import KVManager
+    from engine.memory.req_to_token import ReqToTokenPool
+
+    kv = KVManager(TokenKVPool(64, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(4, 32, "cpu"), True, "cpu")
+
+    class Leaving:
+        beam_slots: list = []
+        prefix_indices = cache_node = None
+        fill_ids = list(range(8))
+
+        @property
+        def cache_prefix_len(self):
+            return 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
+
+        def max_prefix(self):
+            return 7
+
+        def all_ids(self):
+            return list(range(8))
+
+    req = Leaving()
+    kv.lend_prefix(req)
+    kv.assign_slot(req)
+    kv.table[req.slot, :8] = kv.alloc(8)
+    real = kv.cache.insert
+    kv.cache.insert = lambda *a: (_ for _ in ()).throw(MemoryError("in the tree's copy"))
+    with pytest.raises(MemoryError):
+        kv.free_request(req, 8)
+    kv.cache.insert = real
+    kv.free_request(req, 8, keep=False)  # the failure handler's
+    assert None not in kv.slots._free.tolist() if hasattr(kv.slots._free, "tolist") else None not in kv.slots._free
+    assert kv.slots.available == 4 and kv.pool.available == 64 and kv.cache.lock_refs() == 0

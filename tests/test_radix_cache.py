@@ -179,3 +179,18 @@ def test_eviction_takes_the_least_recently_used_leaf_without_walking_the_tree(mo
         cache.dec_lock_ref(node)
     cache.flush()
     assert cache.total_size == 0 and sorted(free.freed) == list(range(nxt))
+
+
+def test_the_eviction_heap_stays_bounded_when_nothing_is_evicted():
+    """Every new leaf and every unlock offers a heap entry, and only an eviction dropped stale ones: a
+    server whose pool never fills (short or repeated prompts) grew the heap by an entry a request for
+    good (100,000 requests, one node: 100,001 entries in a reviewer's run)."""
+    cache, _ = make()
+    key = [1, 2, 3, 4]
+    cache.insert(key, idx(0, 1, 2, 3))
+    for _ in range(5000):  # a request matching the whole prompt, locking it, then leaving
+        _, node = cache.match_prefix(key)
+        cache.inc_lock_ref(node)
+        cache.dec_lock_ref(node)
+    assert len(cache._heap) <= 2 * cache._nodes + 1025
+    assert cache.evict(4) == 4 and cache.total_size == 0

@@ -74,7 +74,10 @@ class KVManager:
         """The request leaves the running set (finished, retracted or failed): its K/V goes to the tree
         (keep) or back to the pool (not keep: after a failed step it may be garbage), its slot is freed.
         Its slot and fields are cleared even when the tree raises (an out-of-memory in a copy), so that a
-        retracted request is admitted again afresh, not holding its old slot and lock."""
+        retracted request is admitted again afresh, not holding its old slot and lock. A request freed
+        already (a second call after the first raised) has nothing left to give back."""
+        if req.slot is None:
+            return
         try:
             indices = self.table[req.slot, :kv_len]
             if keep:

@@ -193,9 +193,6 @@ class RadixCache:
         runs out of unlocked nodes). Returns the number freed."""
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
-        if len(self._heap) > 2 * self._nodes + 1024:  # mostly stale entries: start again from the leaves
-            self._heap = [(n.last_access, next(self._order), n) for n in self._leaves() if n.lock_ref == 0]
-            heapq.heapify(self._heap)
         heap, freed, values = self._heap, 0, []
         while freed < num_tokens and heap:
             stamp, _, leaf = heapq.heappop(heap)
@@ -219,8 +216,13 @@ class RadixCache:
         return freed
 
     def _offer(self, node: TreeNode) -> None:
-        """An unlocked leaf: a candidate for eviction."""
+        """An unlocked leaf: a candidate for eviction. Entries go stale as nodes are locked, touched or
+        grow children, and a pool that never fills never evicts: past twice the nodes (and some), the
+        heap starts again from the unlocked leaves (amortized: that many offers between two rebuilds)."""
         heapq.heappush(self._heap, (node.last_access, next(self._order), node))
+        if len(self._heap) > 2 * self._nodes + 1024:
+            self._heap = [(n.last_access, next(self._order), n) for n in self._leaves() if n.lock_ref == 0]
+            heapq.heapify(self._heap)
 
     def flush(self) -> int:
         """Evict every unlocked token (what running requests hold stays). Returns the number freed."""
