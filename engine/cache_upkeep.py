@@ -4,6 +4,7 @@ left behind removed once it is stale."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -31,10 +32,14 @@ def make_private_dirs(path: Path) -> None:
 
 
 def sync_file(path: Path) -> None:
-    """The file's data on disk (before a rename or a mark makes it count)."""
+    """The file's data on disk (before a rename or a mark makes it count). A file system that cannot
+    sync it (a directory on some FUSE, CIFS or 9p mounts: EINVAL) is left to its own devices."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EROFS):
+            raise
     finally:
         os.close(fd)
 
@@ -77,8 +82,11 @@ def hold_lease(folder: Path) -> IO | None:
     except OSError:
         return None
     try:
-        fcntl.flock(lease, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:  # a removal holds it right now
+        fcntl.flock(lease, fcntl.LOCK_SH)  # a removal holds it exclusively for a rename's time
+    except OSError:
+        lease.close()
+        return None
+    if not (folder / ".complete").exists():  # removed while we waited (renamed away with its lease)
         lease.close()
         return None
     return lease
