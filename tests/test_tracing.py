@@ -808,22 +808,7 @@ def test_root_spans_name_the_model_of_their_own_engine(cut_run):
 def test_two_engines_running_one_rid_keep_their_root_spans_apart():
     """Roots were kept by rid: two engines in one process running one caller-given rid at once ended
     each other's root (the first to finish ended the other's, with its own counts; its own stayed open)."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from engine.hooks.types import PromptRequest
-    from engine.sampling_params import SamplingParams
-    from engine.tracing.plugin import TracingPlugin
-
-    memory = InMemorySpanExporter()
-    plugin = TracingPlugin()
-    plugin.provider = TracerProvider()
-    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
-    plugin.tracer = plugin.provider.get_tracer("t")
-    for seq in (11, 12):  # one rid, two engines
-        plugin.engine_request_submitted(rid="same", request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
-                                        sampling=SamplingParams(max_new_tokens=4), trace_context={}, seq=seq)  # fmt: skip
+    plugin, memory = _one_rid_on_two_engines((11, 12))
     plugin.engine_request_done(rid="same", meta_info={"completion_tokens": 2, "finish_reason": {"type": "length"}},
                                error=None, seq=12)  # fmt: skip
     roots = [s for s in memory.get_finished_spans() if "gen_ai.operation.name" in s.attributes]
@@ -839,23 +824,9 @@ def test_a_failing_output_hook_puts_its_span_in_its_own_requests_trace():
     """The roots ended lately were kept by rid for a failing engine_output's `output` span: two engines
     in one process finishing one caller-given rid put the first one's error span in the second one's
     trace (and the second's got none). They are kept by the request's seq, which the hook now gets."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from engine.hooks import HookError
-    from engine.hooks.types import PromptRequest
-    from engine.sampling_params import SamplingParams
-    from engine.tracing.plugin import TracingPlugin
 
-    memory = InMemorySpanExporter()
-    plugin = TracingPlugin()
-    plugin.provider = TracerProvider()
-    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
-    plugin.tracer = plugin.provider.get_tracer("t")
-    for seq in (21, 22):  # one rid, two engines
-        plugin.engine_request_submitted(rid="same", request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
-                                        sampling=SamplingParams(max_new_tokens=4), trace_context={}, seq=seq)  # fmt: skip
+    plugin, memory = _one_rid_on_two_engines((21, 22))
     roots = {}
     for seq in (21, 22):
         plugin.engine_request_done(rid="same", meta_info={"id": "same", "finish_reason": {"type": "length"}},
@@ -869,3 +840,25 @@ def test_a_failing_output_hook_puts_its_span_in_its_own_requests_trace():
         output = memory.get_finished_spans()[-1]
         assert output.name == "output" and f"failed for {seq}" in output.status.description
         assert output.context.trace_id == roots[seq].context.trace_id and output.parent.span_id == roots[seq].context.span_id
+
+
+def _one_rid_on_two_engines(seqs: tuple[int, int]):
+    """A user process's tracing plugin exporting to memory, with one caller-given rid submitted to two
+    engines (two seqs)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.hooks.types import PromptRequest
+    from engine.sampling_params import SamplingParams
+    from engine.tracing.plugin import TracingPlugin
+
+    memory = InMemorySpanExporter()
+    plugin = TracingPlugin()
+    plugin.provider = TracerProvider()
+    plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
+    plugin.tracer = plugin.provider.get_tracer("t")
+    for seq in seqs:
+        plugin.engine_request_submitted(rid="same", request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
+                                        sampling=SamplingParams(max_new_tokens=4), trace_context={}, seq=seq)  # fmt: skip
+    return plugin, memory
