@@ -194,3 +194,36 @@ def test_the_eviction_heap_stays_bounded_when_nothing_is_evicted():
         cache.dec_lock_ref(node)
     assert len(cache._heap) <= 2 * cache._nodes + 1025
     assert cache.evict(4) == 4 and cache.total_size == 0
+
+
+def test_evictions_free_what_they_are_asked_while_the_heap_is_rebuilt_often(monkeypatch):
+    """With the candidates' heap rebuilt at almost every offer (a slack of 2), in the middle of
+    evictions too: each evict(n) frees at least min(n, the evictable tokens), and a flush frees all."""
+    import random
+
+    monkeypatch.setattr(RadixCache, "HEAP_SLACK", 2)
+    for seed in range(100):
+        rnd = random.Random(seed)
+        cache, free = make()
+        locked, nxt = [], 0
+        for _ in range(300):
+            r = rnd.random()
+            if r < 0.45:
+                key = [rnd.randrange(3) for _ in range(rnd.randrange(1, 10))]
+                already = cache.insert(key, torch.arange(nxt, nxt + len(key)))
+                free(torch.arange(nxt, nxt + already))
+                nxt += len(key)
+            elif r < 0.65:
+                _, node = cache.match_prefix([rnd.randrange(3) for _ in range(rnd.randrange(1, 10))])
+                if node is not cache.root:
+                    cache.inc_lock_ref(node)
+                    locked.append(node)
+            elif r < 0.8 and locked:
+                cache.dec_lock_ref(locked.pop(rnd.randrange(len(locked))))
+            else:
+                before, n = cache.evictable_size, rnd.randrange(1, 20)
+                assert cache.evict(n) >= min(n, before), seed
+        for node in locked:
+            cache.dec_lock_ref(node)
+        cache.flush()
+        assert cache.total_size == 0 and sorted(free.freed) == list(range(nxt)), seed

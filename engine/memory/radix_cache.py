@@ -49,6 +49,7 @@ def _common_len(edge: list[int], key: list[int], pos: int) -> int:
 
 class RadixCache:
     enabled = True
+    HEAP_SLACK = 1024  # stale eviction candidates allowed past twice the nodes before the heap is rebuilt
 
     def __init__(self, free_fn: Callable[[torch.Tensor], None], device="cpu") -> None:
         self.free_fn = free_fn  # returns pool indices to the KV pool
@@ -193,13 +194,13 @@ class RadixCache:
         runs out of unlocked nodes). Returns the number freed."""
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
-        heap, freed, values = self._heap, 0, []
-        while freed < num_tokens and heap:
-            stamp, _, leaf = heapq.heappop(heap)
+        freed, values = 0, []
+        while freed < num_tokens and self._heap:  # self._heap, not a name for it: _offer may rebuild it
+            stamp, _, leaf = heapq.heappop(self._heap)
             if leaf.parent is None or leaf.children or leaf.lock_ref:
                 continue  # evicted already, no longer a leaf, or in use: offered again when that changes
             if stamp != leaf.last_access:  # touched since it was offered: back in at its new place
-                heapq.heappush(heap, (leaf.last_access, next(self._order), leaf))
+                heapq.heappush(self._heap, (leaf.last_access, next(self._order), leaf))
                 continue
             values.append(leaf.value)
             freed += len(leaf)
@@ -220,7 +221,7 @@ class RadixCache:
         grow children, and a pool that never fills never evicts: past twice the nodes (and some), the
         heap starts again from the unlocked leaves (amortized: that many offers between two rebuilds)."""
         heapq.heappush(self._heap, (node.last_access, next(self._order), node))
-        if len(self._heap) > 2 * self._nodes + 1024:
+        if len(self._heap) > 2 * self._nodes + self.HEAP_SLACK:
             self._heap = [(n.last_access, next(self._order), n) for n in self._leaves() if n.lock_ref == 0]
             heapq.heapify(self._heap)
 
