@@ -46,10 +46,8 @@ def sync_file(path: Path) -> None:
 
 def sync_tree(folder: Path) -> None:
     """Every file under folder, then each folder's entries, on disk."""
-    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_file() and not path.is_symlink():
-            sync_file(path)
-        elif path.is_dir() and not path.is_symlink():
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # deepest first
+        if not path.is_symlink() and (path.is_file() or path.is_dir()):
             sync_file(path)
     sync_file(folder)
 

@@ -172,7 +172,10 @@ def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
         built = _compile(command, target.parent)
         if built is None:
             return None
-        sync_file(built)
+        try:
+            sync_file(built)
+        except OSError:  # best effort: the library is whole in this process's view either way
+            pass
         os.replace(built, target)
         remove_stale(target.parent, ("tmp*.so", ".objects-*"))  # builds a killed process left
         return target, False
