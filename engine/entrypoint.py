@@ -115,6 +115,20 @@ class _Resources:
             _user_stop_hook()
 
 
+class _Closer(multiprocessing.util.Finalize):
+    """The engine's close: run by shutdown(), at exit as one of multiprocessing's exit finalizers (before
+    it SIGTERMs and joins daemonic children, which ignore SIGTERM: the join would wait for good; in the
+    main process and in a multiprocessing worker alike, which runs no atexit handler), or when the engine
+    is collected. Collected, it runs in a thread of its own: the collector runs in whichever thread
+    allocates, maybe one holding the tokenizer manager's lock, which the close takes."""
+
+    def __call__(self, wr=None, **kwargs):
+        if wr is not None:  # the weak reference's callback: the collector
+            threading.Thread(target=super().__call__, name="engine-close").start()
+            return None
+        return super().__call__(**kwargs)
+
+
 class Engine:
     """engine = Engine(); engine.generate("prompt", {"max_new_tokens": 32})["text"]
 
@@ -132,11 +146,7 @@ class Engine:
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role="user", pid=os.getpid())
         res = self._resources = _Resources()
-        # run when the engine is collected, and at exit as one of multiprocessing's own exit finalizers:
-        # before its exit handler SIGTERMs and joins daemonic children (which ignore SIGTERM: the join
-        # would wait for good), in the main process (atexit) and in a multiprocessing worker alike (which
-        # runs no atexit handler); a weakref.finalize's atexit hook could run after that handler
-        self._finalizer = multiprocessing.util.Finalize(self, res.close, exitpriority=100)
+        self._finalizer = _Closer(self, res.close, exitpriority=100)
         child_env = _child_env(plugins)
         try:
             announce = print if self.config.show_progress else None

@@ -330,3 +330,29 @@ def _children_of(pid: int) -> list[int]:
     import psutil
 
     return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def test_an_engine_collected_in_a_thread_holding_its_lock_closes_without_deadlock(tiny_llama_dir):
+    """An engine in a reference cycle is closed by whichever thread's allocation runs the collector: in
+    a thread holding the tokenizer manager's lock (a caller registering requests, the receiver thread),
+    the close took that non-reentrant lock again and waited for good. A collected engine closes in a
+    thread of its own."""
+    import gc
+
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
+    eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    children = [eng.pids["scheduler"], eng.pids["detokenizer"]]
+    lock = eng._resources.tokenizer_manager.states_lock
+    eng.cycle = eng  # only the collector frees it
+    del eng
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with lock:
+            gc.collect()
+        done.set()
+
+    worker = threading.Thread(target=collect_holding_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(30), "the collector's close waited for a lock its own thread held"
+    assert wait_gone(children, 30) == []
