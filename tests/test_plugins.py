@@ -230,11 +230,11 @@ def test_fatal_switch_makes_plugin_errors_escape(monkeypatch):
     refresh()
     try:
         with pytest.raises(HookError, match="'raising' failed in hook engine_output"):
-            hooks.call("engine_output", result={})
+            hooks.call("engine_output", result={}, seq=0)
         monkeypatch.setenv("ENGINE_PLUGIN_ERRORS", "raise")
         with pytest.raises(FatalHookError):  # a BaseException: request isolation does not catch it
             try:
-                hooks.call("engine_output", result={})
+                hooks.call("engine_output", result={}, seq=0)
             except Exception:  # noqa: BLE001
                 pytest.fail("a fatal plugin error was caught as an ordinary exception")
     finally:

@@ -81,7 +81,7 @@ def test_rebuilding_the_hook_table_never_hides_an_implementation():
     try:
         made = 0
         for _ in range(20000):
-            hooks.call("engine_output", result={})
+            hooks.call("engine_output", result={}, seq=0)
             made += 1
     finally:
         stop.set()
