@@ -71,6 +71,53 @@ def test_otlp_json_lines_round_trip_and_http_json_body():
     }
 
 
+def test_the_receiver_reads_chunked_bodies_and_refuses_bodies_without_a_length():
+    """A POST sent chunked (no Content-Length) was read as an empty body and answered 200: its spans
+    dropped without a word; a malformed Content-Length raised in the handler and the client got no
+    answer at all. Chunked bodies are read; a body with neither length is a 411, a bad length a 400.
+    And `engine trace receive` (keep=False) keeps no message in memory, only their counts."""
+    import http.client
+    from urllib.parse import urlparse
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.tracing.otlp_json import spans_to_line
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    provider.get_tracer("t").start_span("chunked").end()
+    body = spans_to_line(memory.get_finished_spans()).encode()
+
+    def post(rx, headers: dict, chunks: list[bytes] | None = None, data: bytes | None = None) -> int:
+        url = urlparse(rx.http_endpoint)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        conn.putrequest("POST", "/v1/traces")
+        for k, v in {"Content-Type": "application/json", **headers}.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        for chunk in chunks or []:
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        if chunks is not None:
+            conn.send(b"0\r\n\r\n")
+        if data is not None:
+            conn.send(data)
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    with OTLPReceiver() as rx:
+        assert post(rx, {"Transfer-Encoding": "chunked"}, chunks=[body[:20], body[20:]]) == 200
+        assert [r.name for r in rx.spans()] == ["chunked"]
+        assert post(rx, {}, data=b"") == 411
+        assert post(rx, {"Content-Length": "ten"}, data=b"") == 400
+    with OTLPReceiver(keep=False) as rx:
+        assert post(rx, {"Content-Length": str(len(body))}, data=body) == 200
+        assert rx.export_count == 1 and rx.span_count == 1 and rx.requests == []
+
+
 def test_receive_on_a_port_in_use_is_one_line_naming_it(capsys):
     """gRPC raises RuntimeError for a port in use (Jaeger holding 4317): `engine trace receive` printed a
     traceback instead of its one-line error."""

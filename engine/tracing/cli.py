@@ -41,7 +41,7 @@ def _receive(args) -> int:
     from engine.tracing.receiver import OTLPReceiver
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # print the final count on terminate too
-    with OTLPReceiver(args.grpc_port, args.http_port, out_path=args.output) as rx:
+    with OTLPReceiver(args.grpc_port, args.http_port, out_path=args.output, keep=False) as rx:
         where = args.output or "counted only"
         print(f"OTLP receiver: gRPC {rx.grpc_endpoint}, HTTP {rx.http_endpoint}/v1/traces -> {where} (Ctrl-C stops)",
               flush=True)  # fmt: skip
@@ -49,12 +49,12 @@ def _receive(args) -> int:
         try:
             while True:
                 time.sleep(1.0)
-                n = len(rx.requests)
+                n = rx.export_count
                 if n != seen and not args.quiet:
                     print(f"  {n} exports, {rx.span_count} spans", flush=True)
                     seen = n
         finally:
-            print(f"received {rx.span_count} spans in {len(rx.requests)} exports", flush=True)
+            print(f"received {rx.span_count} spans in {rx.export_count} exports", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,9 +26,14 @@ ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 class OTLPReceiver:
     """with OTLPReceiver() as rx: ... rx.grpc_endpoint, rx.http_endpoint, rx.spans()"""
 
-    def __init__(self, grpc_port: int = 0, http_port: int = 0, out_path: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, grpc_port: int = 0, http_port: int = 0, out_path: str | None = None, host: str = "127.0.0.1",
+                 keep: bool = True) -> None:  # fmt: skip
+        """keep=False: the messages are written to out_path (if any) and counted, not kept (`engine trace
+        receive`, which may run for days: spans() then has nothing)."""
         self.host = host
         self.out_path = out_path
+        self.keep = keep
+        self.export_count = 0
         self.lock = threading.Lock()
         self.requests: list = []  # ExportTraceServiceRequest messages, in arrival order
         self._dicts: list[dict] = []  # their OTLP/JSON form, converted when first asked for
@@ -79,11 +84,13 @@ class OTLPReceiver:
         a file is being written, so a receiver on the same machine takes little CPU from the engine."""
         n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
         with self.lock:
-            self.requests.append(request)
-            self.transports.append(transport)
+            self.export_count += 1
             self.span_count += n
+            if self.keep:
+                self.requests.append(request)
+                self.transports.append(transport)
             if self.out_path:
-                data = self._as_dicts()[-1]
+                data = self._as_dicts()[-1] if self.keep else request_to_dict(request)
                 with open(self.out_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(data, separators=(",", ":")) + "\n")
             self.arrived.notify_all()
@@ -136,7 +143,9 @@ def _handler(receiver: OTLPReceiver):
             if self.path.rstrip("/") != "/v1/traces":
                 self.send_error(404, "only /v1/traces is served")
                 return
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = self._body()
+            if body is None:
+                return
             encoding = (self.headers.get("Content-Encoding") or "").lower()
             as_json = "json" in (self.headers.get("Content-Type") or "")  # the reply is encoded the same way
             request = ExportRequest()
@@ -156,6 +165,28 @@ def _handler(receiver: OTLPReceiver):
                 return
             receiver.add(request, "http")
             self._reply(200, as_json, trace_service_pb2.ExportTraceServiceResponse())
+
+        def _body(self) -> bytes | None:
+            """The request's body: by its Content-Length, or chunked; None when answered already (411 or
+            400: an exporter must know its spans were not taken)."""
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                parts = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                            pass
+                        return b"".join(parts)
+                    parts.append(self.rfile.read(size))
+                    self.rfile.readline()  # the chunk's CRLF
+            length = self.headers.get("Content-Length")
+            if length is None:
+                self.send_error(411, "a Content-Length or a chunked body is needed")
+                return None
+            if not length.strip().isdigit():
+                self.send_error(400, f"Content-Length {length!r} is not a length")
+                return None
+            return self.rfile.read(int(length))
 
         def _reply(self, code: int, as_json: bool, message) -> None:
             """OTLP/HTTP: the response's Content-Type is the request's (JSON or protobuf); an error
