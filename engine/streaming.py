@@ -73,8 +73,13 @@ class Stream:
         return next(self._chunks)
 
     def close(self) -> None:
-        self._chunks.close()
+        """The abort first: another thread may be reading (blocked in next()), whose generator cannot
+        be closed now; it then gets the abort's chunks and its loop ends."""
         self._finalizer()
+        try:
+            self._chunks.close()
+        except ValueError:  # generator already executing: the reader's loop ends with the abort
+            pass
 
     def __enter__(self) -> "Stream":
         return self
@@ -97,8 +102,12 @@ class AsyncStream:
         return await self._chunks.__anext__()
 
     async def aclose(self) -> None:
-        await self._chunks.aclose()
+        """As Stream.close: the abort first; another task's `async for` ends with it."""
         self._finalizer()
+        try:
+            await self._chunks.aclose()
+        except RuntimeError:  # asynchronous generator is already running (another task reads it)
+            pass
 
     async def __aenter__(self) -> "AsyncStream":
         return self

@@ -377,41 +377,40 @@ class TokenizerManager:
             self._check_clash(names)
             self._reserved.update(names)
         announced: list[TokenizedRequest] = []
+        registered = sent = False
         try:
             if hooks.has("engine_request_submitted"):
                 for req, item in zip(reqs, items_of):
                     announced.append(req)  # first: a plugin called before the one that raises saw it
                     hooks.call("engine_request_submitted", rid=req.rid, request=item, sampling=req.sampling,
                                trace_context=req.trace_context, seq=req.seq)  # fmt: skip
-            self._register(states)
-        except BaseException as exc:
-            with self.states_lock:
-                self._reserved.difference_update(names)
+            # registered and sent under one lock: an abort that finds the requests reaches the socket after
+            # them (before, one could overtake them and match nothing), and nothing stays registered unsent
+            with self.send_lock:
+                self._register(states)  # EngineDeadError if the engine died or shut down meanwhile
+                registered = True
+                now = time.time_ns()
+                for req in reqs:
+                    req.submitted_ns = now
+                try:
+                    payload = self.send_codec.encode(GenerateBatch(reqs))
+                except (UnicodeEncodeError, OverflowError, TypeError) as exc:  # a value no check above caught
+                    raise ValueError(f"the request cannot be sent to the scheduler: {exc}") from None
+                if len(payload) > MAX_MESSAGE_BYTES:  # the scheduler's socket would drop it, silently
+                    raise ValueError(f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "
+                                     f"message may carry ({MAX_MESSAGE_BYTES:,}): split it into several calls")  # fmt: skip
+                self.send_sock.send(payload)
+                sent = True
+        except BaseException as exc:  # a hook, Ctrl-C while waiting for the socket or encoding, a value no check caught
+            if sent:
+                raise
+            if registered:
+                self._unregister(states)
+            else:
+                with self.states_lock:
+                    self._reserved.difference_update(names)
             _not_sent(announced, exc)
             raise
-        with self.send_lock:
-            if self.dead is not None:  # shut down meanwhile: the socket may be closed
-                raise EngineDeadError(self.dead)
-            now = time.time_ns()
-            for req in reqs:
-                req.submitted_ns = now
-            try:
-                payload = self.send_codec.encode(GenerateBatch(reqs))
-            except (UnicodeEncodeError, OverflowError, TypeError) as exc:  # a value no check above caught
-                self._unregister(states)
-                _not_sent(announced, exc)
-                raise ValueError(f"the request cannot be sent to the scheduler: {exc}") from None
-            except BaseException as exc:  # Ctrl-C while a batch of thousands encodes: registered, never sent
-                self._unregister(states)
-                _not_sent(announced, exc)
-                raise
-            if len(payload) > MAX_MESSAGE_BYTES:  # the scheduler's socket would drop it, silently
-                self._unregister(states)
-                exc = ValueError(f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "
-                                 f"message may carry ({MAX_MESSAGE_BYTES:,}): split it into several calls")  # fmt: skip
-                _not_sent(announced, exc)
-                raise exc
-            self.send_sock.send(payload)
         return states, is_batch or any(p.n > 1 for p in params)
 
     def _unregister(self, states: list[ReqState]) -> None:

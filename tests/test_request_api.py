@@ -467,3 +467,88 @@ def test_a_chat_turn_without_content_is_rendered_as_transformers_does(tokenizer)
     assert ids == tok.encode(want, add_special_tokens=False) and "assistant: (tools)" in want
     with pytest.raises(ValueError, match="needs 'role'"):
         render_chat(tok, [{"content": "no role"}])
+
+
+def test_a_stream_closed_from_another_thread_while_read_is_aborted(engine):
+    """A watchdog closing a stream its consumer is blocked reading: the generator's close raised
+    `generator already executing` (aclose: `already running`) before the abort was sent, and the
+    request ran to its end. The abort goes first now; the consumer's loop ends with it."""
+    params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    stream = engine.generate(PROMPTS[0], params, stream=True)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(stream))
+    reader.start()
+    while not got:
+        time.sleep(0.01)
+    stream.close()
+    reader.join(60)
+    assert not reader.is_alive() and got[-1]["meta_info"]["finish_reason"]["type"] == "abort", got[-1]["meta_info"]
+    assert sum(len(c["output_ids"]) for c in got) < 400
+
+    async def closed_by_another_task() -> list:
+        stream = await engine.async_generate(PROMPTS[0], params, stream=True)
+        chunks: list = []
+
+        async def read() -> None:
+            async for chunk in stream:
+                chunks.append(chunk)
+
+        task = asyncio.create_task(read())
+        while not chunks:
+            await asyncio.sleep(0.01)
+        await stream.aclose()
+        await asyncio.wait_for(task, 60)
+        return chunks
+
+    chunks = asyncio.run(closed_by_another_task())
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort" and sum(len(c["output_ids"]) for c in chunks) < 400
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C reaching the caller (a KeyboardInterrupt would stop pytest itself)."""
+
+
+def test_a_call_interrupted_before_its_requests_are_sent_leaves_nothing_registered(engine, monkeypatch):
+    """Ctrl-C while the call waited for the socket (another thread encoding a big batch holds it): its
+    requests stayed registered, never sent, for the engine's lifetime, and their rid could never be
+    used again ('already running')."""
+    tm = engine._resources.tokenizer_manager
+
+    class Refusing:
+        def __enter__(self):
+            raise _Interrupted()
+
+        def __exit__(self, *exc):
+            return False
+
+    real = tm.send_lock
+    monkeypatch.setattr(tm, "send_lock", Refusing())
+    with pytest.raises(_Interrupted):
+        engine.generate("Hi", {"max_new_tokens": 2}, rid="interrupted")
+    monkeypatch.setattr(tm, "send_lock", real)
+    assert "interrupted" not in tm.states
+    assert engine.generate("Hi", {"max_new_tokens": 2}, rid="interrupted")["meta_info"]["completion_tokens"] == 2
+
+
+def test_an_abort_racing_its_requests_submission_still_stops_it(engine, monkeypatch):
+    """Once registered, a request can be aborted; if the abort reached the socket before the request
+    itself (registered outside the send lock: a thread preempted between the two), the scheduler
+    matched nothing, and the request then ran to its end. Registering and sending are one step now."""
+    tm = engine._resources.tokenizer_manager
+    real = tm._register
+
+    def slow_register(states):
+        real(states)
+        time.sleep(0.3)  # the submitting thread preempted right after registering
+
+    monkeypatch.setattr(tm, "_register", slow_register)
+    results: list = []
+    submitter = threading.Thread(target=lambda: results.append(
+        engine.generate(PROMPTS[1], {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}, rid="racing")))
+    submitter.start()
+    deadline = time.monotonic() + 30
+    while "racing" not in tm.states and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.abort("racing")
+    submitter.join(60)
+    assert results and results[0]["meta_info"]["finish_reason"]["type"] == "abort", results
