@@ -246,7 +246,7 @@ def run_beam(args: argparse.Namespace) -> dict:
     from engine import Engine
 
     shapes = parse_shapes(args.beam_shapes)
-    with Engine(dtype=args.beam_dtype) as engine:
+    with Engine(dtype=args.beam_dtype, device="cpu") as engine:  # transformers runs on the CPU
         prompts = build_prompts(engine.tokenizer, max(s.prompts for s in shapes), args.beam_prompt_len,
                                 args.beam_prompt_len, args.seed)  # fmt: skip
         dtype, model_dir = engine.server_info["dtype"], engine.model_dir

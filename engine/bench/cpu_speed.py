@@ -32,6 +32,12 @@ import runpy; runpy.run_path({path!r})[{fn!r}]({cfg!r}, t_import)"""
 IMPORTS = {"engine": "from engine import Engine", "transformers": "import transformers", "llama.cpp": "import llama_cpp"}
 
 
+def usable_cores() -> int:
+    """engine.cores.usable_cores, here without importing the engine package (the baselines' children run
+    this file, and their memory is measured): the cores every backend is given."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _field_mb(path: str, name: str) -> float | None:
     try:
         line = next(ln for ln in Path(path).read_text().splitlines() if ln.startswith(name + ":"))
@@ -66,7 +72,7 @@ def child_engine(cfg_path: str, t_import: float) -> None:
 
     cfg = json.loads(Path(cfg_path).read_text())
     t0 = time.perf_counter()
-    eng = Engine(quantization=cfg["mode"])
+    eng = Engine(quantization=cfg["mode"], device="cpu")  # the baselines run on the CPU
     ready = time.perf_counter() - t0
     greedy = {"temperature": 0, "ignore_eos": True}
     try:
@@ -98,7 +104,7 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
     dtype = getattr(torch, cfg["hf_dtype"])
     model = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=dtype, attn_implementation="sdpa")
     load = time.perf_counter() - t0
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
 
@@ -122,6 +128,7 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
     prompts, m = sorted(cfg["prompts"], key=len), cfg["max_new_tokens"]
     runs = []
     for size in cfg["hf_batch_sizes"]:
+        generate([q[::-1][:32] for q in prompts[:size]], 2)  # warm-up at this size, untimed (the engine gets one too)
         wall = sum(generate(prompts[i : i + size], m) for i in range(0, len(prompts), size))
         runs.append({"generated_tokens": len(prompts) * m, "wall_s": wall, "tokens_per_s": len(prompts) * m / wall,
                      "setting": f"batch {size}"})  # fmt: skip
@@ -134,7 +141,7 @@ def child_llama(cfg_path: str, t_import: float) -> None:
     import llama_cpp
 
     cfg = json.loads(Path(cfg_path).read_text())
-    one, n, threads = cfg["single"], cfg["new_tokens"], os.cpu_count() or 1
+    one, n, threads = cfg["single"], cfg["new_tokens"], usable_cores()
     n_ctx = max(len(one) + n, max(map(len, cfg["prompts"])) + cfg["max_new_tokens"]) + 64  # single stream; the check
     if not cfg.get("llama_extra_bufts", True):
         _no_extra_buffer_types()
@@ -183,7 +190,10 @@ def _no_extra_buffer_types() -> None:
 def llama_parallel(llm, prompts: list[list[int]], n: int, threads: int) -> dict:
     """All prompts as parallel sequences of one new context on llm's model: prompts packed into n_batch-token
     decodes, then one decode a step with a token per sequence, greedy argmax. EOS is an ordinary token, so
-    each sequence gets exactly n. Past llama.cpp's sequence limit, groups of that many, one after another."""
+    each sequence gets exactly n. Past llama.cpp's sequence limit, groups of that many, one after another.
+    Each sequence has a KV buffer of its own (kv_unified off, llama.cpp's high-throughput mode): in one
+    unified buffer every sequence's attention ran over every sequence's cells, masked, about 28,000 of
+    them at the end of this workload, which is no kindness to llama.cpp."""
     import llama_cpp as lc
     import numpy as np
 
@@ -193,7 +203,8 @@ def llama_parallel(llm, prompts: list[list[int]], n: int, threads: int) -> dict:
     for g in range(0, len(prompts), limit):
         group = prompts[g : g + limit]
         p = lc.llama_context_default_params()
-        p.n_ctx, p.n_seq_max, p.kv_unified = sum(len(q) + n for q in group) + 256, len(group), True
+        # each sequence gets n_ctx / n_seq_max cells: room for the longest
+        p.n_ctx, p.n_seq_max, p.kv_unified = len(group) * (max(len(q) for q in group) + n + 8), len(group), False
         p.n_batch = p.n_ubatch = max(512, len(group))
         p.n_threads = p.n_threads_batch = threads
         ctx = lc.llama_init_from_model(llm.model, p)
@@ -295,7 +306,7 @@ def run_cpu(args: argparse.Namespace) -> dict:
     settings = {"prompt_len": args.cpu_prompt_len, "new_tokens": args.cpu_new_tokens, "hf_batch_sizes": sizes,
                 "prompt_tokens": sum(map(len, cfg["prompts"])), "greedy": True, "ignore_eos": True,
                 **{k: getattr(args, k) for k in ("num_prompts", "min_len", "max_len", "max_new_tokens", "seed")}}
-    return {"machine": machine_line(), "threads": os.cpu_count(), "quantizations": modes, "backends": backends,
+    return {"machine": machine_line(), "threads": usable_cores(), "quantizations": modes, "backends": backends,
             "settings": settings}
 
 

@@ -44,7 +44,7 @@ def measure(quantization: str, args: argparse.Namespace) -> dict:
     """Greedy outputs on the parity prompts and perplexity on the held-out windows, for one mode."""
     from engine import Engine
 
-    with Engine(dtype="float32", quantization=quantization) as eng:
+    with Engine(dtype="float32", quantization=quantization, device="cpu") as eng:
         t0 = time.perf_counter()
         prompts = parity_inputs(eng.tokenizer)
         greedy = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.quality_new_tokens, "temperature": 0})

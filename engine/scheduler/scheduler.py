@@ -19,7 +19,6 @@ alternate with its chunks so running requests keep producing tokens.
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import time
 import traceback
@@ -46,6 +45,7 @@ from engine.scheduler import endings, execute, receive, results
 from engine.scheduler import schedule as schedule_stage
 from engine.scheduler import stats as stats_stage
 from engine.scheduler.batch import RunningBatch
+from engine.cores import usable_cores
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
@@ -54,7 +54,7 @@ from engine.kernels.attention import ForwardMode, create_backend
 
 class Scheduler:
     def __init__(self, config: EngineConfig, model_dir: str, endpoints: dict, progress=None) -> None:
-        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(config.num_threads or usable_cores())
         self.config = config
         self.device = resolve_device(resolve_device_for(config.quantization, config.device))
         self.dtype = resolve_dtype(resolve_dtype_for(config.quantization, config.dtype), self.device)
