@@ -75,16 +75,8 @@ def hold_lease(folder: Path) -> IO | None:
     model holds it, so that a newer conversion's upkeep does not remove the folder under it (the engine
     reads it again later: transformers' tokenizer, the grammar compiler's). None where it cannot be
     taken (a read-only folder): the engine runs without it."""
-    try:
-        lease = open(folder / LEASE, "a")
-    except OSError:
-        return None
-    try:
-        fcntl.flock(lease, fcntl.LOCK_SH)  # a removal holds it exclusively for a rename's time
-    except OSError:
-        lease.close()
-        return None
-    if not (folder / ".complete").exists():  # removed while we waited (renamed away with its lease)
+    lease = _locked(folder, fcntl.LOCK_SH)  # a removal holds it exclusively for a rename's time: waited for
+    if lease is not None and not (folder / ".complete").exists():  # removed while we waited (renamed away)
         lease.close()
         return None
     return lease
@@ -93,12 +85,17 @@ def hold_lease(folder: Path) -> IO | None:
 def unleased(folder: Path) -> IO | None:
     """An exclusive lock on folder's lease when no engine holds it (keep it open while removing the
     folder); None while one does."""
+    return _locked(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _locked(folder: Path, operation: int) -> IO | None:
+    """folder's lease file, open and locked (flock `operation`); None where it cannot be."""
     try:
         lease = open(folder / LEASE, "a")
     except OSError:
         return None
     try:
-        fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lease, operation)
     except OSError:
         lease.close()
         return None

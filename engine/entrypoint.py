@@ -11,12 +11,12 @@ from pathlib import Path
 
 from engine import envvars, hooks
 from engine.beam_search.api import DEFAULT_BEAM_MAX_NEW_TOKENS, beam_submit_args
+from engine.cache_upkeep import hold_lease
 from engine.config import EngineConfig
 from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
 from engine.hooks.loader import ENV, load_plugins, parse_spec
 from engine.ipc.channels import Endpoints
-from engine.cache_upkeep import hold_lease
 from engine.model.embedded import is_converted
 from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready

@@ -121,20 +121,17 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(value, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
-    out = []
+    out: dict[int, float] = {}
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key  # not "+5", " 5", "٥"
         if not _is_int(token) or not 0 <= token < vocab_size:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
         if not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
-        out.append((token, float(bias)))
-    seen: set[int] = set()
-    for token, _ in out:
-        if token in seen:  # "05" and "5": which bias applied depended on the pairs' sort
+        if token in out:  # "05" and "5": which bias applied would depend on the order of the keys
             raise ValueError(f"logit_bias names token {token} twice")
-        seen.add(token)
-    return tuple(sorted(out))
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _constraint(p: dict, parse: bool) -> dict[str, str]:

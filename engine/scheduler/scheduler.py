@@ -29,6 +29,7 @@ import zmq
 from engine import hooks
 from engine.beam_search.batch import BeamBatch
 from engine.config import EngineConfig
+from engine.cores import usable_cores
 from engine.grammar.stage import Grammars
 from engine.hooks import HookError
 from engine.hooks.types import StepRecord
@@ -45,7 +46,6 @@ from engine.scheduler import endings, execute, receive, results
 from engine.scheduler import schedule as schedule_stage
 from engine.scheduler import stats as stats_stage
 from engine.scheduler.batch import RunningBatch
-from engine.cores import usable_cores
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
