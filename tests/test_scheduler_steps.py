@@ -8,7 +8,8 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
-from engine.ipc.messages import NO_TOKEN, BatchTokenOut, Codec, GenerateBatch, ToDetokenizer, ToScheduler, TokenizedRequest
+from engine.ipc.messages import (NO_TOKEN, BatchTokenOut, BeamSearchOut, Codec, FinishReason, GenerateBatch, ToDetokenizer,
+                                 ToScheduler, TokenizedRequest)
 from engine.sampling_params import SamplingParams
 from engine.kernels.attention import ForwardMode
 
@@ -122,7 +123,13 @@ class InProcess:
         """Run until nothing is left; (rid, FinishReason) of every request that finished, in order."""
         while self.sched.run_once(block=False):
             pass
-        return [(rid, f) for m in self.messages() for rid, f in zip(m.rids, m.finished) if f is not None]
+        out = []
+        for m in self.messages():
+            if isinstance(m, BeamSearchOut):  # a beam search's one message: its best hypothesis's ending
+                out.append((m.rid, m.hypotheses[0].finish if m.hypotheses else FinishReason("length", length=0)))
+            else:
+                out += [(rid, f) for rid, f in zip(m.rids, m.finished) if f is not None]
+        return out
 
     def close(self) -> None:
         self.sched.close()

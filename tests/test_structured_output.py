@@ -289,14 +289,89 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     finished = dict(run.finish_all())
     assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
     assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
-    # a beam search's rows are not isolated (accept() never sees them): its step fails, as before, rather
-    # than leave a beam unmasked to go on with tokens its grammar forbids
+    # a beam search whose rows the backend fails on ends too (beside other requests: the next test)
     from engine.ipc.messages import BeamParams
 
     run.submit(TokenizedRequest("beams", [1, 2, 3], SamplingParams(regex="b+", max_new_tokens=4, temperature=0.0), beam=BeamParams(2)))
     _wait_for_compiles(sched)
     finished = dict(run.finish_all())
     assert finished["beams"].type == "abort" and "the plugin's bug" in finished["beams"].message, finished
+    stats = sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+
+
+class _Marked:
+    """A matcher of a constraint the flaky backend below fails on; its forks (beams) stay marked."""
+
+    def __init__(self, real, accepts: list) -> None:
+        self.real, self.accepts = real, accepts  # accepts: [calls so far, the call that raises (0: none)]
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepts[0] += 1
+        if self.accepts[0] == self.accepts[1]:
+            raise RuntimeError("the plugin's bug")
+        return self.real.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.real.is_terminated()
+
+    def fork(self) -> "_Marked":
+        return _Marked(self.real.fork(), self.accepts)
+
+
+@pytest.mark.parametrize("fail_at", ["start", "decode", "first accept", "later accept"])
+def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(tiny_scheduler, monkeypatch, fail_at):
+    """A plugin's backend failing on one beam's row (its fill_masks, or a matcher's accept_token, raised)
+    failed the whole step: every other request in it, plain rows and other searches, ended in abort with
+    the plugin's error. The failing search ends alone, at its first selection or a later one."""
+    from engine.ipc.messages import BeamParams, TokenizedRequest
+    from engine.sampling_params import SamplingParams
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    real, calls = sched.grammars.backend(), {"bad": 0}
+    accepts = [0, {"first accept": 1, "later accept": 4}.get(fail_at, 0)]
+
+    class Flaky:
+        name = "flaky"
+
+        def compile(self, kind, text):
+            return text, real.compile(kind, text)
+
+        def matcher(self, compiled):
+            m = real.matcher(compiled[1])
+            return _Marked(m, accepts) if compiled[0] == "b+" else m
+
+        def new_bitmask(self, rows):
+            return real.new_bitmask(rows)
+
+        def fill_masks(self, matchers, bitmask, rows):
+            if any(isinstance(m, _Marked) for m in matchers):
+                calls["bad"] += 1
+                if fail_at == "start" or (fail_at == "decode" and calls["bad"] > 2):
+                    raise RuntimeError("the plugin's bug")
+            real.fill_masks([m.real if isinstance(m, _Marked) else m for m in matchers], bitmask, rows)
+
+        def apply_masks(self, logits, bitmask, rows):
+            real.apply_masks(logits, bitmask, rows)
+
+    monkeypatch.setattr(sched.grammars, "_backend", Flaky())
+    monkeypatch.setattr(sched.grammars, "_compiled", type(sched.grammars._compiled)())  # compiled by Flaky
+    greedy = dict(temperature=0.0, max_new_tokens=6)
+    run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy), beam=BeamParams(2)),
+               TokenizedRequest("good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy), beam=BeamParams(2)),
+               TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)),
+               TokenizedRequest("row", [1, 4, 6], SamplingParams(regex="[0-9]{3}", **greedy)))  # fmt: skip
+    _wait_for_compiles(sched)
+    finished = dict(run.finish_all())
+    assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
+    assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
+    assert finished["row"].type == "stop", finished
+    if fail_at == "decode":
+        assert calls["bad"] >= 3
+    elif fail_at == "start":
+        assert calls["bad"] <= 2  # the batched fill, then the row alone
+    else:
+        assert accepts[0] == accepts[1]
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 

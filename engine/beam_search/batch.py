@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine import hooks
+from engine.hooks import FatalHookError
 from engine.beam_search.selection import PUSH_DOWN, BeamSelection
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
@@ -28,7 +29,7 @@ from engine.scheduler.request import Req
 class BeamGroup:
     """One beam search in the scheduler."""
 
-    __slots__ = ("req", "selection", "slots", "owned", "matchers")
+    __slots__ = ("req", "selection", "slots", "owned", "matchers", "failed")
 
     def __init__(self, req: Req, selection: BeamSelection, slots: torch.Tensor) -> None:
         self.req = req
@@ -36,6 +37,7 @@ class BeamGroup:
         self.slots = slots  # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
         self.owned: list[torch.Tensor] = []  # pool indices of generated tokens, all freed at the end
         self.matchers: list = [None] * selection.width  # each beam's grammar matcher (structured output)
+        self.failed: str | None = None  # why its grammar backend failed advancing its matchers: it ends
 
     @property
     def width(self) -> int:
@@ -74,6 +76,17 @@ def advance_matchers(matchers: list, parents: list[int], tokens: list[int], sele
             selection.scores[j] = float("-inf")
         out.append(m)
     return out
+
+
+def _advance_group(g: BeamGroup, matchers: list, parents: list[int], tokens: list[int]) -> None:
+    """advance_matchers for one search; a plugin's backend raising (fork, accept_token) fails this search
+    alone (g.failed), not the step's other requests."""
+    try:
+        g.matchers = advance_matchers(matchers, parents, tokens, g.selection)
+    except FatalHookError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's matcher: this search alone
+        g.failed = f"the grammar backend failed: {type(exc).__name__}: {exc}"
 
 
 def beam_step_hook(g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -126,7 +139,7 @@ class BeamBatch:
         self.table[slots[1:], :n] = self.table[req.slot, :n]
         group = BeamGroup(req, selection, slots)
         if req.matcher is not None:
-            group.matchers = advance_matchers([req.matcher], [0] * group.width, first_tokens.tolist(), selection)
+            _advance_group(group, [req.matcher], [0] * group.width, first_tokens.tolist())
         k = group.width
         sampling = start_sampling([req], k, self.vocab_size, self.device)
         sampling.record(first_tokens)
@@ -177,7 +190,7 @@ class BeamBatch:
         order for beam search: processors see log-probabilities), grammar masks last."""
         logprobs = torch.log_softmax(logits, dim=-1)
         ids = self.output_ids() if self.sampling.any_processor else []
-        grammar = (lambda lg: grammars.mask(lg, self.matchers, isolate=False)) if self.any_grammar else None  # noqa: E731
+        grammar = (lambda lg: grammars.mask(lg, self.matchers, failed)) if self.any_grammar else None  # noqa: E731
         return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed,
                               self.beam_index, grammar)  # fmt: skip
 
@@ -192,7 +205,8 @@ class BeamBatch:
     # ------------------------------------------------------------------ results
 
     def advance(self, choices: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Reorder each search's beams to their chosen parents and append the chosen tokens."""
+        """Reorder each search's beams to their chosen parents and append the chosen tokens (a search
+        whose grammar backend failed on its matchers is marked: `failed`, to end after)."""
         if not self.groups:
             return
         table, src, off = self.table, [], 0
@@ -208,7 +222,7 @@ class BeamBatch:
         if self.any_grammar:
             for g, (parents, chosen) in zip(self.groups, choices):
                 if g.matchers[0] is not None:
-                    g.matchers = advance_matchers(g.matchers, parents.tolist(), chosen.tolist(), g.selection)
+                    _advance_group(g, g.matchers, parents.tolist(), chosen.tolist())
             self.matchers = [m for g in self.groups for m in g.matchers]
         self.last_ids = tokens
         self.out_lens = self.out_lens + 1

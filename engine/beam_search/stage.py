@@ -65,7 +65,7 @@ def process_starts(sched: Scheduler, reqs: list[Req], logits: torch.Tensor, fail
     logprobs = torch.log_softmax(logits, dim=-1)
     ids = [[] for _ in reqs]
     matchers = [r.matcher for r in reqs]
-    grammar = (lambda lg: sched.grammars.mask(lg, matchers, isolate=False)) if any(m is not None for m in matchers) else None  # noqa: E731
+    grammar = (lambda lg: sched.grammars.mask(lg, matchers, failed)) if any(m is not None for m in matchers) else None  # noqa: E731
     return process_logits(logprobs, st, out_lens, stop_table(reqs, 1, sched.device), ids, sched.processors, failed,
                           [0] * len(reqs), grammar)  # fmt: skip
 
@@ -139,7 +139,9 @@ def _start(sched: Scheduler, step: Step) -> None:
         req.first_token_ns = now
         group = sched.beams.start(req, selection, tokens)
         sched.counters["generated_tokens"] += group.width
-        if _hook(sched, group, parents, tokens) and selection.done:
+        if group.failed is not None:
+            abort(sched, [group], group.failed)
+        elif _hook(sched, group, parents, tokens) and selection.done:
             finish(sched, [group])
 
 
@@ -156,7 +158,9 @@ def _advance(sched: Scheduler, step: Step) -> None:
     sched.counters["generated_tokens"] += beams.num_rows
     done = []
     for g, (parents, tokens) in zip(list(beams.groups), choices):
-        if _hook(sched, g, parents, tokens) and g.selection.done:
+        if g.failed is not None:
+            abort(sched, [g], g.failed)
+        elif _hook(sched, g, parents, tokens) and g.selection.done:
             done.append(g)
     if done:
         finish(sched, done)

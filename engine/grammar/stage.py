@@ -127,10 +127,11 @@ class Grammars:
 
     # ------------------------------------------------------------------ each step
 
-    def mask(self, logits: torch.Tensor, matchers: list, isolate: bool = True) -> None:
+    def mask(self, logits: torch.Tensor, matchers: list, failed: dict[int, str] | None = None) -> None:
         """Every constrained row's disallowed tokens to -inf, in place: one fill, one apply. Where the
-        backend raises, `isolate` finds the rows it fails on (they fail in accept(), which ordinary rows
-        pass through next); without it (beam rows, which accept() never sees) the error stands."""
+        backend raises, the rows it fails on are found one by one and the others masked: an ordinary
+        row then fails in accept(), which it passes through next; beam rows (accept() never sees them)
+        go into `failed` (row -> why), which fails their search alone, unmasked rows and all."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
@@ -140,7 +141,7 @@ class Grammars:
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = backend.new_bitmask(max(n, 64))
         bitmask = self._bitmask[:n]
-        if isolate:  # the ordinary rows' mask of this step: what accept() reads next
+        if failed is None:  # the ordinary rows' mask of this step: what accept() reads next
             self._broken = {}
         try:
             backend.fill_masks([matchers[i] for i in rows], bitmask, rows)
@@ -148,16 +149,17 @@ class Grammars:
         except FatalHookError:
             raise
         except Exception:  # noqa: BLE001 - a plugin's backend: found row by row, the others masked
-            if not isolate:
-                raise
             for i in rows:
                 try:
                     backend.fill_masks([matchers[i]], bitmask, [i])
                     backend.apply_masks(logits, bitmask, [i])
                 except FatalHookError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - this row fails, in accept
-                    self._broken[id(matchers[i])] = _backend_failed(backend, exc)
+                except Exception as exc:  # noqa: BLE001 - this row fails (its search, or in accept)
+                    if failed is None:
+                        self._broken[id(matchers[i])] = _backend_failed(backend, exc)
+                    else:
+                        failed[i] = _backend_failed(backend, exc)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
 
