@@ -436,3 +436,46 @@ def test_a_beam_whose_token_its_grammar_refuses_never_wins(model_dir):
         assert len(matchers) == 2
     finally:
         grammars.close()
+
+
+def test_a_stop_token_a_hook_puts_back_ends_no_beam_whose_grammar_is_unfinished(tiny_scheduler, tiny_llama_dir):
+    """engine_process_logits runs after the grammar's mask and can put a stop token back: a beam that
+    took it became a finished hypothesis at once (a stop token ends a beam in the selection, before any
+    matcher sees it), so the search returned text its grammar does not accept. Here the hook gives the
+    stop token the best score on every beam row; the grammar ("ab") is complete only after "ab", so every
+    hypothesis is "ab" then the stop token (before: the stop token alone)."""
+    from engine.hooks import hookimpl
+    from engine.hooks.runtime import plugin_manager, refresh, register
+    from engine.ipc.messages import BeamParams, BeamSearchOut, TokenizedRequest
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import load_hf_tokenizer
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    tok = load_hf_tokenizer(tiny_llama_dir)
+    stop = tok.eos_token_id
+
+    class PutBack:
+        @hookimpl
+        def engine_process_logits(self, logits, rids, reqs, beams):
+            for row, beam in enumerate(beams):
+                if beam is not None:
+                    logits[row, stop] = 0.0
+
+    register(PutBack(), "putback")
+    refresh()
+    try:
+        params = SamplingParams(regex="ab", max_new_tokens=5, temperature=0.0)
+        run.submit(TokenizedRequest("beams", [1, 2, 3], params, beam=BeamParams(2)))
+        sched.run_once(block=False)  # received: its grammar compiles
+        _wait_for_compiles(sched)
+        while sched.run_once(block=False):
+            pass
+        messages = run.messages()
+        out = [m for m in messages if isinstance(m, BeamSearchOut)]
+    finally:
+        pm = plugin_manager()
+        pm.unregister(pm.get_plugin("putback"))
+        refresh()
+    assert len(out) == 1, messages
+    hyps = out[0].hypotheses
+    assert hyps and all(h.output_ids[-1] == stop and tok.decode(h.output_ids[:-1]) == "ab" for h in hyps), hyps

@@ -109,12 +109,29 @@ def prepare(sched: Scheduler, step: Step, logits: torch.Tensor) -> BeamScores:
 
 def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
     """One selection per search (kept in the step for process results)."""
+    if hooks.has("engine_process_logits"):
+        matchers = [r.matcher for r in step.beam_starts] if step.beam_starts else sched.beams.matchers
+        if any(m is not None for m in matchers):
+            refuse_stops(beam, matchers)
     if step.beam_starts:
         reqs = step.beam_starts
         ok = [i for i in range(len(reqs)) if id(reqs[i]) not in step.beam_failed]
         step.beam_out = select_starts(sched, [reqs[i] for i in ok], beam.scores[ok])
     else:
         step.beam_out = sched.beams.select(beam.scores)
+
+
+def refuse_stops(beam: BeamScores, matchers: list) -> None:
+    """A stop token a hook put back after the grammar's mask (engine_process_logits runs after it) to
+    -inf where the row's grammar refuses it: a beam that takes a stop token ends as a hypothesis in the
+    selection itself, before any matcher sees the token (other refused tokens drop out there:
+    batch.advance_matchers). Only with the hook: otherwise the mask has already done it."""
+    for row, m in enumerate(matchers):
+        if m is None or m.is_terminated():
+            continue
+        for stop in beam.reqs[row].stop_ids:
+            if beam.scores[row, stop] != float("-inf") and not m.fork().accept_token(stop):
+                beam.scores[row, stop] = float("-inf")
 
 
 # ------------------------------------------------------------------ process results
