@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grammar-prompts", type=int, default=64, help="grammar workload: requests, all in one generate call")
     p.add_argument("--grammar-rounds", type=int, default=2,
                    help="grammar workload: timed runs per mode, constrained and unconstrained (the best is kept)")
-    p.add_argument("--cpu-quantizations", default="none,int8,gguf", help="cpu workload: engine quantization modes, one engine each")
+    p.add_argument("--cpu-quantizations", default="none,int8,gguf,gguf-q8", help="cpu workload: engine quantization modes, one engine each")
     p.add_argument("--cpu-prompt-len", type=int, default=128, help="cpu workload: single-stream prompt tokens")
     p.add_argument("--cpu-new-tokens", type=int, default=256, help="cpu workload: single-stream new tokens (EOS ignored)")
     p.add_argument("--cpu-hf-batch-sizes", default="64,16",

@@ -8,7 +8,7 @@ from torch import nn
 
 from typing import Callable
 
-from engine.config import QUANTIZATIONS
+from engine.config import GGUF_MODES, QUANTIZATIONS
 from engine.model.swap import release_freed_memory, replace_linears
 
 
@@ -55,7 +55,7 @@ def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], c
     them the loader need not read those layers' float weights at all."""
     if mode == "none":
         return None
-    if mode == "gguf":
+    if mode in GGUF_MODES:
         from engine.quantization.gguf import read_blocks
 
         return read_blocks(model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"]))
@@ -86,10 +86,11 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     from engine.kernels.cpu import load_native
 
     lib, threads = load_native(), torch.get_num_threads()
-    if mode == "gguf":
+    if mode in GGUF_MODES:
         from engine.quantization.gguf import GGUFLinear
 
-        replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads))
+        int8 = mode == "gguf-q8"
+        replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads, int8))
     else:
         _swap_int8(model, mode, model_dir, stored, lib, threads)
     release_freed_memory(collect=False)  # the float32 weights of the swapped layers (plain nn.Linear: no cycles)

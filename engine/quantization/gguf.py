@@ -38,6 +38,7 @@ TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 GGML_TYPES = {0: "F32", 1: "F16", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
               14: "Q6_K", 15: "Q8_K", 30: "BF16"}  # the types we do not read, for the refusal's wording
 ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
+ACT_INT8 = 0x100  # the flag on the kernels' type argument that asks for int8 activations (gguf_blocks.h)
 DIRECT_MAX_ROWS = 64  # layers not in panels: more input rows multiply dequantized tiles (docs/quantization.md)
 PANEL = 16  # output rows gguf_panel_linear.c dequantizes together
 
@@ -162,19 +163,24 @@ def block_offsets(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class GGUFLinear(QuantizedLinear):
-    """A frozen linear layer holding a GGUF tensor's blocks (and a float32 bias, where the model has one)."""
+    """A frozen linear layer holding a GGUF tensor's blocks (and a float32 bias, where the model has one);
+    int8_activations: x rounded per block to int8 rather than int16 (quantization="gguf-q8")."""
 
     kind_name, direct_max_rows = "GGUF-block", DIRECT_MAX_ROWS
 
     def __init__(self, kind: int, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                 lib, threads: int) -> None:  # fmt: skip
+                 lib, threads: int, int8_activations: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.kind, (self.out_features, self.in_features) = kind, shape
+        self.int8_activations = int8_activations
+        self._arg = kind | ACT_INT8 if int8_activations else kind  # the kernels' type argument
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
         self._lib, self._threads = lib, threads
         panels = lib is not None and self.out_features % PANEL == 0 and lib.gguf_panel_vectorized() == 1
-        self.direct_max_rows = sys.maxsize if panels else DIRECT_MAX_ROWS  # every call to gguf_panel_linear
+        # every call to gguf_panel_linear; int8 activations: every call to the integer kernel (it takes them
+        # there), never the tiles: a row's output is then bitwise the same in any batch (gguf_panel_linear.c)
+        self.direct_max_rows = sys.maxsize if panels or int8_activations else DIRECT_MAX_ROWS
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         rc = self._lib.gguf_dequantize(self.kind, self.blocks[r0:r1].data_ptr(), out.data_ptr(), r1 - r0,
@@ -184,22 +190,23 @@ class GGUFLinear(QuantizedLinear):
 
     def _kernel_args(self):
         bias = None if self.bias is None else self.bias.data_ptr()
-        return self._lib.gguf_panel_linear, (self.kind,), (self.blocks.data_ptr(), bias)  # gguf_linear below 12 rows
+        return self._lib.gguf_panel_linear, (self._arg,), (self.blocks.data_ptr(), bias)  # gguf_linear below 12 rows
 
     def decode_linear(self) -> dict:
         """The layer as engine/model/decode_layers.py hands it to the C step (the addresses _kernel_args passes)."""
         bias = None if self.bias is None else self.bias.data_ptr()
-        return {"kind": "gguf", "arg": self.kind, "threads": self._threads, "w": self.blocks.data_ptr(), "bias": bias}
+        return {"kind": "gguf", "arg": self._arg, "threads": self._threads, "w": self.blocks.data_ptr(), "bias": bias}
 
     def _activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tiles multiply x rounded as the kernel rounds it, and the offsets m multiply the float sums
         of x (the residue corrects for the rounded ones): a prompt's logits do not depend on how its rows
         were batched, prefilled whole or met a few rows at a time."""
-        return round_blocks(rows)
+        return round_blocks(rows)  # int8 activations never come here (direct_max_rows)
 
     def _correct(self, part: torch.Tensor, r0: int, r1: int, residue: torch.Tensor) -> None:
         if self.kind != 8:  # Q8_0 has no offsets
             part.addmm_(residue, block_offsets(self.kind, self.blocks[r0:r1], self.in_features).T)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {TYPE_NAMES[self.kind]} blocks"
+        acts = "int8" if self.int8_activations else "int16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {TYPE_NAMES[self.kind]} blocks, {acts} activations"

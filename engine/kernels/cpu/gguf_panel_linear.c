@@ -198,8 +198,13 @@ static void buffered_panels(int type, const float *xe, int64_t ke, const uint8_t
 int gguf_panel_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                       int64_t K, int threads) {
 #if GGUF_PANELS
-    if (!block_bytes(type) || K % QK || K <= 0) return -1;
-    if (N % PANEL || N <= 0 || M < BUFFER_MIN_ROWS) return gguf_linear(type, x, w, bias, y, M, N, K, threads);
+    if (!block_bytes(type & ~ACT_INT8) || K % QK || K <= 0) return -1;
+    /* int8 activations: the integer kernel at every row count. Its rows are computed alike whatever their
+     * number, so a row's output is bitwise the same alone or in any batch; the panels agree with it only to
+     * float rounding, which x's coarse int8 rounding in the next layer turns into whole steps now and then
+     * (a prompt's logprobs prefilled whole or after a prefix-cache hit differed by 0.12 nats). */
+    if (type & ACT_INT8 || N % PANEL || N <= 0 || M < BUFFER_MIN_ROWS)
+        return gguf_linear(type, x, w, bias, y, M, N, K, threads);
     const int64_t ke = type == T_Q8_0 ? K : K + K / QK, panels = N / PANEL;
     float *xe = malloc(sizeof(float) * (size_t)(M * ke));
     if (!xe) return -2;
