@@ -38,7 +38,7 @@ TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 GGML_TYPES = {0: "F32", 1: "F16", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
               14: "Q6_K", 15: "Q8_K", 30: "BF16"}  # the types we do not read, for the refusal's wording
 ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
-ACT_INT8 = 0x100  # the flag on the kernels' type argument that asks for int8 activations (gguf_blocks.h)
+ACT_INT8 = 0x100  # gguf_panel_linear's type flag: int8 activations, weights in gguf_q8_pack's panels (gguf_blocks.h)
 DIRECT_MAX_ROWS = 64  # layers not in panels: more input rows multiply dequantized tiles (docs/quantization.md)
 PANEL = 16  # output rows gguf_panel_linear.c dequantizes together
 
@@ -174,6 +174,13 @@ class GGUFLinear(QuantizedLinear):
         self.kind, (self.out_features, self.in_features) = kind, shape
         self.int8_activations = int8_activations
         self._arg = kind | ACT_INT8 if int8_activations else kind  # the kernels' type argument
+        if int8_activations:  # the blocks repacked into panels of 8 rows for gguf_q8_linear.c (the same bytes' worth)
+            size = 0 if lib is None or not hasattr(lib, "gguf_q8_pack") else lib.gguf_q8_bytes(kind, *shape)
+            packed = torch.empty(size, dtype=torch.uint8)
+            if not size or lib.gguf_q8_pack(kind, blocks.contiguous().data_ptr(), shape[0], shape[1], packed.data_ptr()):
+                raise ValueError(f"quantization='gguf-q8' cannot take {shape[0]} x {shape[1]} blocks of "
+                                 f"{TYPE_NAMES.get(kind, kind)}")  # fmt: skip
+            blocks = packed
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
         self._lib, self._threads = lib, threads
@@ -183,6 +190,8 @@ class GGUFLinear(QuantizedLinear):
         self.direct_max_rows = sys.maxsize if panels or int8_activations else DIRECT_MAX_ROWS
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        if self.int8_activations:  # never needed: every row count goes to the kernel (direct_max_rows)
+            raise NotImplementedError("a gguf-q8 layer holds its blocks packed for gguf_q8_linear.c")
         rc = self._lib.gguf_dequantize(self.kind, self.blocks[r0:r1].data_ptr(), out.data_ptr(), r1 - r0,
                                        self.in_features, self._threads)  # fmt: skip
         if rc != 0:

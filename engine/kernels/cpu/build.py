@@ -235,6 +235,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.gguf_panel_linear.argtypes = lib.gguf_linear.argtypes
         lib.gguf_panel_vectorized.restype = ctypes.c_int
         lib.gguf_panel_vectorized.argtypes = []
+    if hasattr(lib, "gguf_q8_linear"):  # quantization="gguf-q8" (absent from libraries built before it)
+        lib.gguf_q8_bytes.restype = ctypes.c_int64
+        lib.gguf_q8_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        lib.gguf_q8_pack.restype = ctypes.c_int
+        lib.gguf_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.gguf_q8_linear.restype = ctypes.c_int
+        lib.gguf_q8_linear.argtypes = lib.gguf_linear.argtypes
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,

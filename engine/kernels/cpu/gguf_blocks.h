@@ -6,10 +6,9 @@
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml's type ids */
 #define QK 32                                  /* weights a block */
 #define QX_MAX 32767.0f /* activations are rounded per block to int16 steps of max|x| / QX_MAX */
-/* A flag on the type argument of gguf_linear and gguf_panel_linear (quantization="gguf-q8"): activations
- * rounded per block to int8 steps of max|x| / QX8_MAX instead, as llama.cpp rounds them, for AVX2's
- * maddubs (32 products an instruction against madd's 16 on int16); gguf_panel_linear then takes every
- * row count to gguf_linear. */
+/* A flag on gguf_panel_linear's type argument (quantization="gguf-q8"): its weights are gguf_q8_pack's
+ * panels and the activations are rounded per block to int8 steps of max|x| / QX8_MAX, as llama.cpp rounds
+ * them (gguf_q8_linear.c, every row count). */
 #define ACT_INT8 0x100
 #define QX8_MAX 127.0f
 

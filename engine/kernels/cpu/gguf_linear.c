@@ -293,13 +293,9 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
 #endif
 }
 
-/* ------------------------------------------------------------------ int8 activations (ACT_INT8)
- * Each block of x rounded to int8 steps of max|x| / 127 (llama.cpp's scheme); x . q as AVX2's maddubs
- * computes it: 32 byte products summed in pairs to int16 (the quants the unsigned operand: Q4's nibbles as
- * they are, Q8_0's absolute values with their signs moved onto x), then summed to int32 by madd. No pair
- * overflows int16 (Q4: 2 * 15 * 127; Q8_0: 2 * 128 * 127). Measured on an AMD EPYC (2 cores, AVX2), the
- * embedded model's 30 layers and lm_head at one row: 4.0-4.1 ms against the int16 loop's 6.1-6.2. */
-static void quantize_x8(const float *x, int64_t blocks, int8_t *qx, float *ds) {
+/* One row's blocks of x rounded to int8 steps of max|x| / 127 (llama.cpp's scheme: quantization="gguf-q8",
+ * gguf_q8_linear.c), and each block's (step, float sum of x), as quantize_x does for int16. */
+void gguf_q8_quantize_x(const float *x, int64_t blocks, int8_t *qx, float *ds) {
     for (int64_t i = 0; i < blocks; i++) {
         const float *xb = x + i * QK;
         float amax = 0.0f, s = 0.0f;
@@ -314,137 +310,10 @@ static void quantize_x8(const float *x, int64_t blocks, int8_t *qx, float *ds) {
     }
 }
 
-static inline int32_t dot8_scalar(int type, const uint8_t *qs, const int8_t *qx) {
-    int32_t s = 0;
-    if (type == T_Q8_0) {
-        for (int j = 0; j < QK; j++) s += (int8_t)qs[j] * qx[j];
-    } else {
-        for (int j = 0; j < 16; j++) s += (qs[j] & 0x0F) * qx[j] + (qs[j] >> 4) * qx[j + 16];
-    }
-    return s;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-/* q . x of one block as 8 int32 partial sums (q: quants_bytes; x: the block's 32 int8 activations) */
-static inline __m256i block_dot8(int type, __m256i q, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    const __m256i p = type == T_Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
-                                     : _mm256_maddubs_epi16(q, x);
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-#endif
-
-/* dot_rows with int8 activations: out[j] = sum over blocks of d * dx * (q . qx) + m * sx */
-static inline __attribute__((always_inline)) void dot_rows8(const int type, const int bs, const int8_t *qx,
-                                                              const float *ds, const uint8_t *wrow, int64_t nb,
-                                                              const int rows, float *out) {
-    float macc[MB];
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[MB];
-    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps(), macc[j] = 0.0f;
-    int64_t b = 0;
-#ifdef __F16C__
-    __m128 macc4[MB];
-    const __m128 mscale = type == T_Q4_0 ? _mm_set_ps(-8.0f, 1.0f, -8.0f, 1.0f) : _mm_set_ps(0.0f, 1.0f, 0.0f, 1.0f);
-    const int head = type == T_Q4_1 ? 4 : 2;
-    for (int j = 0; j < rows; j++) macc4[j] = _mm_setzero_ps();
-    for (; b + 1 < nb; b += 2) { /* two blocks a step, their scales converted together (as dot_rows) */
-        const uint8_t *h0 = wrow + b * bs, *h1 = h0 + bs;
-        _mm_prefetch((const char *)(h0 + PREFETCH), _MM_HINT_T0);
-        uint32_t u0, u1;
-        memcpy(&u0, h0, 4), memcpy(&u1, h1, 4);
-        __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)u0), (int)u1, 1)); /* d0 m0 d1 m1 */
-        if (type != T_Q4_1) dm = _mm_mul_ps(_mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 2, 0, 0)), mscale);
-        const __m256i wa = quants_bytes(type, h0 + head), wb = quants_bytes(type, h1 + head);
-        for (int j = 0; j < rows; j++) {
-            const int64_t i = j * nb + b;
-            const int8_t *xq = qx + i * QK;
-            const __m256i da = block_dot8(type, wa, xq), db = block_dot8(type, wb, xq + QK);
-            const __m128 p = _mm_mul_ps(dm, _mm_loadu_ps(ds + 2 * i)); /* d0 dx0, m0 sx0, d1 dx1, m1 sx1 */
-            macc4[j] = _mm_add_ps(macc4[j], p);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_broadcastss_ps(p), acc[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_broadcastss_ps(_mm_movehl_ps(p, p)), acc[j]);
-        }
-    }
-    for (int j = 0; j < rows; j++) { /* lanes 1 and 3: m0 sx0, m1 sx1 */
-        const __m128 m2 = _mm_add_ps(macc4[j], _mm_movehl_ps(macc4[j], macc4[j]));
-        macc[j] = _mm_cvtss_f32(_mm_shuffle_ps(m2, m2, 1));
-    }
-#endif
-    for (; b < nb; b++) { /* one block a step: all of them without F16C, else an odd last one */
-        float d, m;
-        const __m256i q = quants_bytes(type, block_head(type, wrow + b * bs, &d, &m));
-        for (int j = 0; j < rows; j++) {
-            const int64_t i = j * nb + b;
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot8(type, q, qx + i * QK)), _mm256_set1_ps(d * ds[2 * i]),
-                                     acc[j]);
-            macc[j] += m * ds[2 * i + 1];
-        }
-    }
-    for (int j = 0; j < rows; j++) out[j] = hsum256(acc[j]) + macc[j];
-#else
-    for (int j = 0; j < rows; j++) {
-        float total = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            float d, m;
-            const int64_t i = j * nb + b;
-            const uint8_t *qs = block_head(type, wrow + b * bs, &d, &m);
-            total += d * ds[2 * i] * (float)dot8_scalar(type, qs, qx + i * QK) + m * ds[2 * i + 1];
-        }
-        out[j] = total;
-    }
-    (void)macc;
-#endif
-}
-
-static int gguf_linear8(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
-                        int64_t K, int threads) {
-    const int bs = block_bytes(type);
-    if (!bs || K % QK) return -1;
-    const int64_t nb = K / QK, row_bytes = nb * bs, blocks = M * nb;
-    int8_t *qx = malloc((size_t)(blocks * QK + 1));
-    float *ds = malloc(sizeof(float) * (size_t)(2 * blocks + 4));
-    if (!qx || !ds) {
-        free(qx), free(ds);
-        return -2;
-    }
-    quantize_x8(x, blocks, qx, ds);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *wrow = w + n * row_bytes;
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            float d[MB] = {0};
-            const int rows = M - m0 < MB ? (int)(M - m0) : MB;
-            const int8_t *q = qx + m0 * nb * QK;
-            const float *dsm = ds + 2 * m0 * nb;
-#define ROWS(T)                                                                              \
-    switch (rows) {                                                                          \
-        case 4: dot_rows8(T, bs, q, dsm, wrow, nb, 4, d); break;                             \
-        case 3: dot_rows8(T, bs, q, dsm, wrow, nb, 3, d); break;                             \
-        case 2: dot_rows8(T, bs, q, dsm, wrow, nb, 2, d); break;                             \
-        default: dot_rows8(T, bs, q, dsm, wrow, nb, 1, d); break;                            \
-    }
-            if (type == T_Q4_0) {
-                ROWS(T_Q4_0)
-            } else if (type == T_Q4_1) {
-                ROWS(T_Q4_1)
-            } else {
-                ROWS(T_Q8_0)
-            }
-#undef ROWS
-            for (int j = 0; j < rows; j++) y[(m0 + j) * N + n] = d[j] + b;
-        }
-    }
-    free(qx), free(ds);
-    return 0;
-}
-
-/* y[M, N] = x[M, K] W^T (+ bias); type | ACT_INT8: activations rounded to int8 (gguf_linear8). Returns 0; -1
- * for an unknown type or K not a multiple of 32; -2 when out of memory. */
+/* y[M, N] = x[M, K] W^T (+ bias). Returns 0; -1 for an unknown type or K not a multiple of 32; -2 when
+ * out of memory. */
 int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int threads) {
-    if (type & ACT_INT8) return gguf_linear8(type & ~ACT_INT8, x, w, bias, y, M, N, K, threads);
     const int bs = block_bytes(type);
     if (!bs || K % QK) return -1;
     const int64_t nb = K / QK, row_bytes = nb * bs;

@@ -33,6 +33,8 @@
 #endif
 #include "gguf_blocks.h"
 
+int gguf_q8_linear(int type, const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t N,
+                   int64_t K, int threads); /* gguf_q8_linear.c */
 int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int threads); /* gguf_linear.c */
 void f32_panel_block(const float *x, int64_t m, int64_t k, const float *b, int64_t kn, float *y, int64_t n,
@@ -197,14 +199,11 @@ static void buffered_panels(int type, const float *xe, int64_t ke, const uint8_t
  * multiple of 16 and on builds without AVX2, FMA and F16C, it is gguf_linear. */
 int gguf_panel_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
                       int64_t K, int threads) {
+    if (type & ACT_INT8) /* quantization="gguf-q8": w is gguf_q8_pack's panels, every row count */
+        return gguf_q8_linear(type & ~ACT_INT8, x, w, bias, y, M, N, K, threads);
 #if GGUF_PANELS
-    if (!block_bytes(type & ~ACT_INT8) || K % QK || K <= 0) return -1;
-    /* int8 activations: the integer kernel at every row count. Its rows are computed alike whatever their
-     * number, so a row's output is bitwise the same alone or in any batch; the panels agree with it only to
-     * float rounding, which x's coarse int8 rounding in the next layer turns into whole steps now and then
-     * (a prompt's logprobs prefilled whole or after a prefix-cache hit differed by 0.12 nats). */
-    if (type & ACT_INT8 || N % PANEL || N <= 0 || M < BUFFER_MIN_ROWS)
-        return gguf_linear(type, x, w, bias, y, M, N, K, threads);
+    if (!block_bytes(type) || K % QK || K <= 0) return -1;
+    if (N % PANEL || N <= 0 || M < BUFFER_MIN_ROWS) return gguf_linear(type, x, w, bias, y, M, N, K, threads);
     const int64_t ke = type == T_Q8_0 ? K : K + K / QK, panels = N / PANEL;
     float *xe = malloc(sizeof(float) * (size_t)(M * ke));
     if (!xe) return -2;
