@@ -35,7 +35,7 @@
 #endif
 
 #define NP 8  /* output rows a panel */
-#define MR 4  /* input rows a tile */
+#define MR 4  /* input rows a tile (6 measured the same at 1, 64 and 512 rows) */
 #define MC 64 /* input rows a chunk: their int8 x stays in L2 across the panels */
 
 void gguf_q8_quantize_x(const float *x, int64_t blocks, int8_t *qx, float *ds); /* gguf_linear.c */
