@@ -89,8 +89,9 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     if mode in GGUF_MODES:
         from engine.quantization.gguf import GGUFLinear
 
-        int8 = mode == "gguf-q8"
-        replace_linears(model, lambda name, lin: GGUFLinear(*stored[name], tuple(lin.weight.shape), lin.bias, lib, threads, int8))
+        int8 = mode == "gguf-q8"  # its layers repack the blocks: each file copy is let go once packed (pop)
+        take = stored.pop if int8 else stored.__getitem__
+        replace_linears(model, lambda name, lin: GGUFLinear(*take(name), tuple(lin.weight.shape), lin.bias, lib, threads, int8))
     else:
         _swap_int8(model, mode, model_dir, stored, lib, threads)
     release_freed_memory(collect=False)  # the float32 weights of the swapped layers (plain nn.Linear: no cycles)
