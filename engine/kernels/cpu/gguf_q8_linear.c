@@ -1,9 +1,11 @@
 /* quantization="gguf-q8": a GGUF's Q4_0/Q4_1/Q8_0 blocks against activations rounded per block of 32 to int8
- * (llama.cpp's scheme), as integer products: y = x W^T (+ bias), x and y float32.
+ * (llama.cpp's scheme; not its arithmetic to the bit: dx and sx stay float32 and sx is the float sum of x), as
+ * integer products: y = x W^T (+ bias), x and y float32.
  *
- * Definition (every path computes exactly this, in this order, so a row's output is bitwise the same alone or
- * in any batch, whatever the thread count): per block b of 32 k, x is rounded to int8 steps dx = max|x| / 127
- * (quantize_x8 in gguf_linear.c), dot = sum_k q_k qx_k is an exact int32, and
+ * Definition (a build computes exactly this, in this order, at every row count, so a row's output is bitwise the
+ * same alone or in any batch, whatever the thread count; a scalar build sums each block's x in another order
+ * than AVX2's eight lanes, so the two agree to float rounding): per block b of 32 k, x is rounded to int8 steps
+ * dx = max|x| / 127 (gguf_q8_quantize_x in gguf_linear.c), dot = sum_k q_k qx_k is an exact int32, and
  *     y = fma(m, sx, fma((float)dot, d * dx, y))        for b = 0, 1, ...   (y from 0; then + bias)
  * with d and m the block's scale and offset (Q4_1: w = d q + m; Q4_0: m = -8 d; Q8_0: m = 0) and sx the float
  * sum of the block's x.
@@ -69,6 +71,24 @@ static float half_value(uint16_t h) {
     return f;
 }
 
+/* The half -8 d, exactly (Q4_0's offset m); 1 where it overflows a half (|d| >= 8192, or inf or NaN). A
+ * subnormal d (llama.cpp's writer stores them for blocks of weights below about 5e-4) has at most 10
+ * significant bits, so -8 d is a half too, normal or not. */
+static int neg8_half(uint16_t d, uint16_t *m) {
+    const uint16_t sign = (uint16_t)((d ^ 0x8000) & 0x8000), exp = (d >> 10) & 0x1F, man = d & 0x3FF;
+    if (exp + 3 >= 31) return 1;
+    if (exp != 0) {
+        *m = (uint16_t)(sign | ((exp + 3) << 10) | man);
+    } else if (man < 128) { /* still subnormal: man 2^-24 * 8 */
+        *m = (uint16_t)(sign | (man << 3));
+    } else { /* normal: man 2^-21 = 2^(p - 21) (1.f), p its top bit */
+        int p = 9;
+        while (!(man >> p)) p--;
+        *m = (uint16_t)(sign | ((p - 6) << 10) | ((man << (10 - p)) & 0x3FF));
+    }
+    return 0;
+}
+
 /* w: the layer's rows of blocks as the GGUF stores them; out: gguf_q8_bytes bytes (rows past n: zeros, so
  * their outputs are 0 and never stored). 0, or 1 for a type or shape not taken (or Q4_0's -8 d not a half). */
 int gguf_q8_pack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
@@ -84,12 +104,9 @@ int gguf_q8_pack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out)
                 memcpy(o + 2 * r, blk, 2); /* d */
                 if (type == T_Q4_1) {
                     memcpy(o + 16 + 2 * r, blk + 2, 2);
-                } else if (type == T_Q4_0) { /* m = -8 d: exact in half unless it overflows */
-                    const uint16_t d = half_bits(blk);
-                    const uint32_t exp = (d >> 10) & 0x1F;
-                    if (exp != 0 && exp + 3 >= 31) return 1;
-                    const uint16_t m = exp == 0 ? 0 : (uint16_t)((d ^ 0x8000) + (3 << 10));
-                    if (exp == 0 && (d & 0x3FF)) return 1; /* a subnormal d: not taken */
+                } else if (type == T_Q4_0) { /* m = -8 d, exactly */
+                    uint16_t m;
+                    if (neg8_half(half_bits(blk), &m)) return 1;
                     o[16 + 2 * r] = (uint8_t)m, o[17 + 2 * r] = (uint8_t)(m >> 8);
                 }
                 const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
