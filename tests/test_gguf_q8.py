@@ -15,26 +15,19 @@ from engine import Engine
 from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
 from engine.kernels.cpu import load_native
 from engine.quantization.gguf import GGUFLinear, dequantize
-from test_gguf_quantization import block_mins, random_blocks
+from test_gguf_quantization import _want, block_mins, blockwise_x, random_blocks
 
 needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the GGUF kernel cannot be built")
 
 
 def int8_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the kernel sees it: each block of 32 rounded to int8 steps of max|x|/127 (q, step per block)."""
-    b = x.reshape(x.shape[0], -1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return torch.round(b * inv), d
+    return blockwise_x(x, 127.0)
 
 
 def definition(kind: int, blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """In float64: x rounded per block to int8 steps times d q, plus m sum(x) (the offsets see the float x)."""
-    k = x.shape[1]
-    weight, m = dequantize(kind, blocks, k).double(), block_mins(kind, blocks, k).double()
-    q, d = int8_x(x)
-    seen = (q * d).reshape(x.shape).double()
-    return torch.nn.functional.linear(seen, weight - m, None if bias is None else bias.double()) + x.double() @ m.T
+    return _want(kind, blocks, x, bias, 127.0)
 
 
 @needs_kernel

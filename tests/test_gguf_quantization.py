@@ -35,10 +35,11 @@ def block_mins(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
     return m.expand(-1, -1, 32).reshape(-1, k)
 
 
-def blockwise_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the kernel sees it: each block of 32 rounded to int16 with scale max|x|/32767 (q, scale per block)."""
+def blockwise_x(x: torch.Tensor, steps: float = 32767.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel sees it: each block of 32 rounded to int16 with scale max|x|/32767 (q, scale per block);
+    steps=127: to int8 (gguf-q8)."""
     b = x.reshape(x.shape[0], -1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 32767.0
+    d = b.abs().amax(-1, keepdim=True) / steps
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return torch.round(b * inv), d
 
@@ -127,11 +128,12 @@ def test_a_block_row_is_bitwise_the_same_in_any_batch_of_12_rows_or_more(kind, o
     assert (few - whole).abs().max() <= 1e-5 * whole.abs().max() + 1e-6
 
 
-def _want(kind: int, blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's definition in float64: x rounded per block to int16 steps times d q, plus m sum(x)."""
+def _want(kind: int, blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+          steps: float = 32767.0) -> torch.Tensor:  # fmt: skip
+    """The layer's definition in float64: x rounded per block to int16 steps (or `steps`) times d q, plus m sum(x)."""
     k = x.shape[1]
     weight, m = dequantize(kind, blocks, k).double(), block_mins(kind, blocks, k).double()
-    q, d = blockwise_x(x)
+    q, d = blockwise_x(x, steps)
     seen = (q * d).reshape(x.shape).double()
     return torch.nn.functional.linear(seen, weight - m, None if bias is None else bias.double()) + x.double() @ m.T
 
@@ -174,7 +176,7 @@ def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path)
 
     from helpers import ScalarBuild, build_narrower
 
-    narrow = build_narrower(tmp_path, ["gguf_panel_linear.c", "gguf_linear.c", "f32_linear.c"],
+    narrow = build_narrower(tmp_path, ["gguf_panel_linear.c", "gguf_linear.c", "gguf_q8_linear.c", "f32_linear.c"],
                             ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"])  # fmt: skip
     narrow.gguf_panel_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
     assert narrow.gguf_panel_vectorized() == 0

@@ -247,6 +247,31 @@ def _wait_for_compiles(sched) -> None:
         time.sleep(0.01)
 
 
+class _Passing:
+    """A plugin's grammar backend that hands every call to the real one (xgrammar's); the tests below make
+    some of its calls fail. compile() keeps the constraint's text beside the compiled grammar."""
+
+    name = "flaky"
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def compile(self, kind, text):
+        return text, self.real.compile(kind, text)
+
+    def matcher(self, compiled):
+        return self.real.matcher(compiled[1])
+
+    def new_bitmask(self, rows):
+        return self.real.new_bitmask(rows)
+
+    def fill_masks(self, matchers, bitmask, rows):
+        self.real.fill_masks(matchers, bitmask, rows)
+
+    def apply_masks(self, logits, bitmask, rows):
+        self.real.apply_masks(logits, bitmask, rows)
+
+
 def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_scheduler, monkeypatch):
     """A plugin's backend (its fill_masks, apply_masks, accept_token) is the plugin's own code: one that
     raised for one row failed the whole step, its unconstrained and constrained neighbours too."""
@@ -256,30 +281,19 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     run, sched = tiny_scheduler, tiny_scheduler.sched
     real, bad = sched.grammars.backend(), []  # the matchers themselves: an id() alone is reused once one is freed
 
-    class Flaky:
-        name = "flaky"
-
-        def compile(self, kind, text):
-            return text, real.compile(kind, text)
-
+    class Flaky(_Passing):
         def matcher(self, compiled):
             m = real.matcher(compiled[1])
             if compiled[0] == "b+":
                 bad.append(m)
             return m
 
-        def new_bitmask(self, rows):
-            return real.new_bitmask(rows)
-
         def fill_masks(self, matchers, bitmask, rows):
             if any(m is b for m in matchers for b in bad):
                 raise RuntimeError("the plugin's bug")
             real.fill_masks(matchers, bitmask, rows)
 
-        def apply_masks(self, logits, bitmask, rows):
-            real.apply_masks(logits, bitmask, rows)
-
-    monkeypatch.setattr(sched.grammars, "_backend", Flaky())
+    monkeypatch.setattr(sched.grammars, "_backend", Flaky(real))
     monkeypatch.setattr(sched.grammars, "_compiled", type(sched.grammars._compiled)())  # compiled by Flaky
     greedy = dict(temperature=0.0, max_new_tokens=6)
     run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy)),
@@ -331,18 +345,10 @@ def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(tiny_sc
     real, calls = sched.grammars.backend(), {"bad": 0}
     accepts = [0, {"first accept": 1, "later accept": 4}.get(fail_at, 0)]
 
-    class Flaky:
-        name = "flaky"
-
-        def compile(self, kind, text):
-            return text, real.compile(kind, text)
-
+    class Flaky(_Passing):
         def matcher(self, compiled):
             m = real.matcher(compiled[1])
             return _Marked(m, accepts) if compiled[0] == "b+" else m
-
-        def new_bitmask(self, rows):
-            return real.new_bitmask(rows)
 
         def fill_masks(self, matchers, bitmask, rows):
             if any(isinstance(m, _Marked) for m in matchers):
@@ -351,10 +357,7 @@ def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(tiny_sc
                     raise RuntimeError("the plugin's bug")
             real.fill_masks([m.real if isinstance(m, _Marked) else m for m in matchers], bitmask, rows)
 
-        def apply_masks(self, logits, bitmask, rows):
-            real.apply_masks(logits, bitmask, rows)
-
-    monkeypatch.setattr(sched.grammars, "_backend", Flaky())
+    monkeypatch.setattr(sched.grammars, "_backend", Flaky(real))
     monkeypatch.setattr(sched.grammars, "_compiled", type(sched.grammars._compiled)())  # compiled by Flaky
     greedy = dict(temperature=0.0, max_new_tokens=6)
     run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy), beam=BeamParams(2)),

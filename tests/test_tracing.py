@@ -781,7 +781,7 @@ def test_a_result_a_failing_output_hook_aborts_shows_the_error_in_its_trace(trac
 
 CUT_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     from engine import Engine
 
     if __name__ == "__main__":
@@ -797,6 +797,10 @@ CUT_SCRIPT = textwrap.dedent(
         waiting = a.generate("Three four", params, stream=True, rid="waiting")
         for _ in range(4):
             next(running)
+        for _ in range(1200):  # until the scheduler holds it: on a loaded machine it came after the shutdown
+            if a.get_stats()["tracked"]["scheduler"]["waiting"]:
+                break
+            time.sleep(0.05)
         pids = a.pids
         a.shutdown()  # cuts both
         print("RESULT " + json.dumps(pids))

@@ -42,19 +42,7 @@ static inline float half_to_float(const uint8_t *p) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
 #else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    float f;
-    if (exp == 0) {
-        f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24 */
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
+    return half_bits_to_float(h);
 #endif
 }
 
@@ -114,12 +102,8 @@ static void x_pair_order(int16_t *row, int64_t nb) {
 static void quantize_x(const float *x, int64_t blocks, int64_t nb, int16_t *qx, float *ds) {
     for (int64_t i = 0; i < blocks; i++) {
         const float *xb = x + i * QK;
-        float amax = 0.0f, s = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            float a = xb[j] < 0 ? -xb[j] : xb[j];
-            amax = a > amax ? a : amax;
-            s += xb[j];
-        }
+        float s;
+        const float amax = block_amax_sum(xb, &s);
         const float d = amax > 1e-30f ? amax / QX_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f; /* 1/d finite */
         for (int j = 0; j < QK; j++) qx[i * QK + j] = (int16_t)__builtin_lrintf(xb[j] * id);
         ds[2 * i] = d, ds[2 * i + 1] = s;
@@ -319,12 +303,8 @@ void gguf_q8_quantize_x(const float *x, int64_t blocks, int8_t *qx, float *ds) {
 #else
     for (int64_t i = 0; i < blocks; i++) {
         const float *xb = x + i * QK;
-        float amax = 0.0f, s = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            float a = xb[j] < 0 ? -xb[j] : xb[j];
-            amax = a > amax ? a : amax;
-            s += xb[j];
-        }
+        float s;
+        const float amax = block_amax_sum(xb, &s);
         const float d = amax > 1e-30f ? amax / QX8_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f; /* 1/d finite */
         for (int j = 0; j < QK; j++) qx[i * QK + j] = (int8_t)__builtin_lrintf(xb[j] * id);
         ds[2 * i] = d, ds[2 * i + 1] = s;

@@ -55,22 +55,6 @@ int64_t gguf_q8_bytes(int type, int64_t n, int64_t k) {
 
 static uint16_t half_bits(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-static float half_value(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    float f;
-    if (exp == 0) {
-        f = (float)man * (1.0f / 16777216.0f);
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* The half -8 d, exactly (Q4_0's offset m); 1 where it overflows a half (|d| >= 8192, or inf or NaN). A
  * subnormal d (llama.cpp's writer stores them for blocks of weights below about 5e-4) has at most 10
  * significant bits, so -8 d is a half too, normal or not. */
@@ -145,8 +129,8 @@ static void panel_scalar(int type, const int8_t *qx, const float *ds, const uint
                         dot += (v & 0x0F) * xb[4 * j + t] + (v >> 4) * xb[16 + 4 * j + t];
                     }
             }
-            const float d = half_value(half_bits(blk + 2 * r));
-            const float m = type == T_Q8_0 ? 0.0f : half_value(half_bits(blk + 16 + 2 * r));
+            const float d = half_bits_to_float(half_bits(blk + 2 * r));
+            const float m = type == T_Q8_0 ? 0.0f : half_bits_to_float(half_bits(blk + 16 + 2 * r));
             y[r] = fmaf(m, ds[2 * b + 1], fmaf((float)dot, d * ds[2 * b], y[r]));
         }
     }
