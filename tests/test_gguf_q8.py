@@ -67,7 +67,7 @@ def test_a_build_without_avx2_computes_the_same_definition(tmp_path, narrower):
     definition in float64."""
     from helpers import build_narrower
 
-    libs = [load_native(), build_narrower(tmp_path, ["gguf_q8_linear.c", "gguf_linear.c"], narrower)]
+    libs = [load_native(), build_narrower(tmp_path, "gguf_q8_linear.c", narrower)]
     for lib in libs[1:]:
         lib.gguf_q8_linear.restype = ctypes.c_int
         lib.gguf_q8_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]

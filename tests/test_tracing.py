@@ -74,7 +74,8 @@ def test_otlp_json_lines_round_trip_and_http_json_body():
 def test_the_receiver_reads_chunked_bodies_and_refuses_bodies_without_a_length():
     """A POST sent chunked (no Content-Length) was read as an empty body and answered 200: its spans
     dropped without a word; a malformed Content-Length raised in the handler and the client got no
-    answer at all. Chunked bodies are read; a body with neither length is a 411, a bad length a 400.
+    answer at all. Chunked bodies are read; a body with neither length is a 411, a bad length or chunk size
+    a 400.
     And `engine trace receive` (keep=False) keeps no message in memory, only their counts."""
     import http.client
     from urllib.parse import urlparse
@@ -113,6 +114,7 @@ def test_the_receiver_reads_chunked_bodies_and_refuses_bodies_without_a_length()
         assert [r.name for r in rx.spans()] == ["chunked"]
         assert post(rx, {}, data=b"") == 411
         assert post(rx, {"Content-Length": "ten"}, data=b"") == 400
+        assert post(rx, {"Transfer-Encoding": "chunked"}, data=b"zz\r\n{}\r\n0\r\n\r\n") == 400  # a chunk size not in hex
     with OTLPReceiver(keep=False) as rx:
         assert post(rx, {"Content-Length": str(len(body))}, data=body) == 200
         assert rx.export_count == 1 and rx.span_count == 1 and rx.requests == []

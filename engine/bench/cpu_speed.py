@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.cores import usable_cores  # torch-free (the package imports nothing heavy): the baselines' children too
+
 MARK = "CPU_BENCH_RESULT "  # the child's one result line on stdout; other lines are the backend's own
 LLAMA_MISSING = "not installed: run make bench"
 # The child times its backend's import first, then runs this file by path: importing the engine package
@@ -30,12 +32,6 @@ LLAMA_MISSING = "not installed: run make bench"
 CHILD = """import time; t0 = time.perf_counter(); {imports}; t_import = time.perf_counter() - t0
 import runpy; runpy.run_path({path!r})[{fn!r}]({cfg!r}, t_import)"""
 IMPORTS = {"engine": "from engine import Engine", "transformers": "import transformers", "llama.cpp": "import llama_cpp"}
-
-
-def usable_cores() -> int:
-    """engine.cores.usable_cores, here without importing the engine package (the baselines' children run
-    this file, and their memory is measured): the cores every backend is given."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _field_mb(path: str, name: str) -> float | None:

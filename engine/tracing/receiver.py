@@ -172,7 +172,12 @@ def _handler(receiver: OTLPReceiver):
             if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
                 parts = []
                 while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    line = self.rfile.readline().split(b";")[0].strip() or b"0"
+                    try:
+                        size = int(line, 16)
+                    except ValueError:
+                        self.send_error(400, f"chunk size {line[:32]!r} is not a hexadecimal length")
+                        return None
                     if size == 0:
                         while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
                             pass

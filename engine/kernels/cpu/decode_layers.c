@@ -35,7 +35,7 @@ enum { LINEAR_INT8 = 1, LINEAR_GGUF = 2, LINEAR_F32 = 3, LINEAR_F32_BLOCKS = 4 }
 
 typedef struct { /* one linear layer: y[m, n] = x[m, k] W^T (+ bias) */
     int32_t kind;    /* LINEAR_* */
-    int32_t arg;     /* gguf, f32 blocks: the block type; int8: 1 for weights in panels (int8_panel_linear), 0 row-major */
+    int32_t arg;     /* gguf, f32 blocks: the block type (gguf | ACT_INT8: gguf-q8's panels); int8: 1 for weights in panels (int8_panel_linear), 0 row-major */
     int32_t threads; /* the layer's own (QuantizedLinear._threads; f32: torch's threads when described) */
     int32_t pad;
     int64_t n, k;

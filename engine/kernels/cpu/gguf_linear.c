@@ -277,41 +277,6 @@ static inline __attribute__((always_inline)) void dot_rows(const int type, const
 #endif
 }
 
-/* One row's blocks of x rounded to int8 steps of max|x| / 127 (llama.cpp's scheme: quantization="gguf-q8",
- * gguf_q8_linear.c), and each block's (step, float sum of x), as quantize_x does for int16. With AVX2 eight
- * lanes at a time (a scalar loop was 4% of a batch's time): the same steps and rounding (to nearest, ties to
- * even, as lrintf), the sum in another order than the scalar loop's. */
-void gguf_q8_quantize_x(const float *x, int64_t blocks, int8_t *qx, float *ds) {
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t i = 0; i < blocks; i++) {
-        const float *xb = x + i * QK;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-        const float d = a > 1e-30f ? a / QX8_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid)); /* |q| <= 127 */
-        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
-                      q16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
-        _mm256_storeu_si256((__m256i *)(qx + i * QK), _mm256_permute4x64_epi64(_mm256_packs_epi16(q16, q16b), 0xD8));
-        ds[2 * i] = d, ds[2 * i + 1] = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    }
-#else
-    for (int64_t i = 0; i < blocks; i++) {
-        const float *xb = x + i * QK;
-        float s;
-        const float amax = block_amax_sum(xb, &s);
-        const float d = amax > 1e-30f ? amax / QX8_MAX : 0.0f, id = d != 0.0f ? 1.0f / d : 0.0f; /* 1/d finite */
-        for (int j = 0; j < QK; j++) qx[i * QK + j] = (int8_t)__builtin_lrintf(xb[j] * id);
-        ds[2 * i] = d, ds[2 * i + 1] = s;
-    }
-#endif
-}
-
 /* y[M, N] = x[M, K] W^T (+ bias). Returns 0; -1 for an unknown type or K not a multiple of 32; -2 when
  * out of memory. */
 int gguf_linear(int type, const float *x, const uint8_t *w, const float *bias, float *y, int64_t M, int64_t N,
