@@ -104,15 +104,18 @@ def bf16_outputs(engine, tokenizer):
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         outs = eng.generate(input_ids=ids, sampling_params=params)
         alone = eng.generate(input_ids=ids[0], sampling_params=params)
+        scored = eng.generate(input_ids=ids[:2], sampling_params={**params, "max_new_tokens": 16}, return_logprob=True,
+                              top_logprobs_num=5)  # fmt: skip
     finally:
         eng.shutdown()
-    return ids, [o["output_ids"] for o in outs], alone["output_ids"]
+    tops = [pos for o in scored for pos in o["meta_info"]["output_top_logprobs"]]
+    return ids, [o["output_ids"] for o in outs], alone["output_ids"], tops
 
 
 def test_bf16_greedy_agrees_with_transformers_bf16(bf16_outputs, model_dir):
     from transformers import AutoModelForCausalLM
 
-    ids, outs, _ = bf16_outputs
+    ids, outs, *_ = bf16_outputs
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     agree = total = 0
     for prompt, out in zip(ids, outs):
@@ -129,10 +132,23 @@ def test_bf16_greedy_agrees_with_transformers_bf16(bf16_outputs, model_dir):
     assert agree / total >= 0.95, f"transformers' argmax is the engine's token at {agree}/{total} positions"
 
 
+def test_bf16_logits_are_not_rounded_to_bfloat16(bf16_outputs):
+    """The final norm and lm_head run in float32: top logits do not sit on bfloat16's grid, where close
+    candidates tie (0.125 apart near 16-32) and greedy picks by token id. Logprob gaps are logit gaps."""
+    *_, tops = bf16_outputs
+    assert len(tops) == 32
+    on_grid = 0
+    for position in tops:
+        logprobs = [lp for lp, _, _ in position]
+        gaps = torch.tensor([logprobs[0] - lp for lp in logprobs[1:]], dtype=torch.float64) * 2**10
+        on_grid += bool(((gaps - gaps.round()).abs() < 2e-3).all())
+    assert on_grid <= 4, f"{on_grid} of 32 positions have every top-5 gap on a 2^-10 grid: bfloat16 logits"
+
+
 def test_bf16_batch_and_alone_agree(bf16_outputs):
     """The first prompt alone and in the batch of all of them: same prefix of greedy tokens for a while
     (batched kernels round differently, so not necessarily all 64)."""
-    _, outs, alone = bf16_outputs
+    _, outs, alone, _ = bf16_outputs
     same = next((i for i, (a, b) in enumerate(zip(outs[0], alone)) if a != b), NEW_TOKENS)
     assert same >= 16, f"batched and alone greedy part after {same} tokens"
 
@@ -149,3 +165,24 @@ def test_native_bf16_silu_saturates_as_torch():
     assert torch.equal(got.isnan(), want.isnan())
     keep = ~want.isnan()
     assert torch.equal(got[keep], want[keep]) and torch.equal(got[keep].signbit(), want[keep].signbit())
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["bf16_logits", "torch"])
+@pytest.mark.parametrize("rows,out", [(1, 96), (7, 160), (64, 96), (9, 208)])  # panels of 48, 32 and 16 columns
+def test_float32_head_against_float64(kernel, rows, out):
+    """Float32Head: bfloat16 weights, float32 rows and logits, within float32 rounding of float64."""
+    from engine.model.float32_head import Float32Head
+
+    lib = load_native() if kernel else None
+    if kernel and (lib is None or lib.bf16_logits_support() != 1):
+        pytest.skip("bf16_logits needs AVX-512F: the torch path is tested instead")
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(72, out, bias=False)
+    linear.weight.data = (torch.randn(out, 72, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(rows, 72, generator=gen) * 3
+    head = Float32Head(linear, lib)
+    assert (head._lib is not None) == kernel
+    got = head(x)
+    want = x.double() @ linear.weight.double().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

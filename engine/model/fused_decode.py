@@ -155,7 +155,7 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     threads = torch.get_num_threads()
     native = _native(model, backend, lib)
     if native is not None:  # every layer in one C call: the same kernels, order and rows as the loop below
-        native.run(h, cos, sin, backend.step_args(), threads)
+        native.run(h, cos, sin, backend.step_args(), threads)  # float32 rows only
         return model.lm_head(rows.normed).float()
     add_rms_norm, rotary_qkv, silu_mul = _kernels(lib, h.dtype)
     p = rows.ptr
@@ -180,5 +180,7 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
         silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1], threads)
         layer.down()(p["act"], p["down"], t)
         pending = p["down"]
+    if h.dtype != torch.float32:  # the plain forward's float32 norm and head, after the same residual add
+        return model.logits(h, rows.down)
     add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps, threads)
     return model.lm_head(rows.normed).float()

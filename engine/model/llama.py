@@ -104,7 +104,16 @@ class LlamaForCausalLM(nn.Module):
         if batch.mode is ForwardMode.EXTEND:
             h = h[batch.logits_indices]
             delta = None if delta is None else delta[batch.logits_indices]
-        return self.lm_head(add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]).float()
+        return self.logits(h, delta)
+
+    def logits(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits of the rows h + delta. In bfloat16 the residual add rounds as the layers' do, then
+        the final norm and lm_head (a Float32Head) run in float32: nothing rounds the logits to bfloat16."""
+        if h.dtype == torch.float32:
+            return self.lm_head(add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]).float()
+        if delta is not None:
+            h = h + delta
+        return self.lm_head(rms_norm(h.float(), self.norm.weight.float(), self.norm.eps))
 
 
 def weight_plan(cfg: ModelConfig, names: set[str]) -> dict[str, list[str]]:

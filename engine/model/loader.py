@@ -21,6 +21,7 @@ from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.f32_block_linear import exact_blocks
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
+from engine.model.float32_head import Float32Head
 from engine.model.fused_decode import install_exact
 from engine.model.packed_linear import our_kernel_library, pack_linears, packing_available
 from engine.model.panel_cache import keep_panels, mapped_panels
@@ -118,7 +119,8 @@ def load_model(
     # weights are never read into memory (weight_views.py)
     packed_from_file = set()
     if quantization == "none" and packing_available(dtype, device):
-        packed_from_file = {f"{n}.weight" for n in shapes if not (cfg.tie_word_embeddings and n == "lm_head")}
+        packed_from_file = {f"{n}.weight" for n in shapes  # a bfloat16 lm_head is read: Float32Head may keep it
+                            if not ((cfg.tie_word_embeddings or dtype == torch.bfloat16) and n == "lm_head")}
     total = len(plan)
     plan, deferred = ({k: v for k, v in plan.items() if k not in packed_from_file},
                       {k: v for k, v in plan.items() if k in packed_from_file})  # fmt: skip
@@ -169,6 +171,8 @@ def load_model(
             keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
         if progress is not None and (panels or blocks):
             progress(total, total)  # the mapped layers were never read
+        if dtype == torch.bfloat16 and not isinstance(model.lm_head, Float32Head):  # not packed: float32 logits still
+            model.lm_head = Float32Head(model.lm_head)
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:
             raise ValueError(f"weights left unloaded: {unread[:8]}")

@@ -270,6 +270,16 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int,
         ]  # fmt: skip
+    if hasattr(lib, "bf16_logits"):  # a bfloat16 model's float32 logits (absent from libraries built before it)
+        lib.bf16_logits_support.restype = ctypes.c_int
+        lib.bf16_logits_support.argtypes = []
+        lib.bf16_logits_pack.restype = ctypes.c_int
+        lib.bf16_logits_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.bf16_logits.restype = ctypes.c_int
+        lib.bf16_logits.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
     if hasattr(lib, "f32_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
         lib.f32_linear_support.restype = ctypes.c_int
         lib.f32_linear_support.argtypes = []
