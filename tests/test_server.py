@@ -747,3 +747,18 @@ def test_bad_constraints_over_http_are_400s(server, extra, param):
     r = http(server, "POST", "/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     assert param in r.json()["error"]["message"] or r.json()["error"].get("param") == param, r.json()
+
+
+# ------------------------------------------------------------------ issue 49: logprobs 0, vLLM's and SGLang's fields
+
+
+def test_completions_logprobs_0_give_the_chosen_token_alone(client):
+    """logprobs: 0 asks for the chosen tokens' logprobs and no alternatives: each position's
+    top_logprobs is {chosen: logprob}, as OpenAI's and vLLM's servers answer (it was null)."""
+    kwargs = dict(model="smol", prompt="The sky is", max_tokens=4, temperature=0, logprobs=0)
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert len(lp.tokens) == 4 and lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    pieces = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True) if c.choices[0].logprobs]
+    tops = [t for p in pieces for t in p.top_logprobs]
+    assert [list(t) for t in tops] == [list(t) for t in lp.top_logprobs]
+    assert [v for t in tops for v in t.values()] == pytest.approx(lp.token_logprobs, abs=1e-4)

@@ -122,11 +122,10 @@ def completion_logprobs(meta: dict, text_of: TokenText, offsets: TextOffsets | N
         token, raw = text_of.at(tid, start + j)
         out["tokens"].append(token)
         out["token_logprobs"].append(lp)
-        if top:  # keyed as `tokens` writes them, and the chosen one too, as OpenAI's: "up to logprobs+1 elements"
-            alternatives = {text_of.at(i, start + j)[0]: v for v, i, _ in top}
-            alternatives.setdefault(token, lp)
-            out["top_logprobs"].append(alternatives)
-        else:
-            out["top_logprobs"].append(None)
+        # keyed as `tokens` writes them, and the chosen one too, as OpenAI's: "up to logprobs+1 elements"
+        # (with logprobs: 0 the chosen one alone)
+        alternatives = {text_of.at(i, start + j)[0]: v for v, i, _ in top or ()}
+        alternatives.setdefault(token, lp)
+        out["top_logprobs"].append(alternatives)
         out["text_offset"].append(offsets.next(raw))
     return out
