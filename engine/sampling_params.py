@@ -16,6 +16,9 @@ DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0: dividing logits by it would overflow
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+# Each stop token id widens a beam search's selection (1 + stop ids candidates per beam) and adds an entry to
+# the running batch's stop check every decode step; a model has a handful of ending tokens, not thousands.
+MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 100.0
 # Bounds that keep every value finite in the scheduler's float32 tensors: a temperature past float32's
 # range became inf (logits / inf -> NaN -> token 0), a repetition penalty near 0 sent logits / penalty to inf.
@@ -87,14 +90,18 @@ def _flag(p: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
+def _stop_token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
+    """At most MAX_STOP_TOKEN_IDS ids as given (so a long list is refused before it is walked), each once,
+    in their first order."""
     if value is None:
         return ()
     if _is_int(value):
         value = (value,)
+    if isinstance(value, (list, tuple)) and len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}")
     if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t < vocab_size for t in value):
-        raise ValueError(f"{name} must be a list of token ids in [0, {vocab_size}), got {value!r}")
-    return tuple(value)
+        raise ValueError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {value!r}")
+    return tuple(dict.fromkeys(value))
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -248,7 +255,7 @@ def parse_sampling_params(
         frequency_penalty=frequency,
         presence_penalty=presence,
         stop=_stop_strings(p.get("stop")),
-        stop_token_ids=_token_ids(p.get("stop_token_ids"), "stop_token_ids", vocab_size),
+        stop_token_ids=_stop_token_ids(p.get("stop_token_ids"), vocab_size),
         ignore_eos=_flag(p, "ignore_eos", False),
         seed=seed,
         n=n,

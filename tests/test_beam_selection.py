@@ -126,3 +126,30 @@ def test_a_start_with_fewer_allowed_tokens_than_beams_returns_no_placeholder_hyp
         assert all(h.logprob > PUSH_DOWN / 2 for h in got), [(h.output_ids, h.logprob) for h in got]
         if max_new == 1:
             assert sorted(h.output_ids[0] for h in got) == sorted(allowed)
+
+
+def test_more_stop_ids_than_candidates_are_clamped_to_the_candidates():
+    """keep = (1 + stop ids) x K candidates: with a stop list as long as the vocabulary it passed the K x V
+    there are, and topk raised inside the step (failing every request in it)."""
+    vocab = 50
+    for k in (1, 3):
+        gen = torch.Generator().manual_seed(k)
+        sel = BeamSelection(k, 4, tuple(range(vocab)))  # every token stops
+        sel.step(torch.log_softmax(torch.randn(1, vocab, generator=gen), -1))
+        assert sel.done and len(sel.results(k)) == k
+
+
+def test_a_steps_memory_does_not_grow_with_stop_ids_times_max_new_tokens():
+    """Every one of the keep = (1 + stop ids) x K candidates got a copy of its parent's tokens, [keep,
+    max_new_tokens] int64 (1.5 GB for one K=1 search with 49,151 stop ids and 2,000 new tokens). Only the
+    candidates chosen (K live beams, K finished) need one: a step allocates no more than the scores do."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = 49152
+    sel = BeamSelection(1, 4096, tuple(range(1, 1025)))
+    logprobs = torch.log_softmax(torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)), -1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        sel.step(logprobs)
+        sel.step(logprobs)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= 2 * vocab * 4, f"a step allocated {largest:,} bytes at once"

@@ -10,6 +10,7 @@ from engine.detokenizer.stop_strings import StopMatcher
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import apply_penalties, sample, top_k_top_p
+from engine.sampling.stop_table import StopTable
 from engine.sampling_params import SamplingParams
 
 V = 64
@@ -90,10 +91,36 @@ def test_min_new_tokens_masks_stop_tokens_until_reached():
     logits = torch.zeros(2, V)
     logits[:, 2] = 10.0  # EOS is by far the most likely
     st = tensors([SamplingParams(min_new_tokens=3, temperature=0)] * 2)
-    stop_table = torch.tensor([[2, -1], [2, 5]])
-    out = sample(logits.clone(), st, torch.tensor([1, 3]), stop_table, [[]] * 2, ProcessorSet())
+    logits[0, 5] = 9.0  # then row 0's second stop token
+    stops = StopTable.build([[2, 5], [2]], "cpu")
+    out = sample(logits.clone(), st, torch.tensor([1, 3]), stops, [[]] * 2, ProcessorSet())
     assert out.next_ids.tolist()[1] == 2  # the second row has made its 3 tokens
     assert out.next_ids.tolist()[0] not in (2, 5)
+
+
+def test_the_stop_check_costs_the_stop_ids_there_are():
+    """Every running row's stop ids were padded to the widest list: one request with 1,024 stop ids made
+    the table [batch, 1,025] and every decode step compared all of it, its neighbours' rows included.
+    Each row now holds its own ids only."""
+    from engine.scheduler.batch import RunningBatch
+    from engine.scheduler.request import Req
+
+    wide = Req("wide", [1, 2], SamplingParams(stop_token_ids=tuple(range(10, 1034))), (2,))
+    plain = [Req(f"r{i}", [1, 2], SamplingParams(), (2,)) for i in range(7)]
+    for slot, req in enumerate([wide, *plain]):
+        req.slot = slot
+    batch = RunningBatch([wide, *plain], V * 1000, "cpu")
+    assert batch.stop_table.numel() == 1025 + 7
+
+
+def test_the_stop_table_follows_its_rows_through_merge_and_filter():
+    a, b = StopTable.build([[2], []], "cpu"), StopTable.build([[5, 9, 2], [7]], "cpu")
+    both = a.cat(b)
+    assert both.hits(torch.tensor([2, 2, 9, 8])).tolist() == [True, False, True, False]
+    kept = both.filter(torch.tensor([False, True, True, True]), 3)
+    assert kept.numel() == 4 and kept.hits(torch.tensor([2, 5, 7])).tolist() == [False, True, True]
+    assert kept.hits(torch.tensor([0, 0, 0])).tolist() == [False] * 3
+    assert StopTable.build([], "cpu").cat(kept).hits(torch.tensor([1, 1, 7])).tolist() == [False, False, True]
 
 
 def test_logit_bias_and_logprobs_from_raw_logits():
@@ -276,7 +303,7 @@ def test_a_complete_grammar_ends_the_output_before_min_new_tokens(greedy):
 
     logits[:, eos] = 10.0  # EOS is the most likely wherever it is allowed
     st = tensors([SamplingParams(min_new_tokens=6, temperature=0.0 if greedy else 1.0)] * 3)
-    out = sample(logits.clone(), st, torch.tensor([1, 1, 6]), torch.full((3, 1), eos), [[]] * 3, ProcessorSet(),
+    out = sample(logits.clone(), st, torch.tensor([1, 1, 6]), StopTable.build([[eos]] * 3, "cpu"), [[]] * 3, ProcessorSet(),
                  grammar=grammar)  # fmt: skip
     assert out.next_ids.tolist() == [eos, 9, eos]
 

@@ -27,6 +27,8 @@ INVALID = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"stop_token_ids": "2"}, "stop_token_ids"),
+    ({"stop_token_ids": [0] * 49152}, "stop_token_ids"),  # a beam search's selection then failed its whole step
+    ({"stop_token_ids": list(range(1, 1026))}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"min_new_tokens": -1}, "min_new_tokens"),
     ({"min_new_tokens": 200, "max_new_tokens": 10}, "min_new_tokens"),
@@ -273,3 +275,16 @@ def test_logit_bias_naming_one_token_twice_is_refused():
     for bias in ({"05": 2, "5": 1}, {5: 1, "5": 2}):
         with pytest.raises(ValueError, match="logit_bias names token 5 twice"):
             parse_sampling_params({"logit_bias": bias}, 49152, get_logit_processor)
+
+
+def test_stop_token_ids_are_deduplicated_and_bounded():
+    """Every stop token id widened each beam search's selection (and every running row's stop check):
+    duplicates count once, and more than MAX_STOP_TOKEN_IDS are refused naming the field."""
+    from engine.sampling_params import MAX_STOP_TOKEN_IDS, parse_sampling_params
+
+    assert parse_sampling_params({"stop_token_ids": [5, 2, 5, 5, 2, 7]}, 49152).stop_token_ids == (5, 2, 7)
+    assert parse_sampling_params({"stop_token_ids": 9}, 49152).stop_token_ids == (9,)
+    bound = list(range(MAX_STOP_TOKEN_IDS))
+    assert parse_sampling_params({"stop_token_ids": bound}, 49152).stop_token_ids == tuple(bound)
+    with pytest.raises(ValueError, match=f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS}"):
+        parse_sampling_params({"stop_token_ids": bound + [0]}, 49152)

@@ -493,3 +493,42 @@ def test_sampling_tensors_that_fail_to_build_fail_only_their_request(tiny_schedu
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
     assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens
+
+
+@pytest.mark.parametrize("at_step", [0, 2], ids=["start", "decode"])
+def test_a_beam_selection_that_fails_fails_its_search_alone(tiny_scheduler, monkeypatch, at_step):
+    """A search's selection raising (a stop list longer than its candidates made topk raise) failed the
+    whole step: a plain request and another search decoding beside it were aborted with its error.
+    docs/beam_search.md: that search alone fails, all its beams freed."""
+    from engine.beam_search.selection import BeamSelection
+    from engine.ipc.messages import BeamParams
+
+    run, sched = tiny_scheduler, tiny_scheduler.sched
+    plain = TokenizedRequest("plain", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    other = TokenizedRequest("other", [1, 9, 4], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+                             beam=BeamParams(1))  # fmt: skip
+    doomed = TokenizedRequest("doomed", [1, 7, 5], SamplingParams(max_new_tokens=7, temperature=0.0), beam=BeamParams(2))
+    run.submit(other)
+    while sched.run_once(block=False):
+        pass
+    alone = [m for m in run.messages() if isinstance(m, BeamSearchOut)]
+    real = BeamSelection.step
+
+    def step(self, logprobs):
+        if self.max_new == 7 and self.steps == at_step:  # the doomed search's
+            raise RuntimeError("injected selection failure")
+        return real(self, logprobs)
+
+    monkeypatch.setattr(BeamSelection, "step", step)
+    run.submit(plain, other, doomed)
+    while sched.run_once(block=False):
+        pass
+    messages = run.messages()
+    finishes = {rid: f for m in messages if isinstance(m, BatchTokenOut) for rid, f in zip(m.rids, m.finished) if f}
+    assert finishes["doomed"].type == "abort" and "injected selection failure" in finishes["doomed"].message, finishes
+    assert finishes["plain"] == FinishReason("length", length=8), finishes
+    searches = [m for m in messages if isinstance(m, BeamSearchOut)]
+    assert [m.rid for m in searches] == ["other"] and searches[0].hypotheses == alone[0].hypotheses
+    stats = sched.stats("s")
+    assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
+    assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens and not sched.beams

@@ -251,6 +251,10 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {  # a 500 before
         "name": "deep", "schema": json.loads('{"not": ' * 200 + "{}" + "}" * 200)}}}, None, 400, "nested", None),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 40}, None, 400, "stop", "stop"),
+    # a beam search's selection failed its whole step on these (200 with empty text, and other requests aborted)
+    ("POST", "/v1/completions", {"prompt": "x", "stop_token_ids": [0] * 2000}, None, 400, "stop_token_ids", "stop_token_ids"),
+    ("POST", "/v1/completions", {"prompt": "x", "use_beam_search": True, "stop_token_ids": list(range(1025))}, None, 400,
+     "stop_token_ids", "stop_token_ids"),
     ("POST", "/v1/completions", {"prompt": []}, None, 400, "", None),
     ("POST", "/v1/completions", {"prompt": [-5, 3]}, None, 400, "", "prompt"),  # the engine's input_ids is the prompt here
     ("POST", "/v1/completions", {"prompt": [[1], [99999999]]}, None, 400, "", "prompt"),

@@ -22,7 +22,7 @@ from engine.beam_search.selection import PUSH_DOWN, BeamSelection
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import process_logits
-from engine.scheduler.batch import cat_stop_tables, stop_table
+from engine.scheduler.batch import stop_table
 from engine.scheduler.request import Req
 
 
@@ -89,6 +89,11 @@ def _advance_group(g: BeamGroup, matchers: list, parents: list[int], tokens: lis
         g.failed = f"the grammar backend failed: {type(exc).__name__}: {exc}"
 
 
+def selection_failed(exc: Exception) -> str:
+    """Why a search whose selection raised ends (that search alone: the step's other rows go on)."""
+    return f"beam selection failed: {type(exc).__name__}: {exc}"
+
+
 def beam_step_hook(g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> None:
     """engine_beam_step, after a selection (a HookError fails this search only)."""
     s = g.selection
@@ -114,8 +119,8 @@ class BeamBatch:
         self.any_grammar = any(m is not None for m in self.matchers)
         if tensors is None:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            tensors = dict(slots=empty, kv_lens=empty, last_ids=empty, out_lens=empty,
-                           stop_table=empty.reshape(0, 1), sampling=start_sampling([], 1, self.vocab_size, self.device))  # fmt: skip
+            tensors = dict(slots=empty, kv_lens=empty, last_ids=empty, out_lens=empty, stop_table=stop_table([], 1, self.device),
+                           sampling=start_sampling([], 1, self.vocab_size, self.device))  # fmt: skip
         for name, value in tensors.items():
             setattr(self, name, value)
 
@@ -155,7 +160,7 @@ class BeamBatch:
             self._set_rows([group], new)
             return group
         tensors = {name: torch.cat([getattr(self, name), value]) for name, value in new.items() if name not in ("stop_table", "sampling")}
-        tensors["stop_table"] = cat_stop_tables(self.stop_table, new["stop_table"])
+        tensors["stop_table"] = self.stop_table.cat(new["stop_table"])
         tensors["sampling"] = self.sampling.merge(sampling)
         self._set_rows(self.groups + [group], tensors)
         return group
@@ -194,11 +199,17 @@ class BeamBatch:
         return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed,
                               self.beam_index, grammar)  # fmt: skip
 
-    def select(self, scores: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One selection per search: (parent beam, token) of each next beam."""
-        out, off = [], 0
+    def select(self, scores: torch.Tensor, failed: dict[int, str]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """One selection per search: (parent beam, token) of each next beam; None for a search whose
+        selection raised, which goes into `failed` (id of its request -> why) to fail alone."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        off = 0
         for g in self.groups:
-            out.append(g.selection.step(scores[off : off + g.width]))
+            try:
+                out.append(g.selection.step(scores[off : off + g.width]))
+            except Exception as exc:  # noqa: BLE001 - this search alone
+                failed[id(g.req)] = selection_failed(exc)
+                out.append(None)
             off += g.width
         return out
 
@@ -239,7 +250,8 @@ class BeamBatch:
             self._set_rows([])
             return
         keep = torch.tensor(keep_list, dtype=torch.bool, device=self.device)
-        tensors = {name: getattr(self, name)[keep] for name in ("slots", "kv_lens", "last_ids", "out_lens", "stop_table")}
+        tensors = {name: getattr(self, name)[keep] for name in ("slots", "kv_lens", "last_ids", "out_lens")}
+        tensors["stop_table"] = self.stop_table.filter(keep, sum(keep_list))
         tensors["sampling"] = self.sampling.filter(keep, keep_list)
         self._set_rows(groups, tensors)
 

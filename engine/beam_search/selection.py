@@ -2,7 +2,7 @@
 
 Per step, over the K live beams' processed log-probabilities [K, V]:
   1. every continuation's cumulative score: beam score + token log-probability (K x V candidates);
-  2. the best `keep` = max(2, 1 + number of stop tokens) x K of them: one top-k;
+  2. the best `keep` = max(2, 1 + number of stop tokens) x K of them (at most all K x V): one top-k;
   3. a candidate "hits" when its token is a stop token or the hypothesis reached max_new_tokens;
   4. the K best candidates that do not hit become the live beams (scores of those that hit are pushed
      down by 1e9, so fewer than K non-hitting candidates leave hopeless beams, as in transformers);
@@ -12,7 +12,9 @@ The search ends when no live beam can beat the worst finished hypothesis (early_
 at the current length; "never": at max_new_tokens when length_penalty > 0), when K hypotheses are
 finished and early_stopping is True, or when every candidate hits.
 
-All of it is tensor operations on the scheduler's device; nothing here loops over beams or tokens.
+All of it is tensor operations on the scheduler's device; nothing here loops over beams or tokens. Only
+the 2K candidates chosen (K live beams, K finished) get a copy of their tokens, so a step's memory does not
+grow with the stop tokens times max_new_tokens.
 """
 
 from __future__ import annotations
@@ -55,24 +57,26 @@ class BeamSelection:
         self.improvable = True
         self.steps = 0  # tokens generated so far by every live beam
         self.done = False
-        self._top_mask = torch.arange(self.keep, device=device) < k
+
+    def _tokens_of(self, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, max_new] the token rows of n candidates: their parent's tokens, then their own."""
+        rows = self.tokens[parents]
+        rows[:, self.steps] = tokens
+        return rows
 
     def step(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Processed log-probabilities [K, V] of the live beams (or [1, V] at the start, the prompt's)
         -> (parent beam [K], chosen token [K]) of the next live beams."""
         k, t = self.width, self.steps
         top_scores, parents, tokens = self._best_candidates(logprobs)
-        cand = self.tokens[parents]
-        cand[:, t] = tokens
         hits = torch.isin(tokens, self.stop_ids) if self.stop_ids.numel() else torch.zeros_like(tokens, dtype=torch.bool)
         if t + 1 >= self.max_new:
             hits = torch.ones_like(hits)
         # the next live beams: the best candidates that did not hit
         running = top_scores + hits.to(torch.float32) * PUSH_DOWN
         nxt = torch.topk(running, k).indices
-        self.tokens, self.scores = cand[nxt], running[nxt]
         # finished hypotheses: hitting candidates among the first K, if they can still count
-        just = hits & self._top_mask
+        just = hits & (torch.arange(hits.numel(), device=hits.device) < k)
         norm = top_scores / ((t + 1) ** self.length_penalty)
         if bool(self.is_fin.all()) and self.early_stopping is True:
             norm = norm + PUSH_DOWN
@@ -81,9 +85,13 @@ class BeamSelection:
         norm = norm + (~just).to(torch.float32) * PUSH_DOWN
         merged = torch.cat([self.fin_scores, norm])
         best = torch.topk(merged, k).indices
+        kept = best < k  # a finished hypothesis kept, else candidate best - k
+        cand = (best - k).clamp(min=0)
+        new_rows = self._tokens_of(parents[cand], tokens[cand])
+        self.fin_tokens = torch.where(kept[:, None], self.fin_tokens[best.clamp(max=k - 1)], new_rows)
+        self.tokens, self.scores = self._tokens_of(parents[nxt], tokens[nxt]), running[nxt]
         self.fin_scores = merged[best]
         self.fin_logprobs = torch.cat([self.fin_logprobs, top_scores])[best]
-        self.fin_tokens = torch.cat([self.fin_tokens, cand])[best]
         self.fin_lens = torch.cat([self.fin_lens, torch.full_like(tokens, t + 1)])[best]
         self.is_fin = torch.cat([self.is_fin, just])[best]
         self.steps = t = t + 1
@@ -101,8 +109,8 @@ class BeamSelection:
         """The `keep` best (cumulative score, parent beam, token) over all K x V continuations, best
         first. Two top-k's (per beam, then over the K x keep survivors) give the same candidates as
         one over K x V, several times faster for wide beams."""
-        k, keep = self.width, self.keep
-        vocab = logprobs.shape[1]
+        k, vocab = self.width, logprobs.shape[1]
+        keep = min(self.keep, k * vocab)  # a stop list as long as the vocabulary asks for more than there are
         if logprobs.shape[0] == 1 and k > 1:  # the start: every beam is the prompt, beam 0 alone counts
             if keep <= vocab:  # ...unless its keep-th best is below the other beams' pushed-down best
                 top_scores, tokens = torch.topk(logprobs[0] + self.scores[0], keep)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import hooks
-from engine.beam_search.batch import BeamGroup, beam_step_hook, start_sampling
+from engine.beam_search.batch import BeamGroup, beam_step_hook, selection_failed, start_sampling
 from engine.scheduler.batch import stop_table
 from engine.beam_search.params import beam_problem, check_beam
 from engine.beam_search.selection import BeamSelection
@@ -70,13 +70,18 @@ def process_starts(sched: Scheduler, reqs: list[Req], logits: torch.Tensor, fail
                           [0] * len(reqs), grammar)  # fmt: skip
 
 
-def select_starts(sched: Scheduler, reqs: list[Req], scores: torch.Tensor) -> list:
+def select_starts(sched: Scheduler, reqs: list[Req], scores: torch.Tensor, failed: dict[int, str]) -> list:
+    """Each starting search's first selection; one that raises goes into `failed` and fails alone."""
     out = []
     for i, req in enumerate(reqs):
         b = req.beam
-        selection = BeamSelection(b.width, req.sampling.max_new_tokens, req.stop_ids, b.length_penalty,
-                                  b.early_stopping, sched.device)  # fmt: skip
-        parents, tokens = selection.step(scores[i : i + 1])
+        try:
+            selection = BeamSelection(b.width, req.sampling.max_new_tokens, req.stop_ids, b.length_penalty,
+                                      b.early_stopping, sched.device)  # fmt: skip
+            parents, tokens = selection.step(scores[i : i + 1])
+        except Exception as exc:  # noqa: BLE001 - this search alone
+            failed[id(req)] = selection_failed(exc)
+            continue
         out.append((req, selection, parents, tokens))
     return out
 
@@ -108,7 +113,8 @@ def prepare(sched: Scheduler, step: Step, logits: torch.Tensor) -> BeamScores:
 
 
 def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
-    """One selection per search (kept in the step for process results)."""
+    """One selection per search (kept in the step for process results); a selection that raises fails
+    its search alone, as a failing processor does."""
     if hooks.has("engine_process_logits"):
         matchers = [r.matcher for r in step.beam_starts] if step.beam_starts else sched.beams.matchers
         if any(m is not None for m in matchers):
@@ -116,9 +122,9 @@ def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
     if step.beam_starts:
         reqs = step.beam_starts
         ok = [i for i in range(len(reqs)) if id(reqs[i]) not in step.beam_failed]
-        step.beam_out = select_starts(sched, [reqs[i] for i in ok], beam.scores[ok])
+        step.beam_out = select_starts(sched, [reqs[i] for i in ok], beam.scores[ok], step.beam_failed)
     else:
-        step.beam_out = sched.beams.select(beam.scores)
+        step.beam_out = sched.beams.select(beam.scores, step.beam_failed)
 
 
 def refuse_stops(beam: BeamScores, matchers: list) -> None:
@@ -129,8 +135,9 @@ def refuse_stops(beam: BeamScores, matchers: list) -> None:
     for row, m in enumerate(matchers):
         if m is None or m.is_terminated():
             continue
-        for stop in beam.reqs[row].stop_ids:
-            if beam.scores[row, stop] != float("-inf") and not m.fork().accept_token(stop):
+        stops = torch.tensor(beam.reqs[row].stop_ids, dtype=torch.int64, device=beam.scores.device)
+        for stop in stops[~torch.isneginf(beam.scores[row, stops])].tolist():  # those the hook left open
+            if not m.fork().accept_token(stop):
                 beam.scores[row, stop] = float("-inf")
 
 

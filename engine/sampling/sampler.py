@@ -21,6 +21,7 @@ import torch
 from engine.hooks.runtime import FatalHookError
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorBatch, ProcessorSet
+from engine.sampling.stop_table import StopTable
 
 NEG_INF = float("-inf")
 
@@ -50,18 +51,16 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: StopTable,
                          keep_last: bool = False) -> None:  # fmt: skip
     """min_new_tokens: rows that have not generated enough yet cannot pick EOS or a stop token.
 
     `keep_last` (a grammar or a custom processor masked tokens before): a row this would leave with no
     token at all keeps its stop tokens. A complete grammar allows only EOS; masking it too drew token 0,
     which the grammar then refused, and a finished output ended as an abort."""
-    active = (out_lens < st.min_new)[:, None] & (stop_table >= 0)
-    rows, cols = active.nonzero(as_tuple=True)
+    rows, ids = stop_table.where(out_lens < st.min_new)
     if not rows.numel():
         return
-    ids = stop_table[rows, cols]
     saved = logits[rows, ids] if keep_last else None
     logits[rows, ids] = NEG_INF
     if saved is not None:
@@ -127,7 +126,7 @@ def draw(probs: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> to
     return picked.clamp_(max=probs.shape[-1] - 1)
 
 
-def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: StopTable,
                    output_ids: list[list[int]], processors: ProcessorSet, failed: dict[int, str],
                    beams: list[int | None] | None = None, grammar=None) -> torch.Tensor:  # fmt: skip
     """The engine's own processing, in order: logit bias, penalties, custom processors, grammar masks
@@ -207,7 +206,7 @@ def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return drop
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: torch.Tensor,
+def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: StopTable,
            output_ids: list[list[int]], processors: ProcessorSet, on_logits=None, grammar=None) -> SampleOutput:  # fmt: skip
     """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
     out = SampleOutput(next_ids=torch.empty(0))

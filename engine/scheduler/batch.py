@@ -9,20 +9,13 @@ from __future__ import annotations
 import torch
 
 from engine.sampling.batch_params import SamplingTensors
+from engine.sampling.stop_table import StopTable
 from engine.scheduler.request import Req
 
 
-def stop_table(reqs: list[Req], copies: int, device) -> torch.Tensor:
-    """[rows, width] int64: each request's stop token ids (`copies` rows each), padded with -1."""
-    width = max([len(r.stop_ids) for r in reqs] + [1])
-    rows = [list(r.stop_ids) + [-1] * (width - len(r.stop_ids)) for r in reqs for _ in range(copies)]
-    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), width)
-
-
-def cat_stop_tables(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two stop tables, one after the other, padded with -1 to the wider."""
-    w = max(a.shape[1], b.shape[1])
-    return torch.cat([torch.nn.functional.pad(t, (0, w - t.shape[1]), value=-1) for t in (a, b)])
+def stop_table(reqs: list[Req], copies: int, device) -> StopTable:
+    """Each request's stop token ids, `copies` rows each."""
+    return StopTable.build([r.stop_ids for r in reqs for _ in range(copies)], device)
 
 
 def sampling_tensors(reqs: list[Req], vocab_size: int, device) -> SamplingTensors:
@@ -60,8 +53,9 @@ class RunningBatch:
         self.rids = [r.rid for r in self.reqs]
         self.matchers = [m for m, k in zip(self.matchers, keep_list) if k]
         self.any_grammar = any(m is not None for m in self.matchers)
-        for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new", "stop_table"):
+        for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new"):
             setattr(self, name, getattr(self, name)[keep])
+        self.stop_table = self.stop_table.filter(keep, len(self.reqs))
         self.sampling = self.sampling.filter(keep, keep_list)
 
     def merge(self, other: "RunningBatch") -> None:
@@ -74,7 +68,7 @@ class RunningBatch:
         self.any_grammar = self.any_grammar or other.any_grammar
         for name in ("slots", "kv_lens", "last_ids", "out_lens", "max_new"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        self.stop_table = cat_stop_tables(self.stop_table, other.stop_table)
+        self.stop_table = self.stop_table.cat(other.stop_table)
         self.sampling = self.sampling.merge(other.sampling)
 
     @classmethod

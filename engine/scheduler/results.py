@@ -31,7 +31,7 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
     next_ids = sampled.next_ids
     rows.last_ids = next_ids
     rows.out_lens = rows.out_lens + 1
-    hit_stop = (next_ids[:, None] == rows.stop_table).any(dim=1)
+    hit_stop = rows.stop_table.hits(next_ids)
     done = hit_stop | (rows.out_lens >= rows.max_new)
     ids = next_ids.tolist()
     rids = rows.rids

@@ -23,7 +23,8 @@ class Step:
     beam_starts: list[Req] = field(default_factory=list)
     beam_reqs: list[Req] = field(default_factory=list)
     beam_out: list | None = None  # the sample stage's selections, for process results
-    beam_failed: dict[int, str] = field(default_factory=dict)  # id(req) -> a custom processor's error
+    # id(req) -> why its search fails alone (a custom processor, its grammar backend or its selection raised)
+    beam_failed: dict[int, str] = field(default_factory=dict)
 
     @property
     def mode(self) -> ForwardMode:
