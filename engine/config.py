@@ -43,6 +43,9 @@ class EngineConfig:
     preload_tokenizer: bool = False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
     # children start, not on first use (it imports torch: 6-8 s on a 2-core Zen 1); engine serve turns it on
     plugins: str | None = None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
+    # sequences one generate or beam_search call may create (prompts x n; a beam search's beams): a few KB of
+    # input must not queue a hundred thousand requests; 4,096 holds the suite's 1,000-request crowd 4 times
+    max_sequences_per_call: int = 4096
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -67,7 +70,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("max_running_requests", "max_prefill_tokens"):
+        for name in ("max_running_requests", "max_prefill_tokens", "max_sequences_per_call"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

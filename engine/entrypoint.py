@@ -174,7 +174,8 @@ class Engine:
         except BaseException:
             self._finalizer()
             raise
-        self.server_info = dict(res.children[0].info, model=model_name(self.config.model_path))
+        self.server_info = dict(res.children[0].info, model=model_name(self.config.model_path),
+                                max_sequences_per_call=self.config.max_sequences_per_call)  # fmt: skip
         self._prompt_tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)

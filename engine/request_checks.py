@@ -3,7 +3,10 @@ UTF-8 cannot encode), and of the text messages it receives (lists of unequal len
 
 from __future__ import annotations
 
-from engine.ipc.messages import BatchTextOut
+from typing import Any
+
+from engine.ipc.messages import BatchTextOut, BeamParams
+from engine.sampling_params import MAX_N, SamplingParams
 
 MAX_TOP_LOGPROBS = 100
 
@@ -27,6 +30,44 @@ def _check_unique_rids(rids: list[str]) -> None:
     if twice:
         raise ValueError(f"request id(s) {twice} occur more than once in this call (a prompt with n > 1 uses "
                          "ids <rid>-0 .. <rid>-<n-1>): choose rids that stay distinct")  # fmt: skip
+
+
+def _prompt_count(prompt: Any, input_ids: Any, messages: Any) -> tuple[str, int]:
+    """(the input's name, how many prompts it holds), read from its shape alone; a shape the tokenize
+    stage refuses counts as one."""
+    if prompt is not None:
+        return "prompt", len(prompt) if isinstance(prompt, list) else 1
+    name, value = ("input_ids", input_ids) if input_ids is not None else ("messages", messages)
+    return name, len(value) if isinstance(value, list) and value and isinstance(value[0], list) else 1
+
+
+def _n(params: Any) -> int:
+    """A request's n as given; a value parse_sampling_params refuses (naming n) counts as one."""
+    n = params.n if isinstance(params, SamplingParams) else params.get("n", 1) if isinstance(params, dict) else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+
+
+def check_call_size(limit: int, prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
+                    beam: BeamParams | None) -> None:  # fmt: skip
+    """ValueError when one call would create more than `limit` sequences: prompts x n, a list of
+    sampling_params each entry's n, a beam search beam_width per prompt. Read from the inputs' shapes
+    before anything is tokenized or built (1,000 prompts x n=128, a 5 KB body, queued 128,000 requests)."""
+    name, prompts = _prompt_count(prompt, input_ids, messages)
+    each = f" for each of {prompts:,} prompts" if prompts > 1 else ""
+    if beam is not None:
+        width = beam.width if isinstance(beam.width, int) and beam.width >= 1 else 1
+        total, what = prompts * width, f"beam_width={width}{each} makes"
+    elif isinstance(sampling_params, list):
+        total = sum(_n(p) for p in sampling_params[:prompts]) + max(prompts - len(sampling_params), 0)
+        what = f"sampling_params: the n of the {prompts:,} prompts add up to"
+    elif _n(sampling_params) > 1:
+        n = _n(sampling_params)
+        total, what = prompts * n, f"n={n}{each} makes"
+    else:
+        total, what = prompts, f"{name}: {prompts:,} prompts make"
+    if total > limit:
+        raise ValueError(f"{what} {total:,} sequences, more than max_sequences_per_call={limit:,} allows in one "
+                         "call: split it into smaller calls (or start the engine with a larger max_sequences_per_call)")
 
 
 def _unicode(text: str, where: str) -> str:

@@ -42,7 +42,7 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
-from engine.request_checks import _check_logprob_options, _check_unique_rids, _malformed
+from engine.request_checks import _check_logprob_options, _check_unique_rids, _malformed, check_call_size
 from engine.request_state import ReqState
 from engine.tokenize_stage import tokenize_stage
 from engine.tracing.context import normalize_trace_context
@@ -104,6 +104,7 @@ class TokenizerManager:
         self.context_length = 0
         self.max_total_tokens = 0
         self.max_running_requests = 0
+        self.max_sequences_per_call = 0
         self.model = ""  # this engine's model name: its requests carry it (PromptRequest.model)
         # rids of calls between their clash check and registration: checked and taken under
         # states_lock, so two calls giving one rid at once never both reach the submit hooks
@@ -117,6 +118,7 @@ class TokenizerManager:
         self.context_length = info["context_length"]
         self.max_total_tokens = info["max_total_tokens"]
         self.max_running_requests = info["max_running_requests"]
+        self.max_sequences_per_call = info["max_sequences_per_call"]
         self.vocab_size = info["vocab_size"]  # the model's, which may exceed the tokenizer's
         self.model = str(info.get("model", ""))
         self._on_dead = on_dead
@@ -329,6 +331,7 @@ class TokenizerManager:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         carrier = normalize_trace_context(trace_context)
+        check_call_size(self.max_sequences_per_call, prompt, input_ids, messages, sampling_params, beam)
         id_lists, is_batch, items = self.tokenize(prompt, input_ids, messages)
         n_prompts = len(id_lists)
         if isinstance(sampling_params, list):

@@ -552,3 +552,65 @@ def test_an_abort_racing_its_requests_submission_still_stops_it(engine, monkeypa
     engine.abort("racing")
     submitter.join(60)
     assert results and results[0]["meta_info"]["finish_reason"]["type"] == "abort", results
+
+
+def test_a_call_making_more_sequences_than_the_bound_is_refused_before_anything_is_built(engine, monkeypatch):
+    """1,000 prompts with n=128 (a 5 KB body over HTTP) queued 128,000 requests, grew the user process by
+    320 MB and held the engine for 40 minutes. A call's sequences (prompts x n; a beam search's beams)
+    are bounded by max_sequences_per_call (4,096 by default), checked before a prompt is tokenized."""
+    tm = engine._resources.tokenizer_manager
+    before = engine.get_stats()
+
+    def tokenize(*args, **kwargs):
+        raise AssertionError("the call was tokenized before its size was checked")
+
+    monkeypatch.setattr(tm, "tokenize", tokenize)
+    one = {"max_new_tokens": 1}
+    with pytest.raises(ValueError, match=r"n=128 for each of 33 prompts makes 4,224 sequences.*max_sequences_per_call"):
+        engine.generate(input_ids=[[5]] * 33, sampling_params={**one, "n": 128})
+    with pytest.raises(ValueError, match=r"^prompt: 4,097 prompts make 4,097 sequences"):
+        engine.generate(["a"] * 4097, one)
+    with pytest.raises(ValueError, match=r"^sampling_params: .* 4,100 sequences"):
+        engine.generate(input_ids=[[5]] * 41, sampling_params=[{**one, "n": 100}] * 41)
+    with pytest.raises(ValueError, match=r"^messages: 4,097 prompts"):
+        asyncio.run(engine.async_generate(messages=[[{"role": "user", "content": "a"}]] * 4097, sampling_params=one))
+    with pytest.raises(ValueError, match=r"^beam_width=8 for each of 513 prompts makes 4,104 sequences"):
+        engine.beam_search(["a"] * 513, beam_width=8, max_new_tokens=1)
+    after = engine.get_stats()
+    assert after["prompt_tokens"] == before["prompt_tokens"] and after["tracked"]["user"]["states"] == 0
+    assert engine.server_info["max_sequences_per_call"] == 4096
+
+
+def test_the_sequence_count_of_each_input_shape():
+    """prompts x n, each entry's own n in a list of sampling_params, beam_width per prompt; values the
+    later checks refuse by name (n out of range, a malformed input) count as one."""
+    from engine.ipc.messages import BeamParams
+    from engine.request_checks import check_call_size
+
+    def fits(limit: int, **call) -> bool:
+        call.setdefault("sampling_params", None)
+        try:
+            check_call_size(limit, call.pop("prompt", None), call.pop("input_ids", None), call.pop("messages", None),
+                            call.pop("sampling_params"), call.pop("beam", None))  # fmt: skip
+        except ValueError:
+            return False
+        return True
+
+    chat = [{"role": "user", "content": "a"}]
+    assert fits(8, prompt=["a"] * 2, sampling_params={"n": 4}) and not fits(8, prompt=["a"] * 3, sampling_params={"n": 3})
+    assert fits(8, prompt="a", sampling_params={"n": 8}) and not fits(7, prompt="a", sampling_params={"n": 8})
+    assert fits(8, input_ids=[[1]] * 8) and not fits(8, input_ids=[[1]] * 9) and fits(2, input_ids=[1, 2, 3])
+    assert fits(2, messages=chat) and fits(2, messages=[chat] * 2) and not fits(2, messages=[chat] * 3)
+    assert fits(9, input_ids=[[1], [2]], sampling_params=[{"n": 5}, {"n": 4}])
+    assert not fits(8, input_ids=[[1], [2]], sampling_params=[{"n": 5}, {"n": 4}])
+    assert fits(9, prompt=["a"] * 3, beam=BeamParams(3)) and not fits(8, prompt=["a"] * 3, beam=BeamParams(3))
+    for n in (10**12, "x", True, None):
+        assert fits(2, prompt=["a"] * 2, sampling_params={"n": n})
+
+
+def test_max_sequences_per_call_is_checked_at_start():
+    from engine import Engine
+
+    for value in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_sequences_per_call must be"):
+            Engine(max_sequences_per_call=value)

@@ -255,6 +255,10 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "x", "stop_token_ids": [0] * 2000}, None, 400, "stop_token_ids", "stop_token_ids"),
     ("POST", "/v1/completions", {"prompt": "x", "use_beam_search": True, "stop_token_ids": list(range(1025))}, None, 400,
      "stop_token_ids", "stop_token_ids"),
+    # a 5 KB body queued 128,000 requests
+    ("POST", "/v1/completions", {"prompt": ["a"] * 1000, "n": 5, "max_tokens": 1}, None, 400, "max_sequences_per_call", "n"),
+    ("POST", "/v1/completions", {"prompt": [[5]] * 600, "use_beam_search": True, "beam_width": 8, "max_tokens": 1}, None,
+     400, "max_sequences_per_call", None),
     ("POST", "/v1/completions", {"prompt": []}, None, 400, "", None),
     ("POST", "/v1/completions", {"prompt": [-5, 3]}, None, 400, "", "prompt"),  # the engine's input_ids is the prompt here
     ("POST", "/v1/completions", {"prompt": [[1], [99999999]]}, None, 400, "", "prompt"),
