@@ -22,11 +22,15 @@ def main() -> None:
         print(f"engine ready: {info['architecture']} {info['dtype']} on {info['device']}, "
               f"KV pool {info['max_total_tokens']} tokens, pids {engine.pids}\n")
 
-        # The seed example: one plain prompt, sampled.
-        out = engine.generate(
-            "What is the capital of France?", sampling_params={"max_new_tokens": 64, "temperature": 0.7}
-        )
-        print(f"[prompt] What is the capital of France?\n{out['text']!r}\n{out['meta_info']}\n")
+        # The seed example: one chat turn, greedy (an instruct model answers chats; a bare question it may end at once).
+        out = engine.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                              sampling_params={"max_new_tokens": 64, "temperature": 0})
+        print(f"[chat] What is the capital of France?\n{out['text']!r}\n{out['meta_info']}\n")
+
+        # A plain prompt is continued as text, here sampled.
+        prompt = "The three primary colors are"
+        out = engine.generate(prompt, sampling_params={"max_new_tokens": 32, "temperature": 0.7, "seed": 0})
+        print(f"[prompt] {prompt}{out['text']}\n")
 
         # A batch of chat requests, continuously batched, with a progress bar.
         chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
