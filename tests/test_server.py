@@ -321,7 +321,10 @@ NULLABLE = {"model": None, "max_tokens": None, "temperature": None, "top_p": Non
             "stream_options": None, "response_format": None, "top_k": None, "min_p": None, "repetition_penalty": None,
             "min_tokens": None, "ignore_eos": None, "stop_token_ids": None, "skip_special_tokens": None,
             "spaces_between_special_tokens": None, "custom_logit_processor": None, "custom_params": None, "regex": None,
-            "ebnf": None, "use_beam_search": None, "beam_width": None, "length_penalty": None, "early_stopping": None}  # fmt: skip
+            "ebnf": None, "use_beam_search": None, "beam_width": None, "length_penalty": None, "early_stopping": None,
+            "include_stop_str_in_output": None, "no_stop_trim": None, "json_schema": None, "guided_json": None,
+            "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+            "priority": None}  # fmt: skip
 
 
 def test_null_means_the_default_in_every_nullable_field(server):
@@ -770,3 +773,150 @@ def test_completions_logprobs_0_give_the_chosen_token_alone(client):
     tops = [t for p in pieces for t in p.top_logprobs]
     assert [list(t) for t in tops] == [list(t) for t in lp.top_logprobs]
     assert [v for t in tops for v in t.values()] == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(server, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats, which guidellm and other clients written for vLLM
+    send (it was a 400): every chunk carries its choice's usage so far; include_usage still adds the
+    request's usage as the last chunk."""
+    body = {"model": "smol", "messages": CHAT, "max_tokens": 5, "temperature": 0, "n": 2, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    chunks = _sse(http(server, "POST", "/v1/chat/completions", json=body))
+    assert all(c.get("usage") for c in chunks) and chunks[-1]["choices"] == []
+    final = chunks[-1]["usage"]
+    assert final["completion_tokens"] == 10 and final["total_tokens"] == final["prompt_tokens"] + 10
+    so_far = {0: [], 1: []}
+    for c in chunks[:-1]:
+        u = c["usage"]
+        assert u["prompt_tokens"] == final["prompt_tokens"] and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        so_far[c["choices"][0]["index"]].append(u["completion_tokens"])
+    for counts in so_far.values():  # the role chunk first (no tokens yet), then each choice's tokens so far
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 5
+
+    prompts = ["The sky is", "Once upon a time, in a land"]
+    body = {"model": "smol", "prompt": prompts, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    chunks = _sse(http(server, "POST", "/v1/completions", json=body))
+    assert all(c["choices"] and c["usage"] for c in chunks)  # no include_usage: no usage-only last chunk
+    last = {c["choices"][0]["index"]: c["usage"] for c in chunks}
+    assert [last[i]["prompt_tokens"] for i in (0, 1)] == [len(tokenizer.encode(p)) for p in prompts]
+    assert [last[i]["completion_tokens"] for i in (0, 1)] == [4, 4]
+
+
+def test_vllm_and_sglang_names_for_what_the_engine_does(client):
+    """Fields that clients written for vLLM or SGLang send, and that the engine can do (each was a 400):
+    the matched stop string kept at the end of the text, structured output by their names."""
+    kwargs = dict(model="smol", prompt="Count: 1, 2, 3, 4, 5, 6,", max_tokens=40, temperature=0, stop=[" 9"])
+    cut = client.completions.create(**kwargs).choices[0]
+    assert cut.finish_reason == "stop" and not cut.text.endswith(" 9")
+    for name in ("include_stop_str_in_output", "no_stop_trim"):
+        kept = client.completions.create(**kwargs, extra_body={name: True}).choices[0]
+        assert kept.text == cut.text + " 9" and kept.finish_reason == "stop", name
+    streamed = client.completions.create(**kwargs, stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in streamed) == cut.text + " 9"
+    chat = dict(model="smol", messages=CHAT, max_tokens=16, temperature=0, stop=[" Paris"])
+    cut = client.chat.completions.create(**chat).choices[0]
+    assert cut.finish_reason == "stop"
+    streamed = client.chat.completions.create(**chat, stream=True, extra_body={"no_stop_trim": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut.message.content + " Paris"
+
+    # one request a way of translating (each compiles a grammar: seconds); the names' mapping below
+    odd = ["a.b", "(x)|y", "back\\slash", "sp ace"]  # each choice is itself, not a regex
+    out = client.completions.create(model="smol", prompt="Pick one:", max_tokens=12, temperature=0,
+                                    extra_body={"guided_choice": odd})  # fmt: skip
+    assert out.choices[0].text in odd
+    yes_no = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    out = client.chat.completions.create(model="smol", messages=yes_no, max_tokens=4, temperature=0,
+                                         extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}})  # fmt: skip
+    assert out.choices[0].message.content in ("yes", "no")
+    schema = {"type": "object", "properties": {"blue": {"type": "boolean"}}, "required": ["blue"],
+              "additionalProperties": False}  # fmt: skip
+    out = client.chat.completions.create(model="smol", messages=yes_no, max_tokens=16, temperature=0,
+                                         extra_body={"guided_json": schema})  # fmt: skip
+    assert isinstance(json.loads(out.choices[0].message.content)["blue"], bool)
+
+
+def test_vllm_and_sglang_constraint_names_become_the_engines():
+    """Each of vLLM's and SGLang's names for structured output, as the engine's parameter (over HTTP
+    each costs a grammar compile: one of each kind is sent above)."""
+    from engine.serve.protocol import ChatCompletionRequest
+    from engine.serve.translate import choice_regex, sampling_params
+
+    schema, ebnf = {"type": "object"}, 'root ::= "a"'
+    for extra, engine_param in [
+        ({"guided_json": schema}, {"json_schema": schema}),
+        ({"json_schema": '{"type": "object"}'}, {"json_schema": '{"type": "object"}'}),
+        ({"guided_regex": "(yes|no)"}, {"regex": "(yes|no)"}),
+        ({"guided_grammar": ebnf}, {"ebnf": ebnf}),
+        ({"guided_choice": ["a", "b"]}, {"regex": "(a|b)"}),
+        ({"structured_outputs": {"json": schema}}, {"json_schema": schema}),
+        ({"structured_outputs": {"regex": "a+"}}, {"regex": "a+"}),
+        ({"structured_outputs": {"choice": ["a"]}}, {"regex": "(a)"}),
+        ({"structured_outputs": {"grammar": ebnf}}, {"ebnf": ebnf}),
+        ({"structured_outputs": {"json_object": True}}, {"json_schema": {"type": "object"}}),
+        ({"structured_outputs": {"json_object": False}}, {}),
+        ({"response_format": {"type": "text"}}, {}),
+    ]:
+        params = sampling_params(ChatCompletionRequest(messages=CHAT, max_tokens=4, **extra))
+        assert {k: params[k] for k in ("json_schema", "regex", "ebnf") if k in params} == engine_param, extra
+    assert choice_regex(["a.b", "(x)|y", "back\\slash", "-/"]) == r"(a\.b|\(x\)\|y|back\\slash|\-\/)"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "(("}, "guided_regex"),
+    ({"guided_json": {"type": "objekt"}}, "guided_json"),
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_json": {"type": "object"}, "regex": "a"}, "guided_json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+    ({"stream_options": {"continuous_usage_stats": True}}, None),  # without stream: true, as include_usage
+])  # fmt: skip
+def test_bad_vllm_and_sglang_constraints_are_400s_naming_the_field(server, extra, param):
+    r = http(server, "POST", "/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and (param is None or param in error["message"]), error
+    assert "_new_tokens" not in r.text and "Traceback" not in r.text
+
+
+def test_other_servers_fields_are_ignored_with_a_warning_or_refused(server):
+    """vLLM's and SGLang's fields the engine has no use for: those that only say where or how a request
+    runs there are taken and logged (as vLLM does for unknown fields); those whose ignoring would change
+    the answer are a 400 naming the field, unless they ask for nothing. docs/server.md lists them all."""
+    from engine.serve.protocol import IGNORED_FIELDS, REFUSED_CHAT, REFUSED_COMPLETIONS, REFUSED_FIELDS
+
+    ignored = {"priority": 3, "request_id": "mine-1", "kv_transfer_params": {"do_remote_decode": False},
+               "mm_processor_kwargs": {}, "stream_interval": 4, "session_id": None}  # fmt: skip
+    r = http(server, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **ignored})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while "ignored parameter(s)" not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    warned = [line for line in server.lines if "ignored parameter(s)" in line]
+    assert warned and "ignored parameter(s) kv_transfer_params, mm_processor_kwargs, priority, request_id, " \
+                      "stream_interval " in warned[-1], warned  # fmt: skip
+
+    for path, refused, base in (("/v1/chat/completions", {**REFUSED_FIELDS, **REFUSED_CHAT}, {"messages": CHAT}),
+                                ("/v1/completions", {**REFUSED_FIELDS, **REFUSED_COMPLETIONS}, {"prompt": "Hi"})):  # fmt: skip
+        for name in refused:
+            r = http(server, "POST", path, json={**base, "max_tokens": 1, name: 7})
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
+            assert r.json()["error"]["message"].startswith(f"{name} is not supported"), r.text
+        nothing = {name: ok[0] if ok else None for name, ok in refused.items()}
+        r = http(server, "POST", path, json={**base, "max_tokens": 1, **nothing})
+        assert r.status_code == 200, (path, r.text)
+    assert http(server, "POST", "/v1/completions", json={"prompt": "Hi", "add_generation_prompt": True}).status_code == 400
+
+    docs = (Path(TESTS_DIR).parent / "docs" / "server.md").read_text()
+    listed = set(re.findall(r"`([a-z_]+)`", docs.split("## vLLM's and SGLang's fields", 1)[1].split("\n## ", 1)[0]))
+    assert {*IGNORED_FIELDS, *REFUSED_FIELDS, *REFUSED_CHAT, *REFUSED_COMPLETIONS} <= listed
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -21,6 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.serve import beams, errors, logprobs, sse, translate
 from engine.serve.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+log = logging.getLogger("engine.serve")
 
 
 @dataclass
@@ -140,6 +143,10 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         and the names the engine's errors must use for this body (errors.install reads them)."""
         request.state.openai_names = translate.openai_names(body)
         check_model(body.model)
+        ignored = body.ignored_fields()
+        if ignored:  # as vLLM does for the fields it does not know
+            log.warning("%s %s: ignored parameter(s) %s (they change nothing here: docs/server.md)", request.method,
+                        request.url.path, ", ".join(ignored))  # fmt: skip
         params = translate.sampling_params(body, engine.server_info.get("context_length"))
         want_logprobs, top = translate.logprob_options(body)
         return params, want_logprobs, top, translate.new_id(prefix)
@@ -154,8 +161,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
                     return_logprob=want_logprobs, top_logprobs_num=top)  # fmt: skip
         if body.stream:
             stream = await open_stream(args, [rid])
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            fmt = sse.ChatChunks(rid, name, body.n, include_usage, want_logprobs, text_of)
+            fmt = sse.ChatChunks(rid, name, body.n, include_usage(body), want_logprobs, text_of, **stream_options(body))
             return _sse_response(stream, fmt, inflight, [rid])
         with inflight.track([rid]):
             out = await until_disconnect(request, engine.async_generate(**args))
@@ -164,7 +170,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             results = out if isinstance(out, list) else [out]
             choices = []
             for i, r in enumerate(results):
-                choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
+                choice = {"index": i, "message": {"role": "assistant", "content": text(body, r)},
                           "finish_reason": translate.finish_reason(r["meta_info"]), "logprobs": None}  # fmt: skip
                 if want_logprobs:
                     choice["logprobs"] = logprobs.chat_logprobs(r["meta_info"], text_of)
@@ -193,15 +199,15 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         args = dict(**inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top)
         if body.stream:
             stream = await open_stream(args, bases)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            fmt = sse.CompletionChunks(rid, name, prompts, body.n, include_usage, want_logprobs, text_of)
+            fmt = sse.CompletionChunks(rid, name, prompts, body.n, include_usage(body), want_logprobs, text_of,
+                                       **stream_options(body))  # fmt: skip
             return _sse_response(stream, fmt, inflight, bases)
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_generate(**args))
 
         def answer() -> dict:
             results = out if isinstance(out, list) else [out]
-            choices = [{"index": i, "text": r["text"], "finish_reason": translate.finish_reason(r["meta_info"]),
+            choices = [{"index": i, "text": text(body, r), "finish_reason": translate.finish_reason(r["meta_info"]),
                         "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of) if want_logprobs else None}
                        for i, r in enumerate(results)]  # fmt: skip
             return {"id": rid, "object": "text_completion", "created": translate.now(), "model": name,
@@ -271,6 +277,21 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         return Response(data, media_type=content_type)
 
     return app
+
+
+def include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def stream_options(body: ChatCompletionRequest | CompletionRequest) -> dict[str, bool]:
+    """The stream formatters' options beyond OpenAI's: vLLM's continuous usage, the kept stop string."""
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    return {"continuous_usage": continuous, "keep_stop": translate.keeps_stop(body)}
+
+
+def text(body: ChatCompletionRequest | CompletionRequest, result: dict) -> str:
+    """A finished answer's text, with the matched stop string when the body asks to keep it."""
+    return result["text"] + (translate.stop_string(result["meta_info"]) if translate.keeps_stop(body) else "")
 
 
 class _Stream(StreamingResponse):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import signal
 import sys
 
@@ -155,8 +156,19 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
     return outcome["code"]
 
 
+def _log_to_stderr() -> None:
+    """The engine logger's warnings (an ignored request field, ...) on stderr, as the server's other lines."""
+    logger = logging.getLogger("engine")
+    if logger.handlers:  # main() run again in one process, or the embedding application's own
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("engine serve: %(message)s"))
+    logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    _log_to_stderr()
     from engine import Engine
     from engine.serve.app import ServeOptions, build_app
 

@@ -1,6 +1,7 @@
 """The request bodies the OpenAI API and SGLang's /generate take, as pydantic models (FastAPI
 validates them; a wrong type is a 400 naming the field). Unknown fields are refused rather than
-silently ignored, so a client never believes a parameter took effect when it did not.
+silently ignored, so a client never believes a parameter took effect when it did not; vLLM's and
+SGLang's fields that change nothing here are taken, with a warning in the log (IGNORED_FIELDS).
 
 Types are strict: a number is a JSON number (an integer where a float is asked, as JSON does not
 tell them apart), never a string or a bool. null in any known field means its default, as OpenAI
@@ -8,10 +9,13 @@ types them "X or null" and clients send null for what they leave out."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import json
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator,
                       model_validator)  # fmt: skip
+
+from engine.serve.errors import OpenAIError
 
 Number = StrictFloat  # an int or a float; "0" and true are refused (pydantic's lax float would take them)
 
@@ -33,6 +37,17 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: StrictBool = False
     include_obfuscation: StrictBool = False  # OpenAI pads its chunks against side channels; taken, nothing to pad
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries its choice's usage so far
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: one constraint, as the engine's json_schema, regex or ebnf."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: StrictBool | None = None
 
 
 class _EngineExtras(_Body):
@@ -56,6 +71,15 @@ class _EngineExtras(_Body):
     beam_width: StrictInt | None = None
     length_penalty: Number | None = None
     early_stopping: StrictBool | Literal["never"] | None = None
+    # vLLM's and SGLang's names for what the engine does (engine/serve/translate.py maps them)
+    include_stop_str_in_output: StrictBool = False  # vLLM: the matched stop string ends the text
+    no_stop_trim: StrictBool = False  # SGLang: the same
+    json_schema: dict[str, Any] | str | None = None  # SGLang: a JSON Schema (as JSON text there)
+    guided_json: dict[str, Any] | str | None = None  # vLLM's structured output before structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -72,7 +96,47 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+# vLLM's and SGLang's request fields beyond OpenAI's and those above; docs/server.md gives each one's reason.
+# Taken and ignored, with a warning in the log: on their servers they say where or how a request runs
+# (routing, priority, ids, multimodal settings, what only their other routes read), never what it answers.
+IGNORED_FIELDS = frozenset({
+    "priority", "request_id", "rid", "session_id", "extra_key", "custom_labels", "kv_transfer_params",
+    "ec_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
+    "disagg_prefill_dp_rank", "stream_interval", "guided_decoding_backend", "mm_processor_kwargs", "media_io_kwargs",
+    "images_config", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video", "ngram_corpus_id",
+    "include_reasoning", "separate_reasoning", "stream_reasoning", "return_mm_kwargs", "return_token_offsets",
+    "routed_experts_prompt_start", "routed_experts_start_len", "truncation_side",
+})  # fmt: skip
+# Refused with a 400 naming the field unless null or a value that asks for nothing (listed): this server
+# cannot do what they ask, and ignoring them would change the answer the client gets.
+REFUSED_FIELDS: dict[str, tuple] = {
+    "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (),
+    "logprob_token_ids": (), "logits_processors": (), "vllm_xargs": (), "lora_path": (), "cache_salt": (),
+    "watermarking": (False,), "repetition_detection": (), "thinking_token_budget": (-1,), "stop_regex": (),
+    "session_params": (), "guided_whitespace_pattern": (), "structural_tag": (), "prompt_embeds": (),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "return_hidden_states": (False,),
+    "return_routed_experts": (False,), "return_cached_tokens_details": (False,),
+}  # fmt: skip
+REFUSED_CHAT: dict[str, tuple] = {
+    "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "add_special_tokens": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
+    "input_ids": (), "task": (), "return_prompt_token_ids": (False,), "return_meta_info": (False,),
+    "return_prompt_text": (False,),
+}  # fmt: skip
+REFUSED_COMPLETIONS: dict[str, tuple] = {"add_special_tokens": (True,)}  # what the engine does for each route
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b  # type-strict: 0 is not false
+
+
 class _Sampling(_EngineExtras):
+    """What both OpenAI routes take. Extra fields are kept only to be sorted here: vLLM's and SGLang's
+    ignored or refused ones (above), any other a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    refused_fields: ClassVar[dict[str, tuple]] = REFUSED_FIELDS
+
     model: str | None = None
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -93,6 +157,27 @@ class _Sampling(_EngineExtras):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
+
+    @model_validator(mode="after")
+    def _other_servers_fields(self):
+        """Sort the extra fields: vLLM's and SGLang's ignored ones pass, refused ones only at a value that
+        asks for nothing, any other is refused. An OpenAIError, not a ValueError: pydantic would name no
+        field for a check of the whole body."""
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED_FIELDS:
+                continue
+            if name not in self.refused_fields:
+                raise OpenAIError(400, f"unsupported parameter: {name}", param=name)
+            allowed = self.refused_fields[name]
+            if value is not None and not any(_same(value, ok) for ok in allowed):
+                leave = " or ".join(["leave it out", *(json.dumps(ok) for ok in allowed)])
+                raise OpenAIError(400, f"{name} is not supported by this server, and ignoring it would change the answer "
+                                       f"({leave})", param=name)  # fmt: skip
+        return self
+
+    def ignored_fields(self) -> list[str]:
+        """vLLM's and SGLang's fields this body gave that change nothing here (null ones aside)."""
+        return sorted(k for k, v in (self.model_extra or {}).items() if k in IGNORED_FIELDS and v is not None)
 
 
 class TextPart(_Body):
@@ -141,6 +226,8 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    refused_fields: ClassVar[dict[str, tuple]] = {**REFUSED_FIELDS, **REFUSED_CHAT}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
@@ -151,6 +238,8 @@ Prompt = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 
 class CompletionRequest(_Sampling):
+    refused_fields: ClassVar[dict[str, tuple]] = {**REFUSED_FIELDS, **REFUSED_COMPLETIONS}
+
     prompt: Prompt
     logprobs: StrictInt | None = None
     echo: Literal[False] = False

@@ -46,13 +46,16 @@ async def events(stream, fmt: Formatter) -> AsyncIterator[str]:
 
 
 class _OpenAIChunks:
-    """What chat and completion chunks share: ids, usage at the end, each chunk's own logprobs."""
+    """What chat and completion chunks share: ids, usage at the end (include_usage) or in every chunk
+    too (continuous_usage: vLLM's continuous_usage_stats, each choice's own counts so far), each
+    chunk's own logprobs, and the matched stop string put back (keep_stop) on a choice's last chunk."""
 
     def __init__(self, rid: str, model: str, obj: str, prompts: int, n: int, include_usage: bool, logprobs: bool,
-                 text_of: TokenText) -> None:  # fmt: skip
+                 text_of: TokenText, continuous_usage: bool = False, keep_stop: bool = False) -> None:  # fmt: skip
         self.base = {"id": rid, "object": obj, "created": translate.now(), "model": model}
         self.extra = {"usage": None} if include_usage else {}
         self.prompts, self.n, self.include_usage, self.logprobs, self.text_of = prompts, n, include_usage, logprobs, text_of
+        self.continuous_usage, self.keep_stop = continuous_usage, keep_stop
         self.finals: dict[int, dict] = {}
         self.tokens: dict[int, int] = {}  # each choice's tokens so far
 
@@ -67,7 +70,14 @@ class _OpenAIChunks:
         """Emit a chunk with text, a finish, or (logprobs asked) tokens whose text is still held back."""
         return bool(chunk["text"]) or reason is not None or (self.logprobs and bool(chunk["output_ids"]))
 
-    def payload(self, choice: dict) -> dict:
+    def text(self, chunk: dict, reason: str | None) -> str:
+        return chunk["text"] + (translate.stop_string(chunk["meta_info"]) if self.keep_stop and reason else "")
+
+    def payload(self, choice: dict, meta: dict, completion_tokens: int | None = None) -> dict:
+        """meta: the chunk's meta_info, whose counts are its usage with continuous_usage (a chat's role
+        chunk, before any token, gives completion_tokens 0)."""
+        if self.continuous_usage:
+            return {**self.base, "choices": [choice], "usage": translate.usage_so_far(meta, completion_tokens)}
         return {**self.base, "choices": [choice], **self.extra}
 
     def finished(self, chunk: dict, reason: str | None) -> None:
@@ -91,8 +101,8 @@ def _own_logprobs(chunk: dict) -> dict:
 
 
 class ChatChunks(_OpenAIChunks):
-    def __init__(self, rid: str, model: str, n: int, include_usage: bool, logprobs: bool, text_of) -> None:
-        super().__init__(rid, model, "chat.completion.chunk", 1, n, include_usage, logprobs, text_of)
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool, logprobs: bool, text_of, **options: bool) -> None:
+        super().__init__(rid, model, "chat.completion.chunk", 1, n, include_usage, logprobs, text_of, **options)
         self.started: set[int] = set()
 
     def chunk(self, chunk: dict) -> list[dict]:
@@ -101,19 +111,21 @@ class ChatChunks(_OpenAIChunks):
         if i not in self.started:
             self.started.add(i)
             out.append(self.payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}))  # fmt: skip
+                                     "finish_reason": None}, chunk["meta_info"], 0))  # fmt: skip
         start = self.position(chunk)
         if self.wants(chunk, reason):
             lp = chat_logprobs(_own_logprobs(chunk), self.text_of, start) if self.logprobs else None
-            delta = {"content": chunk["text"]} if chunk["text"] else {}
-            out.append(self.payload({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}))
+            text = self.text(chunk, reason)
+            delta = {"content": text} if text else {}
+            out.append(self.payload({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}, chunk["meta_info"]))
         self.finished(chunk, reason)
         return out
 
 
 class CompletionChunks(_OpenAIChunks):
-    def __init__(self, rid: str, model: str, prompts: int, n: int, include_usage: bool, logprobs: bool, text_of) -> None:
-        super().__init__(rid, model, "text_completion", prompts, n, include_usage, logprobs, text_of)
+    def __init__(self, rid: str, model: str, prompts: int, n: int, include_usage: bool, logprobs: bool, text_of,
+                 **options: bool) -> None:  # fmt: skip
+        super().__init__(rid, model, "text_completion", prompts, n, include_usage, logprobs, text_of, **options)
         self.offsets: dict[int, TextOffsets] = {}  # each choice's, from chunk to chunk
 
     def chunk(self, chunk: dict) -> list[dict]:
@@ -124,7 +136,8 @@ class CompletionChunks(_OpenAIChunks):
             lp = None
             if self.logprobs:
                 lp = completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.setdefault(i, TextOffsets()), start)
-            out.append(self.payload({"index": i, "text": chunk["text"], "logprobs": lp, "finish_reason": reason}))
+            out.append(self.payload({"index": i, "text": self.text(chunk, reason), "logprobs": lp, "finish_reason": reason},
+                                    chunk["meta_info"]))  # fmt: skip
         self.finished(chunk, reason)
         return out
 

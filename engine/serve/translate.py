@@ -3,7 +3,8 @@
 Mostly renaming: every value is checked by the engine itself (a ValueError naming the field becomes
 a 400 in the client's words), so the served and the offline engine accept and refuse the same
 things. Checked here is only what the engine has no name for: max_tokens past the context, seed's
-int64 range, best_of, suffix, response_format beside regex or ebnf. Logprobs: engine/serve/logprobs.py.
+int64 range, best_of, suffix, two structured-output constraints in different names (OpenAI's, SGLang's,
+vLLM's). Logprobs: engine/serve/logprobs.py.
 """
 
 from __future__ import annotations
@@ -23,20 +24,66 @@ COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's A
 _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 _PASSED = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "spaces_between_special_tokens", "custom_logit_processor", "custom_params", "regex", "ebnf")  # fmt: skip
+           "spaces_between_special_tokens", "custom_logit_processor", "custom_params")  # fmt: skip
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 _ENGINE_NAMES = {**{v: k for k, v in _RENAMED.items()}, "json_schema": "response_format", "input_ids": "prompt"}
+# structured output: (the client's field, the engine's kind) of each way to ask for it; OpenAI's
+# response_format, SGLang's json_schema, regex and ebnf, vLLM's guided_* and structured_outputs
+_CONSTRAINTS = (("response_format", "json_schema"), ("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf"),
+                ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "regex"),
+                ("guided_grammar", "ebnf"))  # fmt: skip
+_STRUCTURED_OUTPUTS = (("json_", "json", "json_schema"), ("regex", "regex", "regex"), ("choice", "choice", "regex"),
+                       ("grammar", "grammar", "ebnf"), ("json_object", "json_object", "json_schema"))  # fmt: skip
 _KNOWN_PARAMS = {*_PASSED, *_RENAMED, "seed", "stop", "logit_bias", "prompt", "messages", "top_logprobs_num",
-                 "response_format", "max_completion_tokens"}  # fmt: skip
-_ENGINE_WORDS = re.compile(r"\b(" + "|".join(_ENGINE_NAMES) + r")\b")
+                 "max_completion_tokens", *(f for f, _ in _CONSTRAINTS),
+                 *(f"structured_outputs.{name}" for _, name, _ in _STRUCTURED_OUTPUTS)}  # fmt: skip
 
 
 def openai_names(body: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
     """Engine name -> the OpenAI name this body used (max_new_tokens came from max_completion_tokens
-    when the client sent that)."""
+    when the client sent that; a constraint from the field that gave it)."""
+    names = dict(_ENGINE_NAMES)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        return {**_ENGINE_NAMES, "max_new_tokens": "max_completion_tokens"}
-    return _ENGINE_NAMES
+        names["max_new_tokens"] = "max_completion_tokens"
+    for field, kind, _ in _given_constraints(body):
+        names[kind] = field
+    return names
+
+
+def _given_constraints(body: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str, Any]]:
+    """(the client's field, the engine's kind, the value as sent) of each constraint the body gives."""
+    found = [(field, kind, getattr(body, field)) for field, kind in _CONSTRAINTS if getattr(body, field) is not None]
+    found = [f for f in found if f[0] != "response_format" or f[2].type != "text"]  # plain text constrains nothing
+    if body.structured_outputs is not None:
+        found += [(f"structured_outputs.{name}", kind, getattr(body.structured_outputs, attr))
+                  for attr, name, kind in _STRUCTURED_OUTPUTS
+                  if getattr(body.structured_outputs, attr) not in (None, False)]  # fmt: skip
+    return found
+
+
+def choice_regex(choices: list[str]) -> str:
+    """vLLM's guided_choice as a regex: exactly one of the strings."""
+    return "(" + "|".join(re.sub(r"([\\.^$|?*+()\[\]{}/-])", r"\\\1", c) for c in choices) + ")"
+
+
+def constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The engine's structured-output parameter ({json_schema|regex|ebnf: value}, or none) for the
+    body; two constraints, in whatever names, are a 400 naming the second."""
+    given = _given_constraints(body)
+    if len(given) > 1:
+        raise OpenAIError(400, f"give at most one of response_format (json_object or json_schema), json_schema, regex, "
+                               f"ebnf, guided_* and structured_outputs, got {' and '.join(f for f, _, _ in given)}",
+                          param=given[1][0])  # fmt: skip
+    if not given:
+        return {}
+    field, kind, value = given[0]
+    if field == "response_format":
+        value = response_schema(body)
+    elif field.endswith("choice"):
+        value = choice_regex(value)
+    elif field.endswith("json_object"):
+        value = {"type": "object"}
+    return {kind: value}
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
@@ -77,14 +124,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
                                    f"got {body.best_of}", param="best_of")  # fmt: skip
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-    schema = response_schema(body)
-    constraints = [name for name, on in (("response_format", schema is not None), ("regex", body.regex is not None),
-                                         ("ebnf", body.ebnf is not None)) if on]  # fmt: skip
-    if len(constraints) > 1:
-        raise OpenAIError(400, f"give at most one of response_format (json_object or json_schema), regex and ebnf, "
-                               f"got {' and '.join(constraints)}", param=constraints[1])  # fmt: skip
-    if schema is not None:
-        params["json_schema"] = schema
+    params.update(constraint(body))
     if body.logit_bias:  # string keys, as JSON has them: the engine's check reads them (a 400 naming logit_bias)
         params["logit_bias"] = dict(body.logit_bias)
     return params
@@ -108,7 +148,8 @@ def openai_error(exc: ValueError, names: dict[str, str] | None = None) -> OpenAI
     max_completion_tokens when the client sent that; input_ids -> prompt), and the first is the param."""
     names = names or _ENGINE_NAMES
     found = re.match(r"(request \d+: )?([a-z_]+)\b", str(exc))
-    message = _ENGINE_WORDS.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
+    words = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    message = words.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
     param = names.get(found.group(2), found.group(2)) if found else None
     return OpenAIError(400, message, param=param if param in _KNOWN_PARAMS else None)
 
@@ -147,6 +188,26 @@ def finish_reason(meta: dict) -> str | None:
     if reason is None:
         return None
     return {"stop": "stop", "length": "length"}.get(reason["type"], "abort")
+
+
+def keeps_stop(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """vLLM's include_stop_str_in_output, SGLang's no_stop_trim: the matched stop string ends the text."""
+    return body.include_stop_str_in_output or body.no_stop_trim
+
+
+def stop_string(meta: dict) -> str:
+    """The stop string a finished request matched ("" for none: a stop token's text is in the output
+    already). The engine's text ends where the match starts."""
+    reason = meta.get("finish_reason") or {}
+    matched = reason.get("matched") if reason.get("type") == "stop" else None
+    return matched if isinstance(matched, str) else ""
+
+
+def usage_so_far(meta: dict, completion_tokens: int | None = None) -> dict[str, int]:
+    """One choice's usage as a stream chunk's meta_info counts it (vLLM's continuous_usage_stats)."""
+    prompt = meta["prompt_tokens"]
+    completion = meta["completion_tokens"] if completion_tokens is None else completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def usage(results: list[dict], prompts: int, n: int) -> dict[str, int]:
