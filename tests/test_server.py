@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -920,3 +923,47 @@ def test_other_servers_fields_are_ignored_with_a_warning_or_refused(server):
     listed = set(re.findall(r"`([a-z_]+)`", docs.split("## vLLM's and SGLang's fields", 1)[1].split("\n## ", 1)[0]))
     assert {*IGNORED_FIELDS, *REFUSED_FIELDS, *REFUSED_CHAT, *REFUSED_COMPLETIONS} <= listed
 
+
+def test_guidellm_runs_against_the_server_and_counts_tokens_as_the_engine_does(server, tmp_path):
+    """A third-party load generator, as its users run it: guidellm (written for vLLM) streams chat with
+    stream_options.continuous_usage_stats, max_completion_tokens, ignore_eos and text-part contents.
+    Every request failed (a 400). Now every one succeeds, and the token counts guidellm reports (from
+    usage) are the chat template's tokens of each prompt, the tokens it asked for, and what the engine's
+    own counters saw. It reads the model's tokenizer from the engine's model folder, offline."""
+    from transformers import AutoTokenizer
+
+    from engine.model.resolve import resolve_model_dir
+
+    model_dir, requests, new_tokens = resolve_model_dir(None, announce=None), 24, 8
+    # nothing downloaded, nothing cached outside tmp_path; one worker process runs the 8 streams (its
+    # default spawns one a stream, each importing guidellm anew: seconds of the 2 cores)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # fmt: skip
+    before = _metrics(server)
+    run = subprocess.run(
+        [sys.executable, "-m", "guidellm", "run", "--disable-console",
+         "--backend", f"kind=openai_http,target={server.url},api_key={KEY},request_format=/v1/chat/completions",
+         "--profile", "kind=concurrent,streams=8", "--constraint", f"kind=max_requests,count={requests}",
+         "--data", f"kind=synthetic_text,prompt_tokens=24,output_tokens={new_tokens}",
+         "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--output", f"kind=json,path={tmp_path / 'out.json'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    after = _metrics(server)
+    bench = json.loads((tmp_path / "out.json").read_text())["benchmarks"][0]
+    assert bench["metrics"]["request_totals"] == {"successful": requests, "errored": 0, "incomplete": 0, "total": requests}
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for r in bench["requests"]["successful"]:
+        body = json.loads(r["request_args"])["body"]
+        assert body["stream_options"]["continuous_usage_stats"] and body["max_completion_tokens"] == new_tokens
+        messages = [{"role": m["role"], "content": "".join(p["text"] for p in m["content"])} for m in body["messages"]]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert r["input_metrics"]["text_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
+        assert r["output_metrics"]["text_tokens"] == new_tokens
+    counted = bench["metrics"]
+    prompt_sum = sum(r["input_metrics"]["text_tokens"] for r in bench["requests"]["successful"])
+    assert counted["prompt_token_count"]["successful"]["total_sum"] == prompt_sum
+    assert after["engine:prompt_tokens_total"] - before["engine:prompt_tokens_total"] == prompt_sum
+    assert counted["output_token_count"]["successful"]["total_sum"] == requests * new_tokens
+    assert after["engine:generation_tokens_total"] - before["engine:generation_tokens_total"] == requests * new_tokens
