@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.util
 import os
-import sys
 import threading
 import weakref
 from pathlib import Path
@@ -25,6 +25,8 @@ from engine.streaming import async_collect, async_stream, stop_submitter, sync_s
 from engine.tokenizer import PromptTokenizer
 from engine.tokenizer_manager import TokenizerManager
 from engine.tracing.switch import tracing_enabled
+
+logger = logging.getLogger(__name__)
 
 
 def _child_env(plugins: str) -> dict[str, str]:
@@ -52,7 +54,7 @@ def _shutdown_report(tm: TokenizerManager) -> None:
         try:
             hooks.call("engine_shutdown_report", stats=tm.get_stats(timeout=10.0))
         except BaseException as exc:  # noqa: BLE001
-            print(f"engine: {exc}", file=sys.stderr)
+            logger.error("engine: %s", exc)
 
 
 def _user_stop_hook() -> None:
@@ -62,7 +64,7 @@ def _user_stop_hook() -> None:
         try:
             hooks.call("engine_process_stop", role="user", pid=os.getpid())
         except BaseException as exc:  # noqa: BLE001
-            print(f"engine: {exc}", file=sys.stderr)
+            logger.error("engine: %s", exc)
 
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -47,12 +47,15 @@ from engine.request_state import ReqState
 from engine.tokenize_stage import tokenize_stage
 from engine.tracing.context import normalize_trace_context
 
+logger = logging.getLogger(__name__)
+
+
 def _done_hook(state: "ReqState", error: str | None) -> None:
-    """engine_request_done, from the receiver thread: a plugin error is printed, never raised there."""
+    """engine_request_done, from the receiver thread: a plugin error is logged, never raised there."""
     try:
         hooks.call("engine_request_done", rid=state.rid, meta_info=state.meta_info(), error=error, seq=state.seq)
     except BaseException as exc:  # noqa: BLE001 - the receiver must go on (a fatal error too: it would hang callers)
-        print(f"engine: {exc}", file=sys.stderr)
+        logger.error("engine: %s", exc)
 
 
 _SEQ = itertools.count(1)
@@ -74,7 +77,7 @@ def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
             hooks.call("engine_request_done", rid=req.rid, meta_info=meta, error=f"not sent: {type(exc).__name__}: {exc}",
                        seq=req.seq)  # fmt: skip
         except BaseException as hook_exc:  # noqa: BLE001 - the caller gets the original error
-            print(f"engine: {hook_exc}", file=sys.stderr)
+            logger.error("engine: %s", hook_exc)
 
 
 class TokenizerManager:
@@ -138,7 +141,7 @@ class TokenizerManager:
         with self.send_lock:
             self.send_sock.close(linger=0)
         if thread is not None and thread.is_alive():  # stuck in a caller's listener: leave its socket be
-            print("engine: the receiver thread did not stop; its socket is left open", file=sys.stderr)
+            logger.warning("engine: the receiver thread did not stop; its socket is left open")
             return
         self.recv_sock.close(linger=0)
         self.zmq_ctx.term()
@@ -209,11 +212,11 @@ class TokenizerManager:
                         try:
                             message = self.recv_codec.decode(data)
                         except msgspec.DecodeError as exc:  # not ours: drop it rather than die
-                            print(f"engine::tokenizer_manager: dropped a malformed message ({exc})", file=sys.stderr)
+                            logger.warning("engine::tokenizer_manager: dropped a malformed message (%s)", exc)
                             continue
                         problem = _malformed(message)
                         if problem:  # typed right, but no detokenizer sends it
-                            print(f"engine::tokenizer_manager: dropped a malformed message ({problem})", file=sys.stderr)
+                            logger.warning("engine::tokenizer_manager: dropped a malformed message (%s)", problem)
                             continue
                         self._dispatch(message)
                 except Exception as exc:  # noqa: BLE001 - a dead receiver would leave every caller waiting

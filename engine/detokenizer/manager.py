@@ -3,7 +3,7 @@ to the tokenizer manager; tell the scheduler to stop requests whose stop string 
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,6 +30,8 @@ from engine.ipc.messages import (
     ToTokenizer,
 )
 from engine.tokenizer import BatchDecoder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,17 +108,17 @@ class DetokenizerManager:
             try:
                 message = self.recv_codec.decode(self.recv_sock.recv())
             except msgspec.DecodeError as exc:  # not ours: drop it rather than die
-                print(f"engine::detokenizer: dropped a malformed message ({exc})", file=sys.stderr)
+                logger.warning("engine::detokenizer: dropped a malformed message (%s)", exc)
                 continue
             problem = malformed(message)
             if problem:  # typed right, but no scheduler sends it: not ours either
-                print(f"engine::detokenizer: dropped a malformed message ({problem})", file=sys.stderr)
+                logger.warning("engine::detokenizer: dropped a malformed message (%s)", problem)
                 continue
             if isinstance(message, BatchTokenOut):
                 try:
                     message = self.detokenize(message)
                 except Exception as exc:  # noqa: BLE001 - its requests fail with the reason; the others go on
-                    print(f"engine::detokenizer: a batch failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+                    logger.error("engine::detokenizer: a batch failed (%s: %s)", type(exc).__name__, exc)
                     message = self._fail_batch(message, f"the detokenizer failed ({type(exc).__name__}: {exc})")
                 if message is None:
                     continue
@@ -124,12 +126,12 @@ class DetokenizerManager:
                     try:
                         hooks.call("engine_detokenize_output", output=message)
                     except HookError as exc:  # read-only and after the fact: report, send as is
-                        print(f"engine::detokenizer: {exc}", file=sys.stderr)
+                        logger.error("engine::detokenizer: %s", exc)
             elif isinstance(message, BeamSearchOut):
                 try:
                     message = self.detokenize_beams(message)
                 except Exception as exc:  # noqa: BLE001 - the search fails with the reason; the process goes on
-                    print(f"engine::detokenizer: a beam search failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+                    logger.error("engine::detokenizer: a beam search failed (%s: %s)", type(exc).__name__, exc)
                     message = self._failed_beams(message, f"the detokenizer failed ({type(exc).__name__}: {exc})")
             else:  # Stats on its way to the user process: add this process's figures
                 message.tracked["detokenizer"] = self.tracked()
@@ -272,6 +274,6 @@ class DetokenizerManager:
         known = self.incremental.states
         keep = [i for i, (rid, f) in enumerate(zip(out.rids, out.finished)) if f is not None or rid in known]
         if len(keep) < len(out.rids):
-            print(f"engine::detokenizer: dropped outputs of {len(out.rids) - len(keep)} request(s) it never started",
-                  file=sys.stderr)  # fmt: skip
+            dropped = len(out.rids) - len(keep)
+            logger.warning("engine::detokenizer: dropped outputs of %d request(s) it never started", dropped)
         return _pick(out, keep)

@@ -11,7 +11,7 @@ costs one dict lookup at its call site (`has(name)` guards the hot path).
 from __future__ import annotations
 
 import inspect
-import sys
+import logging
 import threading
 from typing import Any, Callable
 
@@ -19,6 +19,7 @@ import pluggy
 
 from engine import envvars
 
+logger = logging.getLogger(__name__)
 PROJECT = "engine"
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
@@ -26,7 +27,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # have no single result to see, so one is refused at load time rather than silently skipped.
 PER_PLUGIN_HOOKS = ("engine_stats", "engine_logit_processors")
 # Hooks that report what already happened: nothing is left to fail, so a plain implementation's error
-# is printed where it happens and the plugins after it still get the event (pluggy would stop at it).
+# is logged where it happens and the plugins after it still get the event (pluggy would stop at it).
 AFTER_THE_FACT_HOOKS = ("engine_request_done", "engine_request_finished", "engine_step_end",
                         "engine_detokenize_output", "engine_process_stop", "engine_shutdown_report")  # fmt: skip
 
@@ -129,7 +130,7 @@ def _isolate_plain(plugin: str, hook: str, fn: Callable) -> Callable:
                 raise
             if after_the_fact and isinstance(named, HookError):
                 prefix = "engine" if _role == "user" else f"engine::{_role}"
-                print(f"{prefix}: {named}", file=sys.stderr, flush=True)
+                logger.error("%s: %s", prefix, named)
                 return None
             raise named from exc
 

@@ -90,7 +90,7 @@ class EngineSpecs:
         failed after engine_request_submitted saw it and nothing was sent (`error` says why;
         meta_info holds what was known). Once per request engine_request_submitted saw: in the
         receiver thread, before the caller wakes (the failing or shutting-down thread otherwise).
-        Changes nothing; errors are printed, not raised."""
+        Changes nothing; errors are logged, not raised."""
 
     # ------------------------------------------------------------------ schedule (scheduler)
 

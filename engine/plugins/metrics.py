@@ -20,12 +20,14 @@ ENGINE_METRICS_PORT when that is set (`ENGINE_PLUGINS=metrics ENGINE_METRICS_POR
 from __future__ import annotations
 
 import bisect
-import sys
+import logging
 import threading
 import weakref
 
 from engine import envvars
 from engine.hooks import hookimpl
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "engine:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -191,7 +193,7 @@ def engine_process_ready(role: str, pid: int, info: dict) -> None:
             if not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"ENGINE_METRICS_PORT={port!r}: give a TCP port number")
             _http = start_http_server(int(port), addr="127.0.0.1", registry=user_metrics().registry)
-            print(f"engine metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+            logger.info("engine metrics: http://127.0.0.1:%s/metrics", port)
 
 
 @hookimpl

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
 from typing import Callable, Protocol
 
 import msgspec
+
+logger = logging.getLogger(__name__)
 
 
 class Serving(Protocol):
@@ -59,7 +61,7 @@ def _process_hook(name: str, **kwargs) -> None:
         try:
             hooks.call(name, role=hooks.current_role(), pid=os.getpid(), **kwargs)
         except BaseException as exc:  # noqa: BLE001 - a stop hook must not keep the process alive
-            print(f"engine::{hooks.current_role()}: {exc}", file=sys.stderr)
+            logger.error("engine::%s: %s", hooks.current_role(), exc)
 
 
 def run_child(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import multiprocessing.connection
@@ -79,7 +80,8 @@ def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | 
 
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=True)
-    process = ctx.Process(target=target, args=(*args, child_conn), name=f"engine::{role}", daemon=True)
+    level = logging.getLogger("engine").getEffectiveLevel()
+    process = ctx.Process(target=_child_main, args=(level, target, *args, child_conn), name=f"engine::{role}", daemon=True)
     env = {**(env or {}), "ENGINE_PROCESS_ROLE": role}
     with _spawn_lock:
         resource_tracker.ensure_running()  # outside the window: it must not inherit the child's variables
@@ -96,6 +98,13 @@ def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | 
                     os.environ[key] = value
     child_conn.close()  # the child holds the only other end: EOF there means we are gone
     return Child(role=role, process=process, conn=parent_conn)
+
+
+def _child_main(level: int, target: Callable, *args) -> None:
+    """In the child: the engine logger's level as the parent had it at the start (so silencing it there
+    silences the children too; handlers cannot travel, so records go to the child's stderr), then the body."""
+    logging.getLogger("engine").setLevel(level)
+    target(*args)
 
 
 def _read_status(child: Child) -> dict | None:

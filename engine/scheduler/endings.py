@@ -4,7 +4,7 @@ Each frees exactly what the request holds and reports it finished with reason ab
 
 from __future__ import annotations
 
-import sys
+import logging
 import traceback
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ from engine.kernels.attention import ForwardMode
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
 
 
 def schedule_failed(sched: Scheduler, message: str) -> None:
@@ -149,7 +150,7 @@ def finished_hook(req: Req) -> None:
         try:
             hooks.call("engine_request_finished", req=req, finish_reason=req.finished.to_dict())
         except HookError as exc:  # the request is over: report, nothing to fail
-            print(f"engine::scheduler: {exc}", file=sys.stderr)
+            logger.error("engine::scheduler: %s", exc)
 
 
 def request_meta(req: Req) -> RequestMeta:

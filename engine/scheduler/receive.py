@@ -5,7 +5,7 @@ A message that cannot be handled is reported and dropped; it never stops the loo
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from engine.scheduler.request import Req
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
 SUPERSEDED = "superseded: a new request reused this rid"
 
 
@@ -42,13 +43,13 @@ def recv_requests(sched: Scheduler, block: bool) -> None:
         try:
             message = sched.recv_codec.decode(data)
         except msgspec.DecodeError as exc:  # not ours: drop it rather than die
-            print(f"engine::scheduler: dropped a malformed message ({exc})", file=sys.stderr)
+            logger.warning("engine::scheduler: dropped a malformed message (%s)", exc)
             continue
         try:
             handle(sched, message)
         except Exception as exc:  # noqa: BLE001 - one message must not take the process down
-            print(f"engine::scheduler: dropped a {type(message).__name__} message that failed "
-                  f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+            logger.error("engine::scheduler: dropped a %s message that failed (%s: %s)", type(message).__name__,
+                         type(exc).__name__, exc)  # fmt: skip
 
 
 def handle(sched: Scheduler, message) -> None:

@@ -19,7 +19,7 @@ alternate with its chunks so running requests keep producing tokens.
 from __future__ import annotations
 
 import collections
-import sys
+import logging
 import time
 import traceback
 
@@ -50,6 +50,8 @@ from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
 from engine.kernels.attention import ForwardMode, create_backend
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -187,7 +189,7 @@ class Scheduler:
         try:
             hooks.call("engine_step_end", step=record)
         except HookError as exc:  # the step is over: report, nothing to fail
-            print(f"engine::scheduler: {exc}", file=sys.stderr)
+            logger.error("engine::scheduler: %s", exc)
 
     def close(self) -> None:
         """Close the sockets (the process exits without this; in-process users such as tests need it)."""

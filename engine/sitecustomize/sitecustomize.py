@@ -32,7 +32,12 @@ def _install(role: str) -> None:
         set_role(role)
         install_from_env(strict=False)
     except Exception as exc:  # noqa: BLE001 - never break interpreter start-up; the child reports it
-        print(f"engine sitecustomize: plugins not installed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr)
+        import logging  # here only: interpreter start-up imports nothing it does not need
+
+        # named, not __name__: this file runs as the top-level module `sitecustomize`
+        logging.getLogger("engine.sitecustomize").warning(
+            "engine sitecustomize: plugins not installed at start-up: %s: %s", type(exc).__name__, exc
+        )
 
 
 def _chain() -> None:

@@ -7,14 +7,16 @@ lock so lines never interleave.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
-import sys
 from typing import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from engine.tracing.otlp_json import spans_to_line
+
+logger = logging.getLogger(__name__)
 
 
 class FileSpanExporter(SpanExporter):
@@ -39,8 +41,8 @@ class FileSpanExporter(SpanExporter):
         except OSError as exc:  # a full or read-only disk: spans are dropped, requests are not
             if not self._warned:
                 self._warned = True
-                print(f"engine: ENGINE_TRACE_FILE={self.path!r} cannot be written ({exc}); spans are dropped "
-                      "until it can (requests are served as usual)", file=sys.stderr)  # fmt: skip
+                logger.warning("engine: ENGINE_TRACE_FILE=%r cannot be written (%s); spans are dropped until it can "
+                               "(requests are served as usual)", self.path, exc)  # fmt: skip
             return SpanExportResult.FAILURE
         self._warned = False  # written again: warn again at the next failure
         return SpanExportResult.SUCCESS

@@ -63,7 +63,7 @@ def hostile_messages(seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("target", ["scheduler", "detokenizer", "tokenizer"])
-def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
+def test_hostile_messages_are_dropped_not_fatal(victim, target, caplog):
     role = {"tokenizer": "tokenizer_manager"}.get(target, target)
     endpoint = getattr(victim._resources.endpoints, target)
     ctx = zmq.Context()
@@ -73,7 +73,7 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
     codec = Codec({"scheduler": ToScheduler, "detokenizer": ToDetokenizer, "tokenizer": ToTokenizer}[target])
     params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
     user, line = "", f"engine::{role}: dropped a malformed message"
-    err = ""  # the user process's lines (the tokenizer manager's), then the children's
+    err = ""  # the user process's log records (the tokenizer manager's: pytest takes them), then the children's stderr
     try:
         running = victim.generate("Once upon a time", params, stream=True)
         first = next(iter(running))
@@ -85,7 +85,7 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
         deadline = time.monotonic() + 60
         while err.count(line) < undecodable and time.monotonic() < deadline:
             time.sleep(0.05)
-            user += capfd.readouterr().err
+            user = caplog.text
             err = user + victim.stderr_log.read_text(errors="replace")
         assert err.count(line) >= undecodable > 0, (undecodable, err[-2000:])
         rest = list(running)
@@ -98,7 +98,7 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, capfd):
     finally:
         sock.close()
         ctx.term()
-    err = user + capfd.readouterr().err + victim.stderr_log.read_text(errors="replace")
+    err = caplog.text + victim.stderr_log.read_text(errors="replace")
     if target in ("detokenizer", "tokenizer"):  # well-typed, but lists of unequal length: refused, not cut short
         assert "rids but lists of" in err, err[-2000:]
 
