@@ -24,6 +24,7 @@ from engine.beam_search.params import beam_problem
 from engine.errors import EngineDeadError
 from engine.hooks.types import PromptRequest
 from engine.ipc.channels import MAX_MESSAGE_BYTES, Endpoints, pull_socket, push_socket
+from engine.ipc.inbox import Inbox
 from engine.ipc.messages import (
     BatchTextOut,
     BeamParams,
@@ -96,7 +97,7 @@ class TokenizerManager:
         self._stopping = False
         self._seq = _SEQ  # one count for every engine of the process: (rid, seq) names one request
         self.send_codec = Codec(ToScheduler)
-        self.recv_codec = Codec(ToTokenizer)
+        self.inbox = Inbox(self.recv_sock, Codec(ToTokenizer), "engine::tokenizer_manager", _malformed)
         self.send_lock = threading.Lock()
         self.states: dict[str, ReqState] = {}
         self.states_lock = threading.Lock()
@@ -204,20 +205,7 @@ class TokenizerManager:
                     return
             if self.recv_sock in events:
                 try:
-                    while True:
-                        try:
-                            data = self.recv_sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            message = self.recv_codec.decode(data)
-                        except msgspec.DecodeError as exc:  # not ours: drop it rather than die
-                            logger.warning("engine::tokenizer_manager: dropped a malformed message (%s)", exc)
-                            continue
-                        problem = _malformed(message)
-                        if problem:  # typed right, but no detokenizer sends it
-                            logger.warning("engine::tokenizer_manager: dropped a malformed message (%s)", problem)
-                            continue
+                    for message in self.inbox.drain():
                         self._dispatch(message)
                 except Exception as exc:  # noqa: BLE001 - a dead receiver would leave every caller waiting
                     reason = f"the tokenizer manager's receiver failed ({type(exc).__name__}: {exc})"

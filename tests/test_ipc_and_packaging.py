@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -48,6 +49,37 @@ def test_a_message_nested_too_deeply_is_a_decode_error_on_every_channel():
     for union, message in ((ToScheduler, GenerateBatch([request])), (ToDetokenizer, stats), (ToTokenizer, stats)):
         with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
             Codec(union).decode(deeply_nested(message))
+
+
+def test_an_inbox_drops_what_does_not_decode_or_check_and_keeps_the_order(caplog):
+    """The one receive loop of the three processes: drain without blocking, or wait for the next good
+    message; each dropped one is a log line naming the receiver (and the reason)."""
+    from engine.ipc.inbox import Inbox
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://inbox")
+        push.connect("inproc://inbox")
+        codec = Codec(ToScheduler)
+        inbox = Inbox(pull, codec, "engine::test", lambda m: "no x" if getattr(m, "req_id", "") == "x" else None)
+        sent = [codec.encode(StatsRequest("a")), b"\xc1", codec.encode(StatsRequest("x")), codec.encode(StatsRequest("b"))]
+        for data in sent:  # a good one, one that does not decode, one the check refuses, a good one
+            push.send(data)
+        assert pull.poll(5000)
+        time.sleep(0.05)  # all four arrived before the drain
+        assert list(inbox.drain()) == [StatsRequest("a"), StatsRequest("b")]
+        assert list(inbox.drain()) == []  # nothing waits: it returns, it does not block
+        push.send(b"not msgpack")
+        push.send(codec.encode(StatsRequest("c")))
+        assert inbox.recv() == StatsRequest("c")
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+    dropped = [r.getMessage() for r in caplog.records if "dropped a malformed message" in r.getMessage()]
+    assert len(dropped) == 3 and all(m.startswith("engine::test: dropped a malformed message (") for m in dropped)
+    assert dropped[1] == "engine::test: dropped a malformed message (no x)"
 
 
 def test_pickle_payload_is_rejected_not_executed():

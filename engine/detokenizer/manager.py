@@ -15,6 +15,7 @@ from engine.detokenizer.incremental import IncrementalDetokenizer
 from engine.hooks import HookError
 from engine.detokenizer.stop_strings import StopMatcher
 from engine.ipc.channels import pull_socket, push_socket
+from engine.ipc.inbox import Inbox
 from engine.ipc.messages import (
     STOP_STRING_MATCHED,
     AbortRequest,
@@ -95,7 +96,7 @@ class DetokenizerManager:
         self.recv_sock = pull_socket(self.zmq_ctx, endpoints["detokenizer"])
         self.send_sock = push_socket(self.zmq_ctx, endpoints["tokenizer"])
         self.scheduler_sock = push_socket(self.zmq_ctx, endpoints["scheduler"])
-        self.recv_codec = Codec(ToDetokenizer)
+        self.inbox = Inbox(self.recv_sock, Codec(ToDetokenizer), "engine::detokenizer", malformed)
         self.send_codec = Codec(ToTokenizer)
         self.scheduler_codec = Codec(ToScheduler)
         self.stop_states: dict[str, StopState] = {}  # requests with stop strings
@@ -105,15 +106,7 @@ class DetokenizerManager:
 
     def serve_forever(self) -> None:
         while True:
-            try:
-                message = self.recv_codec.decode(self.recv_sock.recv())
-            except msgspec.DecodeError as exc:  # not ours: drop it rather than die
-                logger.warning("engine::detokenizer: dropped a malformed message (%s)", exc)
-                continue
-            problem = malformed(message)
-            if problem:  # typed right, but no scheduler sends it: not ours either
-                logger.warning("engine::detokenizer: dropped a malformed message (%s)", problem)
-                continue
+            message = self.inbox.recv()
             if isinstance(message, BatchTokenOut):
                 try:
                     message = self.detokenize(message)

@@ -245,7 +245,7 @@ class Codec:
         return self._encoder.encode(message)
 
     def decode(self, data: bytes):
-        """The message, or msgspec.DecodeError (which every receiver drops with a log line)."""
+        """The message, or msgspec.DecodeError (engine.ipc.inbox drops it with a log line)."""
         try:
             return self._decoder.decode(data)
         except RecursionError:  # msgspec's answer to nesting in a field of any value (custom_params, stats)

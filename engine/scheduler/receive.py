@@ -9,9 +9,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
-import zmq
-
 from engine import hooks
 from engine.beam_search import stage as beam_stage
 from engine.hooks import HookError
@@ -35,16 +32,7 @@ def recv_requests(sched: Scheduler, block: bool) -> None:
     A message that cannot be handled is reported and dropped: it never stops the loop."""
     if block:
         sched.recv_sock.poll(timeout=None)
-    while True:
-        try:
-            data = sched.recv_sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        try:
-            message = sched.recv_codec.decode(data)
-        except msgspec.DecodeError as exc:  # not ours: drop it rather than die
-            logger.warning("engine::scheduler: dropped a malformed message (%s)", exc)
-            continue
+    for message in sched.inbox.drain():
         try:
             handle(sched, message)
         except Exception as exc:  # noqa: BLE001 - one message must not take the process down

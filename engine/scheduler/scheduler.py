@@ -34,6 +34,7 @@ from engine.grammar.stage import Grammars
 from engine.hooks import HookError
 from engine.hooks.types import StepRecord
 from engine.ipc.channels import pull_socket, push_socket
+from engine.ipc.inbox import Inbox
 from engine.ipc.messages import Codec, Stats, ToDetokenizer, ToScheduler
 from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.memory.manager import KVManager
@@ -90,7 +91,7 @@ class Scheduler:
         self.zmq_ctx = zmq.Context(1)
         self.recv_sock = pull_socket(self.zmq_ctx, endpoints["scheduler"])
         self.send_sock = push_socket(self.zmq_ctx, endpoints["detokenizer"])
-        self.recv_codec = Codec(ToScheduler)
+        self.inbox = Inbox(self.recv_sock, Codec(ToScheduler), "engine::scheduler")
         self.send_codec = Codec(ToDetokenizer)
         self.waiting: list[Req] = []
         self.running = RunningBatch.empty(mc.vocab_size, self.device)
