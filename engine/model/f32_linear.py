@@ -1,5 +1,5 @@
 """float32 linear layers on our own kernel (engine/kernels/cpu/f32_linear.c) on the CPUs where float32 is
-packed (AVX2 without AVX-512: packed_linear.FLOAT32_PACKED_ON), in place of oneDNN's packed linear.
+packed (AVX2 without AVX-512: packed_linear.FLOAT32_PANELS_ON), in place of oneDNN's packed linear.
 
 Why: a decode step at one row streams every weight once, and oneDNN's packed float32 kernel read them at
 7-12 GB/s on an AMD EPYC Zen 1 where this one reads 14-18: SmolLM2's 30 layers' four matmuls plus the

@@ -43,9 +43,11 @@ OUR_KERNELS = {
 }
 
 BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
-# float32 is packed where it was measured to pay: CPUs whose best torch kernels are AVX2 (AMD Zen 2
-# here). On AVX-512 CPUs MKL's sgemm is Intel's own best case and no A/B has been run: they keep it.
-FLOAT32_PACKED_ON = "AVX2"
+# float32 layers are replaced at load on these CPUs (torch's capability): by the exact GGUF blocks
+# (F32BlockLinear) wherever those are the weights; plain weights by our panels or oneDNN's only where
+# that beat MKL's sgemm (AVX2); AVX-512 CPUs keep MKL for them (docs/performance.md).
+FLOAT32_BLOCKS_ON = ("AVX2", "AVX512")
+FLOAT32_PANELS_ON = ("AVX2",)
 
 
 def our_kernel_library(dtype: torch.dtype):
@@ -78,8 +80,8 @@ def packing_available(dtype: torch.dtype, device: str) -> bool:
     ops = torch.ops.mkldnn
     if not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")):
         return False
-    if dtype == torch.float32:  # measured faster than MKL's sgemm on an AVX2 CPU only; AVX-512 ones keep MKL
-        return torch.backends.cpu.get_cpu_capability() == FLOAT32_PACKED_ON
+    if dtype == torch.float32:  # FLOAT32_BLOCKS_ON and FLOAT32_PANELS_ON say which layers
+        return torch.backends.cpu.get_cpu_capability() in FLOAT32_BLOCKS_ON
     return bool(ops._is_mkldnn_bf16_supported())
 
 
@@ -97,6 +99,15 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+def _plain(linear: nn.Linear, weight: torch.Tensor) -> nn.Linear:
+    """A plain torch linear layer on `weight` (and the layer's bias)."""
+    out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    return out
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
@@ -122,11 +133,12 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     tied = head is not None and embed is not None and head.weight is embed.weight
 
     kernel, lib = OUR_KERNELS[dtype], our_kernel_library(dtype)  # ours where it runs and is not switched off
+    mkl = dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() not in FLOAT32_PANELS_ON
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if blocks and name in blocks and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
             return F32BlockLinear(*blocks[name], (linear.out_features, linear.in_features), lib)
-        if panels and name in panels and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
+        if panels and name in panels and lib is not None and not mkl and kernel.module.fits(linear):
             return f32_linear.F32Linear(linear, lib, panels[name])  # its weight never read
         if weights is not None and linear.weight.is_meta:
             weight = weights(name)
@@ -138,6 +150,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
             return Float32Head(linear, native_library())
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
+        if mkl:  # plain float32 weights stay torch's here, each its own copy (a view of the file goes away)
+            return _plain(linear, linear.weight.detach().clone())
         if lib is not None and kernel.module.fits(linear):
             return kernel.layer(linear, lib)
         return PackedLinear(linear)
