@@ -36,7 +36,7 @@ def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys, mo
 
     order = []
     monkeypatch.setattr(cpu_speed, "_child", lambda backend, fn, cfg: order.append((backend, cfg.get("mode"))) or figures(1.0))
-    monkeypatch.setattr(cpu_speed, "hf_dtypes", lambda: ["float32"])
+    monkeypatch.setattr(cpu_speed, "hf_dtypes", lambda modes: ["float32"])
     for again in (True, False):
         order.clear()
         args = parse_args(["--workload", "cpu", "--cpu-quantizations", "none,int8", "--cpu-skip-llama"]

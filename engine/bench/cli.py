@@ -14,6 +14,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload grammar               # one JSON schema against the same requests unconstrained
     python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch: engine, transformers, llama.cpp
     python -m engine.bench --workload quality               # each quantization against the exact weights
+    python -m engine.bench --workload dtype-quality         # float32 and bfloat16 against transformers' float32
     python -m engine.bench --workload soak                  # the stress crowd for many rounds: leaks, memory slope
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
@@ -34,6 +35,7 @@ import torch
 
 from engine.bench.beam import parse_shapes, print_beam, run_beam
 from engine.bench.cpu_speed import print_cpu, run_cpu
+from engine.bench.dtype_quality import print_dtype_quality, run_dtype_quality
 from engine.bench.grammar import print_grammar, run_grammar
 from engine.bench.prompts import build_prompts
 from engine.bench.quality import print_quality, run_quality
@@ -65,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
     p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam",
-                                          "grammar", "cpu", "quality", "soak"),
+                                          "grammar", "cpu", "quality", "dtype-quality", "soak"),
                    default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
                         "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
@@ -74,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "grammar: requests under one JSON schema against the same requests unconstrained; "
                         "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp; "
                         "quality: each quantization's perplexity and greedy agreement against the exact weights; "
+                        "dtype-quality: the exact mode and transformers in float32 and bfloat16 against transformers float32; "
                         "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all)")  # fmt: skip
     p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
     p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
@@ -94,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grammar-prompts", type=int, default=64, help="grammar workload: requests, all in one generate call")
     p.add_argument("--grammar-rounds", type=int, default=2,
                    help="grammar workload: timed runs per mode, constrained and unconstrained (the best is kept)")
-    p.add_argument("--cpu-quantizations", default="none,int8,gguf,gguf-q8", help="cpu workload: engine quantization modes, one engine each")
+    p.add_argument("--cpu-quantizations", default="none,int8,gguf,gguf-q8", help="cpu workload: engine quantization modes, one engine each; mode@dtype for a dtype other than auto "
+                        "(none@float32,none@bfloat16)")
     p.add_argument("--cpu-prompt-len", type=int, default=128, help="cpu workload: single-stream prompt tokens")
     p.add_argument("--cpu-new-tokens", type=int, default=256, help="cpu workload: single-stream new tokens (EOS ignored)")
     p.add_argument("--cpu-hf-batch-sizes", default="64,16",
@@ -105,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "machine's speed moved between the runs each ratio compares)")  # fmt: skip
     p.add_argument("--quality-new-tokens", type=int, default=64, help="quality workload: greedy tokens per parity prompt")
     p.add_argument("--quality-windows", type=int, default=8, help="quality workload: held-out windows for perplexity")
+    p.add_argument("--dtype-quality-prompts", type=int, default=32, help="dtype-quality workload: held-out prompts")
+    p.add_argument("--dtype-quality-new-tokens", type=int, default=64,
+                   help="dtype-quality workload: greedy tokens per prompt (at most; EOS ends one)")
     p.add_argument("--quality-window-len", type=int, default=512, help="quality workload: tokens per held-out window")
     p.add_argument("--cpu-skip-llama", action="store_true", help="cpu workload: skip llama.cpp")
     p.add_argument("--soak-rounds", type=int, default=20, help="soak workload: rounds of one crowd each")
@@ -135,8 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, value in (("--cpu-hf-batch-sizes", args.cpu_hf_batch_sizes), ("--hf-batch-size", args.hf_batch_size)):
         if not all(b.strip().isdigit() and int(b) >= 1 for b in value.split(",")):
             p.error(f"{flag} must list positive integers, got {value!r}")
-    if not any(q.strip() for q in args.cpu_quantizations.split(",")):
+    modes = [q.strip() for q in args.cpu_quantizations.split(",") if q.strip()]
+    if not modes:
         p.error("--cpu-quantizations must name at least one mode")
+    from engine.config import DTYPES, QUANTIZATIONS
+
+    for q in modes:
+        mode, _, dtype = q.partition("@")
+        if mode not in QUANTIZATIONS or (dtype and dtype not in DTYPES):
+            p.error(f"--cpu-quantizations: {q!r} is not a mode of {QUANTIZATIONS}, optionally @ a dtype of {DTYPES}")
     try:
         parse_shapes(args.beam_shapes)
     except ValueError as exc:
@@ -282,7 +296,7 @@ def machine_line() -> str:
     from engine.cores import usable_cores
     from engine.scheduler.device import cpu_has_native_bf16, cpu_model
 
-    native = "native bfloat16" if cpu_has_native_bf16() else "no native bfloat16 (auto dtype: float32)"
+    native = "native bfloat16" if cpu_has_native_bf16() else "no native bfloat16"
     cores = usable_cores()
     host = f" of the host's {os.cpu_count()}" if os.cpu_count() and os.cpu_count() != cores else ""
     return f"{cpu_model()}, {cores} cores{host} (every backend runs on these), {native}, torch {torch.__version__}"
@@ -321,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, run, show in (("plugins", run_plugins, print_plugins), ("tracing", run_tracing, print_tracing),
                             ("serve", run_serve, print_serve), ("beam", run_beam, print_beam),
                             ("grammar", run_grammar, print_grammar), ("cpu", run_cpu, print_cpu),
-                            ("quality", run_quality, print_quality), ("soak", run_soak, print_soak)):  # fmt: skip
+                            ("quality", run_quality, print_quality),
+                            ("dtype-quality", run_dtype_quality, print_dtype_quality), ("soak", run_soak, print_soak)):  # fmt: skip
         extra[name] = None
         if args.workload == name or (args.workload == "all" and name != "soak"):  # soak: only when asked
             extra[name] = run(args)

@@ -68,7 +68,8 @@ def child_engine(cfg_path: str, t_import: float) -> None:
 
     cfg = json.loads(Path(cfg_path).read_text())
     t0 = time.perf_counter()
-    eng = Engine(quantization=cfg["mode"], device="cpu")  # the baselines run on the CPU
+    mode, _, dtype = cfg["mode"].partition("@")  # "none@bfloat16": a dtype other than auto
+    eng = Engine(quantization=mode, dtype=dtype or "auto", device="cpu")  # the baselines run on the CPU
     ready = time.perf_counter() - t0
     greedy = {"temperature": 0, "ignore_eos": True}
     try:
@@ -253,13 +254,11 @@ def _child(backend: str, fn: str, cfg: dict) -> dict:
     return json.loads(lines[-1][len(MARK) :]) if lines and not proc.returncode else failed
 
 
-def hf_dtypes() -> list[str]:
-    """transformers in float32 and, where it differs, in the dtype the engine's exact mode picks here
-    (bfloat16 on a CPU with native bfloat16): the batch target is against transformers in the same dtype."""
-    from engine.scheduler.device import resolve_dtype
-
-    auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
-    return ["float32"] + ([auto] if auto != "float32" else [])
+def hf_dtypes(modes: list[str]) -> list[str]:
+    """transformers in float32 and in every other dtype an engine mode names ("none@bfloat16"): the
+    targets compare each engine with transformers in the same dtype."""
+    named = [m.partition("@")[2] for m in modes]
+    return ["float32"] + sorted({d for d in named if d and d not in ("auto", "float32")})
 
 
 def run_cpu(args: argparse.Namespace) -> dict:
@@ -282,7 +281,7 @@ def run_cpu(args: argparse.Namespace) -> dict:
         print(f"[cpu] engine quantization={q} ...", flush=True)
         backends[f"engine {q}"] = _child("engine", "child_engine", {**cfg, "mode": q})
     hf_runs = [(f"transformers {d}", "child_transformers", args.cpu_skip_hf and "--cpu-skip-hf", {"hf_dtype": d})
-               for d in hf_dtypes()]  # fmt: skip
+               for d in hf_dtypes(modes)]  # fmt: skip
     for name, fn, skip, extra in (*hf_runs, ("llama.cpp", "child_llama", args.cpu_skip_llama and "--cpu-skip-llama", {})):
         if name == "llama.cpp" and not skip and importlib.util.find_spec("llama_cpp") is None:
             skip = LLAMA_MISSING
