@@ -145,7 +145,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         check_model(body.model)
         ignored = body.ignored_fields()
         if ignored:  # as vLLM does for the fields it does not know
-            log.warning("%s %s: ignored parameter(s) %s (they change nothing here: docs/server.md)", request.method,
+            log.warning("engine serve: %s %s: ignored parameter(s) %s (they change nothing here: docs/server.md)", request.method,
                         request.url.path, ", ".join(ignored))  # fmt: skip
         params = translate.sampling_params(body, engine.server_info.get("context_length"))
         want_logprobs, top = translate.logprob_options(body)

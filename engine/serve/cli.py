@@ -157,12 +157,12 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
 
 
 def _log_to_stderr() -> None:
-    """The engine logger's warnings (an ignored request field, ...) on stderr, as the server's other lines."""
+    """The engine logger's warnings (an ignored request field, ...) on stderr; each message names its process."""
     logger = logging.getLogger("engine")
     if logger.handlers:  # main() run again in one process, or the embedding application's own
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("engine serve: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
 
 
