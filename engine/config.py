@@ -22,7 +22,7 @@ class EngineConfig:
     """Everything the three processes need to agree on. Defaults suit the embedded model on a small CPU."""
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
-    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32 (float32 under int8)
+    dtype: str = "auto"  # auto: float32 on the CPU (exact), bfloat16 on CUDA; bfloat16 on the CPU is a choice
     quantization: str = "none"  # none: exact weights (token parity with transformers); int8: per-channel int8
     # weights (CPU); gguf: the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU, a model loaded from a .gguf);
     # gguf-q8: the same blocks against activations rounded to int8, as llama.cpp does (faster, +0.2-0.6% perplexity)

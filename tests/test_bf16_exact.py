@@ -1,4 +1,4 @@
-"""The exact mode in bfloat16 (the `auto` dtype on a CPU with native bfloat16) against transformers in
+"""The exact mode in bfloat16 (a choice on the CPU; `auto` is float32 there) against transformers in
 bfloat16, and its native elementwise kernels against the torch operations they replace.
 
 Greedy runs in bfloat16 part ways wherever two logits tie within bfloat16's resolution, so the check is
@@ -86,9 +86,8 @@ def test_float32_native_ops_match_transformers_order():
 
 
 def _prompts() -> list[str]:
-    """All parity prompts where the CPU computes bfloat16 natively. Elsewhere bfloat16 is not `auto` and
-    both sides emulate it (transformers' 75-token forward 3 s on a 2-core AMD EPYC Zen 1, 44 s for the
-    eight): half of them, still 256 tokens for the 95% bound."""
+    """All parity prompts where the CPU computes bfloat16 natively. Elsewhere both sides emulate it, slowly:
+    half of them, still 256 tokens for the 95% bound."""
     from engine.scheduler.device import cpu_has_native_bf16
 
     return list(PROMPTS) if cpu_has_native_bf16() else list(PROMPTS[:4])
@@ -186,3 +185,13 @@ def test_float32_head_against_float64(kernel, rows, out):
     want = x.double() @ linear.weight.double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, out)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_auto_dtype_is_exact_on_the_cpu():
+    """`auto` is float32 on every CPU, native bfloat16 or not (docs/quantization.md, "Which dtype"), and
+    bfloat16 on CUDA."""
+    from engine.scheduler.device import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16

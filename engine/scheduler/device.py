@@ -40,8 +40,10 @@ def cpu_model() -> str:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """auto: float32 on the CPU (exact: transformers' float32 tokens, and one stream on a par with bfloat16 or
+    faster wherever measured: docs/quantization.md, "Which dtype"), bfloat16 on CUDA."""
     if name == "auto":
-        return torch.bfloat16 if device == "cuda" or cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if device == "cuda" else torch.float32
     return _DTYPES[name]
 
 
