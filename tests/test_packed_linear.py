@@ -18,7 +18,7 @@ from engine.model.bf16_linear import Bf16Linear
 from engine.model.f32_linear import F32Linear
 from engine.model.llama import Linear  # the model's plain layers: nn.Linear without its random init
 from engine.model.loader import load_model
-from engine.model.packed_linear import PackedLinear, pack_linears, packing_available
+from engine.model.packed_linear import PackedLinear, float32_panels_here, pack_linears, packing_available
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2-135M's qkv, gate_up, down, lm_head
 
@@ -134,7 +134,7 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
         return model, cfg, kinds
 
     model, _, kinds = linears(torch.float32)
-    if packing_available(torch.float32, "cpu"):  # float32: packed too, a tied lm_head as its own copy
+    if float32_panels_here("cpu"):  # float32: packed too, a tied lm_head as its own copy (AVX2; AVX-512 keeps MKL)
         ours = f32_linear.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
         assert kinds == ({F32Linear} if ours else {PackedLinear})  # AVX2: ours
         ids = torch.tensor([[3, 17, 99]])

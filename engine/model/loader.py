@@ -172,7 +172,9 @@ def load_model(
         if progress is not None and (panels or blocks):
             progress(total, total)  # the mapped layers were never read
         if dtype == torch.bfloat16 and not isinstance(model.lm_head, Float32Head):  # not packed: float32 logits still
-            model.lm_head = Float32Head(model.lm_head)
+            from engine.kernels.cpu import load_native
+
+            model.lm_head = Float32Head(model.lm_head, load_native() if torch.device(device).type == "cpu" else None)
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:
             raise ValueError(f"weights left unloaded: {unread[:8]}")

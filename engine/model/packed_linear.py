@@ -69,6 +69,11 @@ def native_library():
     return load_native()
 
 
+def float32_panels_here(device: str) -> bool:
+    """Whether plain float32 weights (not GGUF blocks) leave torch's linear at load on this CPU."""
+    return packing_available(torch.float32, device) and torch.backends.cpu.get_cpu_capability() in FLOAT32_PANELS_ON
+
+
 def packing_available(dtype: torch.dtype, device: str) -> bool:
     """Whether this torch build and CPU run oneDNN's packed linear in this dtype (float32 or bfloat16, the
     latter only where the CPU computes it natively) and ENGINE_PACK_WEIGHTS allows it."""
@@ -101,15 +106,6 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def _plain(linear: nn.Linear, weight: torch.Tensor) -> nn.Linear:
-    """A plain torch linear layer on `weight` (and the layer's bias)."""
-    out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-    out.weight = nn.Parameter(weight, requires_grad=False)
-    if linear.bias is not None:
-        out.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-    return out
-
-
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
                  weights: Callable[[str], torch.Tensor] | None = None,
                  panels: dict[str, torch.Tensor] | None = None,
@@ -133,14 +129,15 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     tied = head is not None and embed is not None and head.weight is embed.weight
 
     kernel, lib = OUR_KERNELS[dtype], our_kernel_library(dtype)  # ours where it runs and is not switched off
-    mkl = dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() not in FLOAT32_PANELS_ON
+    mkl = dtype == torch.float32 and not float32_panels_here(device)
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if blocks and name in blocks and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
             return F32BlockLinear(*blocks[name], (linear.out_features, linear.in_features), lib)
         if panels and name in panels and lib is not None and not mkl and kernel.module.fits(linear):
             return f32_linear.F32Linear(linear, lib, panels[name])  # its weight never read
-        if weights is not None and linear.weight.is_meta:
+        from_views = weights is not None and linear.weight.is_meta
+        if from_views:
             weight = weights(name)
             if tuple(weight.shape) != (linear.out_features, linear.in_features):  # load_state_dict's check, for these
                 raise ValueError(f"weights do not fit the model: {name}.weight is {tuple(weight.shape)} in the checkpoint, "
@@ -150,8 +147,10 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
             return Float32Head(linear, native_library())
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
-        if mkl:  # plain float32 weights stay torch's here, each its own copy (a view of the file goes away)
-            return _plain(linear, linear.weight.detach().clone())
+        if mkl:  # plain float32 weights stay torch's here; a view of the file goes away, a tied head gets its own
+            if from_views or (tied and name == "lm_head"):
+                linear.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+            return linear
         if lib is not None and kernel.module.fits(linear):
             return kernel.layer(linear, lib)
         return PackedLinear(linear)
