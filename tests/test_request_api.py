@@ -178,8 +178,8 @@ def test_abort_frees_memory(engine):
     assert sum(len(c["output_ids"]) for c in chunks) < 200
     stats = engine.get_stats()
     assert engine_idle(stats)
-    out = engine.generate(PROMPTS[1], {"max_new_tokens": 4, "temperature": 0})
-    assert out["meta_info"]["finish_reason"]["type"] == "length"  # the engine serves on
+    out = engine.generate(PROMPTS[1], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"]["type"] == "length"  # the engine serves on (gguf-q8 ends at EOS on some CPUs)
 
 
 def test_abort_reports_the_reason(engine):
