@@ -100,7 +100,7 @@ class ResponseFormat(_Body):
 # Taken and ignored, with a warning in the log: on their servers they say where or how a request runs
 # (routing, priority, ids, multimodal settings, what only their other routes read), never what it answers.
 IGNORED_FIELDS = frozenset({
-    "priority", "request_id", "rid", "session_id", "extra_key", "custom_labels", "kv_transfer_params",
+    "priority", "request_id", "rid", "session_id", "custom_labels", "kv_transfer_params",
     "ec_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
     "disagg_prefill_dp_rank", "stream_interval", "guided_decoding_backend", "mm_processor_kwargs", "media_io_kwargs",
     "images_config", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video", "ngram_corpus_id",
@@ -111,7 +111,7 @@ IGNORED_FIELDS = frozenset({
 # cannot do what they ask, and ignoring them would change the answer the client gets.
 REFUSED_FIELDS: dict[str, tuple] = {
     "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (),
-    "logprob_token_ids": (), "logits_processors": (), "vllm_xargs": (), "lora_path": (), "cache_salt": (),
+    "logprob_token_ids": (), "logits_processors": (), "vllm_xargs": (), "lora_path": (), "cache_salt": (), "extra_key": (),
     "watermarking": (False,), "repetition_detection": (), "thinking_token_budget": (-1,), "stop_regex": (),
     "session_params": (), "guided_whitespace_pattern": (), "structural_tag": (), "prompt_embeds": (),
     "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "return_hidden_states": (False,),
