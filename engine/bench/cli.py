@@ -15,6 +15,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch: engine, transformers, llama.cpp
     python -m engine.bench --workload quality               # each quantization against the exact weights
     python -m engine.bench --workload dtype-quality         # float32 and bfloat16 against transformers' float32
+    python -m engine.bench --workload logits-head           # bfloat16 logits against float32 ones, the lm_head alone
     python -m engine.bench --workload soak                  # the stress crowd for many rounds: leaks, memory slope
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
@@ -37,6 +38,7 @@ from engine.bench.beam import parse_shapes, print_beam, run_beam
 from engine.bench.cpu_speed import print_cpu, run_cpu
 from engine.bench.dtype_quality import print_dtype_quality, run_dtype_quality
 from engine.bench.grammar import print_grammar, run_grammar
+from engine.bench.logits_head import print_logits_head, run_logits_head
 from engine.bench.prompts import build_prompts
 from engine.bench.quality import print_quality, run_quality
 from engine.bench.plugins import print_plugins, run_plugins
@@ -67,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="bench-results/bench.json", help="where to write all figures as JSON")
     p.add_argument("--workload", choices=("all", "throughput", "shared-prefix", "plugins", "tracing", "serve", "beam",
-                                          "grammar", "cpu", "quality", "dtype-quality", "soak"),
+                                          "grammar", "cpu", "quality", "dtype-quality", "logits-head", "soak"),
                    default="all",
                    help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
                         "plugins: hook cost (no plugin vs noop) and the skipdetok saving; tracing: off against on; "
@@ -76,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "grammar: requests under one JSON schema against the same requests unconstrained; "
                         "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp; "
                         "quality: each quantization's perplexity and greedy agreement against the exact weights; "
-                        "dtype-quality: the exact mode and transformers in float32 and bfloat16 against transformers float32; "
+                        "dtype-quality: the exact mode and transformers in float32 and bfloat16 against transformers float32 (not in all); "
+                        "logits-head: a bfloat16 model's lm_head with bfloat16 logits against float32 ones; "
                         "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all)")  # fmt: skip
     p.add_argument("--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams")
     p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
@@ -112,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype-quality-prompts", type=int, default=32, help="dtype-quality workload: held-out prompts")
     p.add_argument("--dtype-quality-new-tokens", type=int, default=64,
                    help="dtype-quality workload: greedy tokens per prompt (at most; EOS ends one)")
+    p.add_argument("--head-rounds", type=int, default=5, help="logits-head workload: alternating rounds per row count")
     p.add_argument("--quality-window-len", type=int, default=512, help="quality workload: tokens per held-out window")
     p.add_argument("--cpu-skip-llama", action="store_true", help="cpu workload: skip llama.cpp")
     p.add_argument("--soak-rounds", type=int, default=20, help="soak workload: rounds of one crowd each")
@@ -336,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                             ("serve", run_serve, print_serve), ("beam", run_beam, print_beam),
                             ("grammar", run_grammar, print_grammar), ("cpu", run_cpu, print_cpu),
                             ("quality", run_quality, print_quality),
-                            ("dtype-quality", run_dtype_quality, print_dtype_quality), ("soak", run_soak, print_soak)):  # fmt: skip
+                            ("dtype-quality", run_dtype_quality, print_dtype_quality),
+                            ("logits-head", run_logits_head, print_logits_head), ("soak", run_soak, print_soak)):  # fmt: skip
         extra[name] = None
-        if args.workload == name or (args.workload == "all" and name != "soak"):  # soak: only when asked
+        if args.workload == name or (args.workload == "all" and name not in ("soak", "dtype-quality")):  # slow: when asked
             extra[name] = run(args)
             show(extra[name])
     lens = [len(p) for p in prompts or []]
