@@ -39,6 +39,7 @@ from engine.bench.cpu_speed import print_cpu, run_cpu
 from engine.bench.dtype_quality import print_dtype_quality, run_dtype_quality
 from engine.bench.grammar import print_grammar, run_grammar
 from engine.bench.logits_head import print_logits_head, run_logits_head
+from engine.bench.machine import machine_line
 from engine.bench.prompts import build_prompts
 from engine.bench.quality import print_quality, run_quality
 from engine.bench.plugins import print_plugins, run_plugins
@@ -293,17 +294,6 @@ def print_table(dtype: str, r: dict) -> None:
     for name, value in rows:
         print(f"  {name:<34}{value}")
     print(f"  (bound: {bound['note']})", flush=True)
-
-
-def machine_line() -> str:
-    """Every figure is read against the machine it ran on: the CPU and whether bfloat16 is native there."""
-    from engine.cores import usable_cores
-    from engine.scheduler.device import cpu_has_native_bf16, cpu_model
-
-    native = "native bfloat16" if cpu_has_native_bf16() else "no native bfloat16"
-    cores = usable_cores()
-    host = f" of the host's {os.cpu_count()}" if os.cpu_count() and os.cpu_count() != cores else ""
-    return f"{cpu_model()}, {cores} cores{host} (every backend runs on these), {native}, torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -263,7 +263,7 @@ def hf_dtypes(modes: list[str]) -> list[str]:
 
 def run_cpu(args: argparse.Namespace) -> dict:
     """Every backend in turn, each in its own interpreter; the figures and the settings behind them."""
-    from engine.bench.cli import machine_line  # imported here: cli imports this module
+    from engine.bench.machine import machine_line
     from engine.bench.prompts import build_prompts
     from engine.model.embedded import embedded_gguf_path
     from engine.model.resolve import resolve_model_dir

@@ -77,7 +77,7 @@ def engine_run(dtype: str, prompts: list[list[int]], windows: list[list[int]], n
 
 
 def run_dtype_quality(args: argparse.Namespace) -> dict:
-    from engine.bench.cli import machine_line  # imported here: cli imports this module
+    from engine.bench.machine import machine_line
     from engine.model.resolve import resolve_model_dir
     from engine.tokenizer import load_hf_tokenizer
 

@@ -21,7 +21,7 @@ def run_logits_head(args: argparse.Namespace) -> dict:
     import torch
     from torch import nn
 
-    from engine.bench.cli import machine_line  # imported here: cli imports this module
+    from engine.bench.machine import machine_line
     from engine.cores import usable_cores
     from engine.kernels.cpu import load_native
     from engine.model import bf16_linear

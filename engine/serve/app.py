@@ -19,7 +19,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.serve import beams, errors, logprobs, sse, translate
+from engine.serve import beams, errors, handlers, logprobs, sse, translate
 from engine.serve.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -99,7 +99,7 @@ class InFlight:
 
 def build_app(engine, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="engine", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    errors.install(app)
+    handlers.install(app)
     app.add_middleware(ApiKeyMiddleware, api_key=options.api_key,
                        open_paths=OPEN_PATHS + (("/metrics",) if options.open_metrics else ()))  # fmt: skip
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
@@ -140,7 +140,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
 
     def opening(body: ChatCompletionRequest | CompletionRequest, request: Request, prefix: str) -> tuple[dict, bool, int, str]:
         """What both OpenAI routes do first: the model, the sampling parameters, logprobs, an id,
-        and the names the engine's errors must use for this body (errors.install reads them)."""
+        and the names the engine's errors must use for this body (handlers.install reads them)."""
         request.state.openai_names = translate.openai_names(body)
         check_model(body.model)
         ignored = body.ignored_fields()
