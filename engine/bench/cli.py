@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import platform
 import sys
 import time
