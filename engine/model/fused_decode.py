@@ -17,8 +17,6 @@ ENGINE_DECODE_LAYERS=0.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from engine import envvars
@@ -52,18 +50,24 @@ def install_exact(model: LlamaForCausalLM) -> bool:
     return True
 
 
-def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:
-    """Route the model's small decode steps through decode_forward; everything else as before. Every decoder
-    layer's linear layers must have a kernel_call (QuantizedLinear, GGUFLinear, Bf16Linear, F32Linear)."""
-    plain = model.forward
+class FusedDecode:
+    """A model's decode_path: decode steps of up to MAX_ROWS rows through decode_forward."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    def takes(self, batch: ForwardBatch) -> bool:
+        return batch.mode is ForwardMode.DECODE and batch.input_ids.shape[0] <= MAX_ROWS
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        if batch.mode is ForwardMode.DECODE and batch.input_ids.shape[0] <= MAX_ROWS:
-            return decode_forward(self, batch, backend, lib)
-        return plain(batch, backend)
+    def __call__(self, model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        return decode_forward(model, batch, backend, self.lib)
 
-    model.forward = types.MethodType(forward, model)
+
+def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:
+    """Set the model's decode_path to the fused step. Every decoder layer's linear layers must have a
+    kernel_call (QuantizedLinear, GGUFLinear, Bf16Linear, F32Linear, F32BlockLinear)."""
+    model.decode_path = FusedDecode(lib)
     return model
 
 

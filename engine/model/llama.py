@@ -91,10 +91,21 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
         self.requires_grad_(False)
+        # the fused decode step the loader sets where the linear layers have direct kernel calls
+        # (engine/model/fused_decode.py): the same logits as plain_forward, fewer Python calls a step
+        self.decode_path = None
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Logits [B, vocab] in float32 for each request's last new token: small decode steps on the fused
+        decode path where the loader set one, everything else on plain_forward."""
+        fused = self.decode_path
+        if fused is not None and fused.takes(batch):
+            return fused(self, batch, backend)
+        return self.plain_forward(batch, backend)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Logits [B, vocab] in float32 for each request's last new token."""
+    def plain_forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """The forward pass op by op, every layer through its modules."""
         backend.init_forward_metadata(batch)
         cos = self.rope_cos[batch.positions]
         sin = self.rope_sin[batch.positions]
