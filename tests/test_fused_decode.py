@@ -12,7 +12,7 @@ import torch
 
 from engine.ipc.messages import TokenizedRequest
 from engine.sampling_params import SamplingParams
-from engine.kernels.attention import ForwardMode
+from engine.model.forward_batch import ForwardMode
 from engine.kernels.cpu import load_native
 from engine.kernels.ops import apply_rotary, rms_norm, silu_and_mul
 from test_scheduler_steps import InProcess

@@ -235,7 +235,7 @@ def test_hook_specs_are_typed_and_their_types_resolve():
     from engine.ipc.messages import BatchTextOut
     from engine.sampling_params import SamplingParams
     from engine.scheduler.request import Req
-    from engine.kernels.attention.base import ForwardBatch
+    from engine.model.forward_batch import ForwardBatch
 
     names = {"torch": torch, "PromptRequest": PromptRequest, "StepRecord": StepRecord, "BatchTextOut": BatchTextOut,
              "SamplingParams": SamplingParams, "Req": Req, "ForwardBatch": ForwardBatch}  # fmt: skip

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention import ForwardBatch, ForwardMode, create_backend
+from engine.kernels.attention import create_backend
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.cpu import load_native
 
 

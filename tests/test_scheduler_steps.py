@@ -11,7 +11,7 @@ from engine.ipc.channels import Endpoints, pull_socket, push_socket
 from engine.ipc.messages import (NO_TOKEN, BatchTokenOut, BeamSearchOut, Codec, FinishReason, GenerateBatch, ToDetokenizer,
                                  ToScheduler, TokenizedRequest)
 from engine.sampling_params import SamplingParams
-from engine.kernels.attention import ForwardMode
+from engine.model.forward_batch import ForwardMode
 
 
 def _drain(sock, codec) -> list[BatchTokenOut]:

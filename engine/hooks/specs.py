@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # for the reader and type checkers only: importing them here 
     from engine.ipc.messages import BatchTextOut
     from engine.sampling_params import SamplingParams
     from engine.scheduler.request import Req
-    from engine.kernels.attention.base import ForwardBatch
+    from engine.model.forward_batch import ForwardBatch
 
 hookspec = pluggy.HookspecMarker("engine")
 
@@ -129,7 +129,7 @@ class EngineSpecs:
     @hookspec
     def engine_forward_before(self, batch: ForwardBatch, rids: list[str]) -> None:
         """Before the model's forward pass. Scheduler, once per step. `batch` is the ForwardBatch
-        (engine/kernels/attention/base.py: mode, input_ids, positions, ...); `rids` the requests in the step.
+        (engine/model/forward_batch.py: mode, input_ids, positions, ...); `rids` the requests in the step.
         Read-only."""
 
     @hookspec

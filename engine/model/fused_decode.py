@@ -26,7 +26,8 @@ from engine.model.decode_layers import build as build_decode_layers
 from engine.model.f32_block_linear import F32BlockLinear
 from engine.model.f32_linear import F32Linear
 from engine.model.llama import LlamaForCausalLM
-from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention import AttentionBackend
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 MAX_ROWS = 64
 

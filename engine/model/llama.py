@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.kernels.attention import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention import AttentionBackend
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.ops import add_rms_norm, rms_norm, rotate_qkv, silu_and_mul
 
 

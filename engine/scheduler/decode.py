@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.scheduler.step import Step
-from engine.kernels.attention import ForwardBatch, ForwardMode
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

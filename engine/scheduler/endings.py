@@ -17,7 +17,7 @@ from engine.ipc.messages import BatchTokenOut, FinishReason, NO_TOKEN, RequestMe
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
-from engine.kernels.attention import ForwardMode
+from engine.model.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

@@ -22,7 +22,7 @@ from engine.scheduler.endings import abort_reqs, abort_rids, finish_unstarted
 from engine.scheduler.policy import LPM_MAX_QUEUE, order_waiting
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
-from engine.kernels.attention import ForwardBatch, ForwardMode
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

@@ -14,7 +14,7 @@ from engine.scheduler.batch import RunningBatch
 from engine.scheduler.endings import finished_hook, request_meta
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
-from engine.kernels.attention import ForwardMode
+from engine.model.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

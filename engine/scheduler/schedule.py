@@ -8,7 +8,7 @@ from engine.scheduler.decode import decode_step
 from engine.scheduler.memory_pressure import make_room_for_decode
 from engine.scheduler.prefill import plan_prefill, prefill_step
 from engine.scheduler.step import Step
-from engine.kernels.attention import ForwardMode
+from engine.model.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

@@ -50,7 +50,8 @@ from engine.scheduler.batch import RunningBatch
 from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
-from engine.kernels.attention import ForwardMode, create_backend
+from engine.kernels.attention import create_backend
+from engine.model.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.request import Req
-from engine.kernels.attention import ForwardBatch, ForwardMode
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

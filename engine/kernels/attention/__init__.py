@@ -1,6 +1,6 @@
 """Attention backends: one interface, one implementation per kernel library."""
 
-from engine.kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention.base import AttentionBackend
 
 
 BACKENDS = ("auto", "torch", "cpu_native")
@@ -40,4 +40,4 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
     return TorchAttentionBackend(**kwargs)
 
 
-__all__ = ["AttentionBackend", "ForwardBatch", "ForwardMode", "create_backend"]
+__all__ = ["AttentionBackend", "create_backend"]

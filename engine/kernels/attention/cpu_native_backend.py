@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from engine import envvars
-from engine.kernels.attention.base import ForwardBatch, ForwardMode
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
 

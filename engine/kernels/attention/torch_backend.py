@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from engine.kernels.attention.base import AttentionBackend
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttentionBackend(AttentionBackend):
