@@ -171,7 +171,7 @@ def load_model(
             keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
         if progress is not None and (panels or blocks):
             progress(total, total)  # the mapped layers were never read
-        if dtype == torch.bfloat16 and not isinstance(model.lm_head, Float32Head):  # not packed: float32 logits still
+        if dtype == torch.bfloat16:  # float32 logits (float32_head.py); packing leaves the lm_head to this
             from engine.kernels.cpu import load_native
 
             model.lm_head = Float32Head(model.lm_head, load_native() if torch.device(device).type == "cpu" else None)

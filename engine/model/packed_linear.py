@@ -26,7 +26,6 @@ from torch import nn
 from engine import envvars
 from engine.model import bf16_linear, f32_linear
 from engine.model.f32_block_linear import F32BlockLinear
-from engine.model.float32_head import Float32Head
 from engine.model.swap import release_freed_memory, replace_linears
 
 
@@ -60,13 +59,6 @@ def our_kernel_library(dtype: torch.dtype):
 
     native = load_native()
     return native if kernel.module.runs_here(native) else None
-
-
-def native_library():
-    """The native kernel library, or None where it is switched off or cannot be built."""
-    from engine.kernels.cpu import load_native
-
-    return load_native()
 
 
 def float32_panels_here(device: str) -> bool:
@@ -143,8 +135,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
                 raise ValueError(f"weights do not fit the model: {name}.weight is {tuple(weight.shape)} in the checkpoint, "
                                  f"the config makes it {(linear.out_features, linear.in_features)}")  # fmt: skip
             linear.weight = nn.Parameter(weight, requires_grad=False)
-        if name == "lm_head" and dtype == torch.bfloat16:  # float32 logits (float32_head.py)
-            return Float32Head(linear, native_library())
+        if name == "lm_head" and dtype == torch.bfloat16:  # the loader makes it a Float32Head (float32 logits)
+            return linear
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
         if mkl:  # plain float32 weights stay torch's here; a view of the file goes away, a tied head gets its own
@@ -157,5 +149,5 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
 
     replace_linears(model, make)
     release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
-    return sum(isinstance(m, (PackedLinear, F32BlockLinear, Float32Head, *(k.layer for k in OUR_KERNELS.values())))
+    return sum(isinstance(m, (PackedLinear, F32BlockLinear, *(k.layer for k in OUR_KERNELS.values())))
                for m in model.modules())  # fmt: skip

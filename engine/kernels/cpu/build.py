@@ -276,10 +276,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.bf16_logits_pack.restype = ctypes.c_int
         lib.bf16_logits_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         lib.bf16_logits.restype = ctypes.c_int
-        lib.bf16_logits.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int,
-        ]  # fmt: skip
+        lib.bf16_logits.argtypes = lib.bf16_linear.argtypes  # (x, m, k, packed, n, nr, y, threads), y float32
     if hasattr(lib, "f32_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
         lib.f32_linear_support.restype = ctypes.c_int
         lib.f32_linear_support.argtypes = []
