@@ -21,8 +21,11 @@ def _env() -> int:
     from engine.envvars import VARIABLES, table
 
     print(table())
-    here = [f"{name}=<set>" if VARIABLES[name].secret else f"{name}={os.environ[name]}"
-            for name in VARIABLES if name in os.environ]
+    here = [
+        f"{name}=<set>" if VARIABLES[name].secret else f"{name}={os.environ[name]}"
+        for name in VARIABLES
+        if name in os.environ
+    ]
     print("\nset here: " + (", ".join(here) if here else "none"))
     return 0
 
@@ -42,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 0
         if len(argv) > 1:
-            print(f"engine env takes no arguments, got {' '.join(argv[1:])!r}\n\n{USAGE}", file=sys.stderr)
+            print(
+                f"engine env takes no arguments, got {' '.join(argv[1:])!r}\n\n{USAGE}",
+                file=sys.stderr,
+            )
             return 2
         return _env()
     if not argv or argv[0] in ("-h", "--help"):

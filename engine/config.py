@@ -13,36 +13,60 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
-QUANTIZATIONS = ("none", "int8", "gguf", "gguf-q8")  # engine/quantization: the modes and what each needs
-GGUF_MODES = ("gguf", "gguf-q8")  # computed from a GGUF file's blocks (gguf-q8: activations rounded to int8)
+QUANTIZATIONS = (
+    "none",
+    "int8",
+    "gguf",
+    "gguf-q8",
+)  # engine/quantization: the modes and what each needs
+GGUF_MODES = (
+    "gguf",
+    "gguf-q8",
+)  # computed from a GGUF file's blocks (gguf-q8: activations rounded to int8)
 
 
 @dataclass
 class EngineConfig:
     """Everything the three processes need to agree on. Defaults suit the embedded model on a small CPU."""
 
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
+    model_path: str | None = (
+        None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
+    )
     dtype: str = "auto"  # auto: float32 on the CPU (exact), bfloat16 on CUDA; bfloat16 on the CPU is a choice
-    quantization: str = "none"  # none: exact weights (token parity with transformers); int8: per-channel int8
+    quantization: str = (
+        "none"  # none: exact weights (token parity with transformers); int8: per-channel int8
+    )
     # weights (CPU); gguf: the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU, a model loaded from a .gguf);
     # gguf-q8: the same blocks against activations rounded to int8, as llama.cpp does (faster, +0.2-0.6% perplexity)
     device: str = "auto"  # auto: CUDA when torch sees one, else the CPU (the CPU under int8)
     attention_backend: str = "auto"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: derived from mem_fraction
-    mem_fraction: float = 0.10  # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None
+    mem_fraction: float = (
+        0.10  # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None
+    )
     max_running_requests: int = 256  # rows of the req_to_token table
     max_prefill_tokens: int = 8192  # prompt tokens in one prefill step when chunked prefill is off
-    chunked_prefill_size: int = 2048  # prompt tokens per prefill step; longer prompts go in chunks; 0: off
+    chunked_prefill_size: int = (
+        2048  # prompt tokens per prefill step; longer prompts go in chunks; 0: off
+    )
     enable_prefix_cache: bool = True  # RadixAttention: reuse the K/V of prompts seen before
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) or fcfs
-    init_new_token_ratio: float = 0.7  # share of max_new_tokens admission reserves at first (it decays)
-    context_length: int | None = None  # None: the model's max_position_embeddings (more: refused at start)
+    init_new_token_ratio: float = (
+        0.7  # share of max_new_tokens admission reserves at first (it decays)
+    )
+    context_length: int | None = (
+        None  # None: the model's max_position_embeddings (more: refused at start)
+    )
     num_threads: int | None = None  # torch threads in the scheduler; None: all cores
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
     show_progress: bool = False  # progress bar while the model loads
-    preload_tokenizer: bool = False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
+    preload_tokenizer: bool = (
+        False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
+    )
     # children start, not on first use (it imports torch: 6-8 s on a 2-core Zen 1); engine serve turns it on
-    plugins: str | None = None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
+    plugins: str | None = (
+        None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
+    )
     # sequences one generate or beam_search call may create (prompts x n; a beam search's beams): a few KB of
     # input must not queue a hundred thousand requests; 4,096 holds the suite's 1,000-request crowd 4 times
     max_sequences_per_call: int = 4096
@@ -50,25 +74,43 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         if self.model_path is not None and not isinstance(self.model_path, (str, os.PathLike)):
-            raise ValueError(f"model_path must be a path string, got {type(self.model_path).__name__}")
+            raise ValueError(
+                f"model_path must be a path string, got {type(self.model_path).__name__}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.quantization != "none" and self.dtype == "bfloat16":
-            raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' or 'auto'")
+            raise ValueError(
+                f"quantization={self.quantization!r} computes in float32; use dtype='float32' or 'auto'"
+            )
         if self.quantization != "none" and self.device == "cuda":
-            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; use device='cpu' or 'auto'")
-        if self.quantization in GGUF_MODES and self.model_path is not None and not str(self.model_path).endswith(".gguf"):
-            raise ValueError(f"quantization={self.quantization!r} computes from a GGUF file's blocks; model_path {str(self.model_path)!r} "
-                             "is not a .gguf file (leave it unset for the embedded model)")  # fmt: skip
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on the CPU only; use device='cpu' or 'auto'"
+            )
+        if (
+            self.quantization in GGUF_MODES
+            and self.model_path is not None
+            and not str(self.model_path).endswith(".gguf")
+        ):
+            raise ValueError(
+                f"quantization={self.quantization!r} computes from a GGUF file's blocks; model_path {str(self.model_path)!r} "
+                "is not a .gguf file (leave it unset for the embedded model)"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         for name in ("max_total_tokens", "context_length", "num_threads"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         for name in ("max_running_requests", "max_prefill_tokens", "max_sequences_per_call"):
             value = getattr(self, name)
@@ -76,21 +118,29 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         chunk = self.chunked_prefill_size
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
-            raise ValueError(f"chunked_prefill_size must be a non-negative integer (0: off), got {chunk!r}")
+            raise ValueError(
+                f"chunked_prefill_size must be a non-negative integer (0: off), got {chunk!r}"
+            )
         for name in ("enable_prefix_cache", "show_progress", "preload_tokenizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
         ratio = self.init_new_token_ratio
         if not _is_number(ratio) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"init_new_token_ratio must be in (0, 1], got {ratio!r}")
         if not _is_number(self.mem_fraction) or not 0.0 < self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be a number in (0, 1), got {self.mem_fraction!r}")
         if self.plugins is not None and not isinstance(self.plugins, str):
-            raise ValueError(f"plugins must be a comma-separated string like ENGINE_PLUGINS, got {self.plugins!r}")
+            raise ValueError(
+                f"plugins must be a comma-separated string like ENGINE_PLUGINS, got {self.plugins!r}"
+            )
         if not _is_number(self.startup_timeout) or not 0 < self.startup_timeout < math.inf:
-            raise ValueError(f"startup_timeout must be a positive number of seconds, got {self.startup_timeout!r}")
+            raise ValueError(
+                f"startup_timeout must be a positive number of seconds, got {self.startup_timeout!r}"
+            )
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(dataclasses.asdict(self))

@@ -32,19 +32,36 @@ logger = logging.getLogger(__name__)
 def _child_env(plugins: str) -> dict[str, str]:
     """With plugins: ENGINE_PLUGINS for the children, and our sitecustomize first on their path."""
     if not plugins:
-        return {ENV: ""}  # none: also when the variable is set but Engine(plugins="") says otherwise
+        return {
+            ENV: ""
+        }  # none: also when the variable is set but Engine(plugins="") says otherwise
     path = os.environ.get("PYTHONPATH", "")
     return {ENV: plugins, "PYTHONPATH": SITECUSTOMIZE_DIR + (os.pathsep + path if path else "")}
 
 
-def _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
-                 logprob_start_len, trace_context) -> dict:  # fmt: skip
+def _submit_args(
+    prompt,
+    sampling_params,
+    input_ids,
+    messages,
+    rid,
+    return_logprob,
+    top_logprobs_num,
+    logprob_start_len,
+    trace_context,
+) -> dict:
     """generate's and async_generate's request arguments, as TokenizerManager.submit takes them."""
     return dict(
-        prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, messages=messages, rid=rid,
-        return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+        prompt=prompt,
+        sampling_params=sampling_params,
+        input_ids=input_ids,
+        messages=messages,
+        rid=rid,
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs_num,
+        logprob_start_len=logprob_start_len,
         trace_context=trace_context,
-    )  # fmt: skip
+    )
 
 
 def _shutdown_report(tm: TokenizerManager) -> None:
@@ -85,8 +102,12 @@ class _Resources:
         self.lock = threading.Lock()
         self.closed = False
         self.started = False  # every process is ready and serving
-        self.pid = os.getpid()  # a fork of this process (os.fork) inherits the finalizer but owns nothing
-        self.lease = None  # a converted model's lease, held while this engine runs (engine/cache_upkeep.py)
+        self.pid = (
+            os.getpid()
+        )  # a fork of this process (os.fork) inherits the finalizer but owns nothing
+        self.lease = (
+            None  # a converted model's lease, held while this engine runs (engine/cache_upkeep.py)
+        )
 
     def kill_children(self, reason: str) -> None:
         """Called by the tokenizer manager when a child died: the rest must not linger."""
@@ -143,7 +164,9 @@ class Engine:
         envvars.check_switches()  # the children read them: a misspelt value stops here, named
         plugins = self.config.plugins if self.config.plugins is not None else envvars.read(ENV)
         if tracing_enabled() and "tracing" not in parse_spec(plugins):
-            plugins = ",".join(parse_spec(plugins) + ["tracing"])  # ENGINE_TRACING=1: the tracing plugin, everywhere
+            plugins = ",".join(
+                parse_spec(plugins) + ["tracing"]
+            )  # ENGINE_TRACING=1: the tracing plugin, everywhere
         load_plugins(plugins)  # an unknown name stops here, listing the available plugins
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role="user", pid=os.getpid())
@@ -153,12 +176,19 @@ class Engine:
         try:
             announce = print if self.config.show_progress else None
             self.model_dir = resolve_model_dir(self.config.model_path, announce)
-            if is_converted(Path(self.model_dir)):  # a newer conversion's upkeep leaves it while we run
+            if is_converted(
+                Path(self.model_dir)
+            ):  # a newer conversion's upkeep leaves it while we run
                 res.lease = hold_lease(Path(self.model_dir))
             res.endpoints = Endpoints.create()
             ends, parent = res.endpoints.to_dict(), os.getpid()
             res.children.append(
-                spawn_child("scheduler", run_scheduler_process, (self.config.to_json(), self.model_dir, ends, parent), child_env)
+                spawn_child(
+                    "scheduler",
+                    run_scheduler_process,
+                    (self.config.to_json(), self.model_dir, ends, parent),
+                    child_env,
+                )
             )
             # While the scheduler imports torch and loads the model: the tokenizer, and the sockets (a child
             # connecting before they are bound is fine: ZeroMQ connects when the other side appears). The
@@ -167,17 +197,27 @@ class Engine:
             tokenizer = PromptTokenizer(self.model_dir)
             res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             res.children.append(
-                spawn_child("detokenizer", run_detokenizer_process, (self.model_dir, ends, parent), child_env)
+                spawn_child(
+                    "detokenizer",
+                    run_detokenizer_process,
+                    (self.model_dir, ends, parent),
+                    child_env,
+                )
             )
-            if self.config.preload_tokenizer:  # this process would only wait for the scheduler meanwhile
+            if (
+                self.config.preload_tokenizer
+            ):  # this process would only wait for the scheduler meanwhile
                 tokenizer.hf
             with _LoadProgress(self.config.show_progress) as bar:
                 wait_ready(res.children, self.config.startup_timeout, bar.update)
         except BaseException:
             self._finalizer()
             raise
-        self.server_info = dict(res.children[0].info, model=model_name(self.config.model_path),
-                                max_sequences_per_call=self.config.max_sequences_per_call)  # fmt: skip
+        self.server_info = dict(
+            res.children[0].info,
+            model=model_name(self.config.model_path),
+            max_sequences_per_call=self.config.max_sequences_per_call,
+        )
         self._prompt_tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
         res.tokenizer_manager.start(sentinels, self.server_info, on_dead=res.kill_children)
@@ -185,7 +225,12 @@ class Engine:
         _live.add(self)
         if hooks.has("engine_process_ready"):
             try:
-                hooks.call("engine_process_ready", role="user", pid=os.getpid(), info=dict(self.server_info))
+                hooks.call(
+                    "engine_process_ready",
+                    role="user",
+                    pid=os.getpid(),
+                    info=dict(self.server_info),
+                )
             except BaseException:  # the caller gets no engine: none may be left running
                 _live.discard(self)
                 self._finalizer()
@@ -194,10 +239,19 @@ class Engine:
     # ------------------------------------------------------------------ API
 
     def generate(
-        self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, progress=False,
-        stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        progress=False,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
         trace_context=None,
-    ):  # fmt: skip
+    ):
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts, in order).
 
         Exactly one of prompt (str or list of str), input_ids (list of ids or list of lists) or messages
@@ -211,8 +265,17 @@ class Engine:
         Raises ValueError before anything is queued if any input is bad.
         """
         tm = self._tm()
-        submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
-                              logprob_start_len, trace_context)  # fmt: skip
+        submit = _submit_args(
+            prompt,
+            sampling_params,
+            input_ids,
+            messages,
+            rid,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            trace_context,
+        )
         if stream:
             return sync_stream(tm, submit)
         bar = None
@@ -233,24 +296,51 @@ class Engine:
         return results if is_batch else results[0]
 
     async def async_generate(
-        self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None, stream: bool = False,
-        return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1, trace_context=None,
-    ):  # fmt: skip
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        trace_context=None,
+    ):
         """generate() for asyncio: `await engine.async_generate(...)` gives the result(s);
         `async for chunk in await engine.async_generate(..., stream=True)` streams. Cancelling the
         awaiting task aborts the requests."""
         tm = self._tm()
-        submit = _submit_args(prompt, sampling_params, input_ids, messages, rid, return_logprob, top_logprobs_num,
-                              logprob_start_len, trace_context)  # fmt: skip
+        submit = _submit_args(
+            prompt,
+            sampling_params,
+            input_ids,
+            messages,
+            rid,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            trace_context,
+        )
         if stream:
             return await async_stream(tm, submit)
         return await async_collect(tm, submit)
 
     def beam_search(
-        self, prompt=None, beam_width: int = 4, max_new_tokens: int = DEFAULT_BEAM_MAX_NEW_TOKENS,
-        length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
-        input_ids=None, messages=None, rid=None, trace_context=None, **sampling,
-    ):  # fmt: skip
+        self,
+        prompt=None,
+        beam_width: int = 4,
+        max_new_tokens: int = DEFAULT_BEAM_MAX_NEW_TOKENS,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_return_sequences: int = 1,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        trace_context=None,
+        **sampling,
+    ):
         """Beam search in the scheduler (docs/beam_search.md): for one prompt a dict, for a batch a list.
 
         Each result: {"hypotheses": the num_return_sequences best, best first, each {"text",
@@ -263,21 +353,52 @@ class Engine:
         ValueError naming them, before anything is queued.
         """
         tm = self._tm()
-        submit = beam_submit_args(prompt, input_ids, messages, rid, trace_context, beam_width, max_new_tokens,
-                                  length_penalty, early_stopping, num_return_sequences, sampling)  # fmt: skip
+        submit = beam_submit_args(
+            prompt,
+            input_ids,
+            messages,
+            rid,
+            trace_context,
+            beam_width,
+            max_new_tokens,
+            length_penalty,
+            early_stopping,
+            num_return_sequences,
+            sampling,
+        )
         states, is_batch = tm.submit(**submit)
         results = tm.wait(states)
         return results if is_batch else results[0]
 
     async def async_beam_search(
-        self, prompt=None, beam_width: int = 4, max_new_tokens: int = DEFAULT_BEAM_MAX_NEW_TOKENS,
-        length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
-        input_ids=None, messages=None, rid=None, trace_context=None, **sampling,
-    ):  # fmt: skip
+        self,
+        prompt=None,
+        beam_width: int = 4,
+        max_new_tokens: int = DEFAULT_BEAM_MAX_NEW_TOKENS,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_return_sequences: int = 1,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        trace_context=None,
+        **sampling,
+    ):
         """beam_search() for asyncio; cancelling the awaiting task aborts the searches."""
         tm = self._tm()
-        submit = beam_submit_args(prompt, input_ids, messages, rid, trace_context, beam_width, max_new_tokens,
-                                  length_penalty, early_stopping, num_return_sequences, sampling)  # fmt: skip
+        submit = beam_submit_args(
+            prompt,
+            input_ids,
+            messages,
+            rid,
+            trace_context,
+            beam_width,
+            max_new_tokens,
+            length_penalty,
+            early_stopping,
+            num_return_sequences,
+            sampling,
+        )
         return await async_collect(tm, submit)
 
     def abort(self, rid: str | list[str]) -> None:
@@ -299,8 +420,13 @@ class Engine:
         """True while the engine serves: not shut down, its receiver running, both children alive."""
         res = self._resources
         tm = res.tokenizer_manager
-        return (not res.closed and res.started and tm is not None and tm.dead is None
-                and all(c.process.is_alive() for c in res.children))  # fmt: skip
+        return (
+            not res.closed
+            and res.started
+            and tm is not None
+            and tm.dead is None
+            and all(c.process.is_alive() for c in res.children)
+        )
 
     @property
     def tokenizer(self):
@@ -361,4 +487,3 @@ class _LoadProgress:
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.close()
-

@@ -23,42 +23,123 @@ class EnvVar:
 VARIABLES: dict[str, EnvVar] = {
     v.name: v
     for v in (
-        EnvVar("ENGINE_PLUGINS", "", "a,b,pkg.module:obj",
-               "plugins loaded in all three engine processes (entry points of group engine.plugins, or import paths)"),
-        EnvVar("ENGINE_PLUGIN_ERRORS", "", "raise",
-               "raise: a plugin error stops the process (development); otherwise it fails only the requests concerned"),
-        EnvVar("ENGINE_TRACING", "0", "1 or 0", "1: the tracing plugin in all three processes (OpenTelemetry spans)"),
-        EnvVar("ENGINE_TRACE_FILE", "", "a file path", "also write every span as OTLP/JSON lines to this file"),
-        EnvVar("ENGINE_TRACE_STEPS", "1", "N >= 0", "keep one scheduler-step trace in N (0: none; failed steps always)"),
-        EnvVar("ENGINE_CACHE_DIR", "", "a directory",
-               "where the dequantized embedded model, the compiled C kernels, int8 weights and float32 panels are cached (default: the user cache dir); its folders named `<name>-<16 hex digits>` with a `.complete` mark are the engine's conversions, which a new conversion may remove"),
-        EnvVar("ENGINE_NATIVE_KERNELS", "1", "1 or 0", "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)"),
-        EnvVar("ENGINE_PACK_WEIGHTS", "1", "1 or 0",
-               "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights: neither oneDNN's packed layout nor our bf16 and float32 kernels (A/B runs)"),
-        EnvVar("ENGINE_BF16_LINEAR", "1", "1 or 0",
-               "0: bfloat16 linear layers on CPUs with AVX512_BF16 and no AMX use oneDNN's packed kernel instead of ours (A/B runs)"),
-        EnvVar("ENGINE_F32_LINEAR", "1", "1 or 0",
-               "0: float32 linear layers on CPUs with AVX2 and no AVX-512 use oneDNN's packed kernel instead of ours (A/B runs)"),
-        EnvVar("ENGINE_EXACT_BLOCKS", "1", "1 or 0",
-               "0: the exact float32 mode on our float32 kernel packs the converted float32 weights even where they are a GGUF's blocks' values (the embedded model), instead of computing from the blocks (the same outputs, bitwise; A/B runs)"),
-        EnvVar("ENGINE_PANEL_CACHE", "0", "1 or 0",
-               "1: the exact float32 mode on our float32 kernel keeps its packed panels in the cache (as large as the float32 weights: 540 MB for SmolLM2-135M) and maps them at later starts instead of packing (start-up 0-0.5 s shorter on a Zen 1, the first start 1-2 s longer; decode speed the same within noise in 17 A/B pairs)"),
-        EnvVar("ENGINE_FUSED_DECODE", "1", "1 or 0",
-               "0: the exact mode's decode steps on our linear kernels (bfloat16, float32) go through llama.py's plain forward instead of fused_decode.py's direct kernel calls (the same logits; A/B runs)"),
-        EnvVar("ENGINE_DECODE_LAYERS", "1", "1 or 0",
-               "0: float32 fused decode steps (the quantized modes, the exact mode on our float32 kernel) call each layer's kernels from Python (fused_decode.py's loop) instead of all layers in one C call (decode_layers.c; the same logits; A/B runs)"),
-        EnvVar("ENGINE_NATIVE_EXTEND", "1", "1 or 0",
-               "0: prefill attention on the CPU runs torch's SDPA even where the native extend kernel is built (A/B runs)"),
-        EnvVar("ENGINE_PYSPY", "", "a file path", "the py-spy binary engine profile and engine dump use"),
-        EnvVar("ENGINE_METRICS_PORT", "", "a TCP port",
-               "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port"),
-        EnvVar("ENGINE_API_KEY", "", "a secret",
-               "engine serve: the API key clients must send (safer than --api-key, which other users see in ps)",
-               secret=True),
-        EnvVar("ENGINE_PROCESS_ROLE", "", "scheduler or detokenizer",
-               "set by the engine for its children only, so plugins know their role from interpreter start; never set it"),
+        EnvVar(
+            "ENGINE_PLUGINS",
+            "",
+            "a,b,pkg.module:obj",
+            "plugins loaded in all three engine processes (entry points of group engine.plugins, or import paths)",
+        ),
+        EnvVar(
+            "ENGINE_PLUGIN_ERRORS",
+            "",
+            "raise",
+            "raise: a plugin error stops the process (development); otherwise it fails only the requests concerned",
+        ),
+        EnvVar(
+            "ENGINE_TRACING",
+            "0",
+            "1 or 0",
+            "1: the tracing plugin in all three processes (OpenTelemetry spans)",
+        ),
+        EnvVar(
+            "ENGINE_TRACE_FILE",
+            "",
+            "a file path",
+            "also write every span as OTLP/JSON lines to this file",
+        ),
+        EnvVar(
+            "ENGINE_TRACE_STEPS",
+            "1",
+            "N >= 0",
+            "keep one scheduler-step trace in N (0: none; failed steps always)",
+        ),
+        EnvVar(
+            "ENGINE_CACHE_DIR",
+            "",
+            "a directory",
+            "where the dequantized embedded model, the compiled C kernels, int8 weights and float32 panels are cached (default: the user cache dir); its folders named `<name>-<16 hex digits>` with a `.complete` mark are the engine's conversions, which a new conversion may remove",
+        ),
+        EnvVar(
+            "ENGINE_NATIVE_KERNELS",
+            "1",
+            "1 or 0",
+            "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)",
+        ),
+        EnvVar(
+            "ENGINE_PACK_WEIGHTS",
+            "1",
+            "1 or 0",
+            "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights: neither oneDNN's packed layout nor our bf16 and float32 kernels (A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_BF16_LINEAR",
+            "1",
+            "1 or 0",
+            "0: bfloat16 linear layers on CPUs with AVX512_BF16 and no AMX use oneDNN's packed kernel instead of ours (A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_F32_LINEAR",
+            "1",
+            "1 or 0",
+            "0: float32 linear layers on CPUs with AVX2 and no AVX-512 use oneDNN's packed kernel instead of ours (A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_EXACT_BLOCKS",
+            "1",
+            "1 or 0",
+            "0: the exact float32 mode on our float32 kernel packs the converted float32 weights even where they are a GGUF's blocks' values (the embedded model), instead of computing from the blocks (the same outputs, bitwise; A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_PANEL_CACHE",
+            "0",
+            "1 or 0",
+            "1: the exact float32 mode on our float32 kernel keeps its packed panels in the cache (as large as the float32 weights: 540 MB for SmolLM2-135M) and maps them at later starts instead of packing (start-up 0-0.5 s shorter on a Zen 1, the first start 1-2 s longer; decode speed the same within noise in 17 A/B pairs)",
+        ),
+        EnvVar(
+            "ENGINE_FUSED_DECODE",
+            "1",
+            "1 or 0",
+            "0: the exact mode's decode steps on our linear kernels (bfloat16, float32) go through llama.py's plain forward instead of fused_decode.py's direct kernel calls (the same logits; A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_DECODE_LAYERS",
+            "1",
+            "1 or 0",
+            "0: float32 fused decode steps (the quantized modes, the exact mode on our float32 kernel) call each layer's kernels from Python (fused_decode.py's loop) instead of all layers in one C call (decode_layers.c; the same logits; A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_NATIVE_EXTEND",
+            "1",
+            "1 or 0",
+            "0: prefill attention on the CPU runs torch's SDPA even where the native extend kernel is built (A/B runs)",
+        ),
+        EnvVar(
+            "ENGINE_PYSPY",
+            "",
+            "a file path",
+            "the py-spy binary engine profile and engine dump use",
+        ),
+        EnvVar(
+            "ENGINE_METRICS_PORT",
+            "",
+            "a TCP port",
+            "with the metrics plugin: an offline Engine serves Prometheus metrics on 127.0.0.1 at this port",
+        ),
+        EnvVar(
+            "ENGINE_API_KEY",
+            "",
+            "a secret",
+            "engine serve: the API key clients must send (safer than --api-key, which other users see in ps)",
+            secret=True,
+        ),
+        EnvVar(
+            "ENGINE_PROCESS_ROLE",
+            "",
+            "scheduler or detokenizer",
+            "set by the engine for its children only, so plugins know their role from interpreter start; never set it",
+        ),
     )
-}  # fmt: skip
+}
 
 
 def read(name: str) -> str:
@@ -67,7 +148,10 @@ def read(name: str) -> str:
     return os.environ.get(name, var.default).strip()
 
 
-SWITCH_VALUES = {"1 or 0": ("1", "0"), "raise": ("raise",)}  # the switches' accepted values (or unset, or empty)
+SWITCH_VALUES = {
+    "1 or 0": ("1", "0"),
+    "raise": ("raise",),
+}  # the switches' accepted values (or unset, or empty)
 
 
 def check_switches() -> None:
@@ -78,12 +162,16 @@ def check_switches() -> None:
         allowed = SWITCH_VALUES.get(var.values)
         value = os.environ.get(var.name, "").strip()
         if allowed is not None and value and value not in allowed:
-            raise ValueError(f"{var.name}={value!r} is not supported: only {' and '.join(allowed)} (or unset)")
+            raise ValueError(
+                f"{var.name}={value!r} is not supported: only {' and '.join(allowed)} (or unset)"
+            )
 
 
 def table() -> str:
     """The variables as a Markdown table (docs/configuration.md holds the same)."""
     rows = ["| variable | values | default | meaning |", "|---|---|---|---|"]
     for v in VARIABLES.values():
-        rows.append(f"| `{v.name}` | {v.values} | {('`' + v.default + '`') if v.default else 'unset'} | {v.meaning} |")
+        rows.append(
+            f"| `{v.name}` | {v.values} | {('`' + v.default + '`') if v.default else 'unset'} | {v.meaning} |"
+        )
     return "\n".join(rows)

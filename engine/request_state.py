@@ -23,10 +23,15 @@ def beam_hypotheses(out: BeamTextOut | None) -> list[dict]:
     if out is None:
         return []
     return [
-        {"text": text, "output_ids": list(h.output_ids), "logprob": h.logprob, "score": h.score,
-         "finish_reason": h.finish.to_dict()}
+        {
+            "text": text,
+            "output_ids": list(h.output_ids),
+            "logprob": h.logprob,
+            "score": h.score,
+            "finish_reason": h.finish.to_dict(),
+        }
         for h, text in zip(out.hypotheses, out.texts)
-    ]  # fmt: skip
+    ]
 
 
 @dataclass
@@ -35,7 +40,9 @@ class ReqState:
 
     rid: str
     prompt_ids: list[int]
-    seq: int = 0  # this submission's number: aborts name it, so a reused rid is never hit by an old abort
+    seq: int = (
+        0  # this submission's number: aborts name it, so a reused rid is never hit by an old abort
+    )
     index: int = 0  # position in the caller's result list
     group: str | None = None  # the rid the caller gave, for the copies of an n > 1 request
     return_logprob: bool = False
@@ -74,7 +81,8 @@ class ReqState:
             "cached_tokens": cached,
             "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
             "e2e_latency": (self.finished_at or time.perf_counter()) - self.created,
-            "first_token_latency": (self.first_token_at or self.finished_at or time.perf_counter()) - self.created,
+            "first_token_latency": (self.first_token_at or self.finished_at or time.perf_counter())
+            - self.created,
         }
         if self.beam is not None:
             out = self.beam_out
@@ -87,7 +95,9 @@ class ReqState:
                 info["output_top_logprobs"] = [top_tuples(t) for t in self.output_top]
             if self.logprob_start_len >= 0:
                 ids = self.prompt_ids[self.logprob_start_len :]
-                info["input_token_logprobs"] = lp_tuples(header.input_logprobs, ids) if header else []
+                info["input_token_logprobs"] = (
+                    lp_tuples(header.input_logprobs, ids) if header else []
+                )
                 if header and any(t is not None for t in header.input_top):
                     info["input_top_logprobs"] = [top_tuples(t) for t in header.input_top]
         return info
@@ -97,4 +107,8 @@ class ReqState:
             raise self.error
         if self.beam is not None:
             return {"hypotheses": beam_hypotheses(self.beam_out), "meta_info": self.meta_info()}
-        return {"text": "".join(self.text_parts), "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        return {
+            "text": "".join(self.text_parts),
+            "output_ids": list(self.output_ids),
+            "meta_info": self.meta_info(),
+        }

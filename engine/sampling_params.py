@@ -13,7 +13,9 @@ from typing import Any, Callable
 import msgspec
 
 DEFAULT_MAX_NEW_TOKENS = 128
-GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0: dividing logits by it would overflow
+GREEDY_TEMPERATURE = (
+    1e-5  # below this a temperature is treated as 0: dividing logits by it would overflow
+)
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 # Each stop token id widens a beam search's selection (1 + stop ids candidates per beam) and adds an entry to
@@ -62,7 +64,11 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults
 
     @property
     def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 FIELDS = {name for name in SamplingParams.__struct_fields__}
@@ -98,9 +104,15 @@ def _stop_token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
     if _is_int(value):
         value = (value,)
     if isinstance(value, (list, tuple)) and len(value) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}")
-    if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t < vocab_size for t in value):
-        raise ValueError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {value!r}")
+        raise ValueError(
+            f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}"
+        )
+    if not isinstance(value, (list, tuple)) or not all(
+        _is_int(t) and 0 <= t < vocab_size for t in value
+    ):
+        raise ValueError(
+            f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {value!r}"
+        )
     return tuple(dict.fromkeys(value))
 
 
@@ -114,12 +126,16 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         or not all(isinstance(s, str) and s for s in value)
         or len(value) > MAX_STOP_STRINGS
     ):
-        raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got {value!r}")
+        raise ValueError(
+            f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got {value!r}"
+        )
     for i, s in enumerate(value):
         try:
             s.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate: no output text can ever hold it
-            raise ValueError(f"stop[{i}] is not valid Unicode text: a lone surrogate {s[exc.start]!r} at character {exc.start}") from None
+            raise ValueError(
+                f"stop[{i}] is not valid Unicode text: a lone surrogate {s[exc.start]!r} at character {exc.start}"
+            ) from None
     return tuple(value)
 
 
@@ -127,14 +143,20 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+        raise ValueError(
+            f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}"
+        )
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key  # not "+5", " 5", "٥"
+        token = (
+            int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key
+        )  # not "+5", " 5", "٥"
         if not _is_int(token) or not 0 <= token < vocab_size:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
         if not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"
+            )
         if token in out:  # "05" and "5": which bias applied would depend on the order of the keys
             raise ValueError(f"logit_bias names token {token} twice")
         out[token] = float(bias)
@@ -149,7 +171,9 @@ def _constraint(p: dict, parse: bool) -> dict[str, str]:
     constraint = normalize(p)
     for kind, text in constraint.items():
         if p.get("ignore_eos"):
-            raise ValueError(f"ignore_eos cannot be used with {kind}: the grammar ends the output with EOS")
+            raise ValueError(
+                f"ignore_eos cannot be used with {kind}: the grammar ends the output with EOS"
+            )
         if parse:
             check(kind, text)
     return constraint
@@ -175,7 +199,9 @@ def _has_non_finite(value: Any) -> bool:
 
 
 def parse_sampling_params(
-    params: dict | SamplingParams | None, vocab_size: int, processors: Callable[[str], Any] | None = None,
+    params: dict | SamplingParams | None,
+    vocab_size: int,
+    processors: Callable[[str], Any] | None = None,
     parse_grammar: bool = True,
 ) -> SamplingParams:
     """Turn a user's dict into SamplingParams; raise ValueError naming the field and its allowed range.
@@ -204,20 +230,38 @@ def parse_sampling_params(
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
     min_new = p.get("min_new_tokens", 0)
     if not _is_int(min_new) or not 0 <= min_new <= max_new:
-        raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new}], got {min_new!r}")
-    temperature = _number(p, "temperature", 1.0, lambda v: 0 <= v <= MAX_TEMPERATURE,
-                          f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")  # fmt: skip
+        raise ValueError(
+            f"min_new_tokens must be an integer in [0, max_new_tokens={max_new}], got {min_new!r}"
+        )
+    temperature = _number(
+        p,
+        "temperature",
+        1.0,
+        lambda v: 0 <= v <= MAX_TEMPERATURE,
+        f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
+    )
     top_p = _number(p, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")
     top_k = p.get("top_k", -1)
     if not _is_int(top_k) or (top_k < 1 and top_k not in (-1, 0)):
         raise ValueError(f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {top_k!r}")
-    if top_k >= vocab_size:  # the whole vocabulary: any size is usable (2**63 overflowed an int64 tensor)
+    if (
+        top_k >= vocab_size
+    ):  # the whole vocabulary: any size is usable (2**63 overflowed an int64 tensor)
         top_k = -1
     min_p = _number(p, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]")
-    repetition = _number(p, "repetition_penalty", 1.0, lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
-                         f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 means off)")  # fmt: skip
-    frequency = _number(p, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)")
-    presence = _number(p, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)")
+    repetition = _number(
+        p,
+        "repetition_penalty",
+        1.0,
+        lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+        f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 means off)",
+    )
+    frequency = _number(
+        p, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)"
+    )
+    presence = _number(
+        p, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)"
+    )
     seed = p.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_RANGE):
         raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
@@ -228,16 +272,28 @@ def parse_sampling_params(
     custom_params = p.get("custom_params")
     if custom_params is not None:
         if not isinstance(custom_params, dict):
-            raise ValueError(f"custom_params must be a JSON object (dict), got {type(custom_params).__name__}")
+            raise ValueError(
+                f"custom_params must be a JSON object (dict), got {type(custom_params).__name__}"
+            )
         try:
             custom_params = msgspec.json.decode(msgspec.json.encode(custom_params))
-        except (TypeError, msgspec.EncodeError, RecursionError) as exc:  # RecursionError: nested too deep
+        except (
+            TypeError,
+            msgspec.EncodeError,
+            RecursionError,
+        ) as exc:  # RecursionError: nested too deep
             raise ValueError(f"custom_params must be JSON-serializable: {exc}") from None
-        if _has_non_finite(p["custom_params"]):  # JSON has no NaN or infinity: they came through as null
-            raise ValueError("custom_params must hold finite numbers only (JSON has no NaN or infinity)")
+        if _has_non_finite(
+            p["custom_params"]
+        ):  # JSON has no NaN or infinity: they came through as null
+            raise ValueError(
+                "custom_params must hold finite numbers only (JSON has no NaN or infinity)"
+            )
     if name is not None:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"custom_logit_processor must be a registered name (a string), got {name!r}")
+            raise ValueError(
+                f"custom_logit_processor must be a registered name (a string), got {name!r}"
+            )
         if processors is None:
             raise ValueError(f"custom_logit_processor {name!r}: no processors are registered")
         processors(name)().validate_params(custom_params or {}, vocab_size)

@@ -32,9 +32,15 @@ def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
     if state.finish_reason is not None:
         meta = state.meta_info()
     else:
-        meta = {"id": state.rid, "finish_reason": None, "prompt_tokens": state.prompt_tokens,
-                "completion_tokens": len(state.output_ids)}  # fmt: skip
-        if state.return_logprob and ids:  # the logprobs (and top alternatives) of this chunk's own tokens
+        meta = {
+            "id": state.rid,
+            "finish_reason": None,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": len(state.output_ids),
+        }
+        if (
+            state.return_logprob and ids
+        ):  # the logprobs (and top alternatives) of this chunk's own tokens
             k = len(ids)
             meta["output_token_logprobs"] = lp_tuples(state.output_logprobs[-k:], ids)
             tops = state.output_top[-k:]
@@ -45,7 +51,11 @@ def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
 
 def _listener(put: Callable[[Event], None]):
     def listen(state: ReqState, delta: str | None, ids: list[int] | None) -> None:
-        put((state, None) if delta is None and ids is None else (state, make_chunk(state, delta, ids)))
+        put(
+            (state, None)
+            if delta is None and ids is None
+            else (state, make_chunk(state, delta, ids))
+        )
 
     return listen
 
@@ -124,7 +134,9 @@ def sync_stream(tm: TokenizerManager, submit: dict) -> Stream:
     return Stream(tm, _sync_chunks(tm, events, remaining), remaining)
 
 
-def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: dict[str, ReqState]) -> Iterator[dict]:
+def _sync_chunks(
+    tm: TokenizerManager, events: queue.SimpleQueue, remaining: dict[str, ReqState]
+) -> Iterator[dict]:
     try:
         while remaining:
             state, chunk = events.get()
@@ -137,7 +149,9 @@ def _sync_chunks(tm: TokenizerManager, events: queue.SimpleQueue, remaining: dic
         _abort_left(tm, remaining)
 
 
-SUBMIT_WORKERS = 8  # calls tokenized at once (threads start as needed): more long ones at once queue the rest
+SUBMIT_WORKERS = (
+    8  # calls tokenized at once (threads start as needed): more long ones at once queue the rest
+)
 _submitters: "weakref.WeakKeyDictionary[TokenizerManager, concurrent.futures.ThreadPoolExecutor]" = weakref.WeakKeyDictionary()
 _submitters_lock = threading.Lock()
 
@@ -152,7 +166,8 @@ def _submitter(tm: TokenizerManager) -> concurrent.futures.ThreadPoolExecutor:
         executor = _submitters.get(tm)
         if executor is None:
             executor = _submitters[tm] = concurrent.futures.ThreadPoolExecutor(
-                SUBMIT_WORKERS, thread_name_prefix="engine-submit")  # fmt: skip
+                SUBMIT_WORKERS, thread_name_prefix="engine-submit"
+            )
         return executor
 
 
@@ -171,11 +186,15 @@ def _abort_sent(tm: TokenizerManager, done: concurrent.futures.Future) -> None:
         _abort_left(tm, {s.rid: s for s in states})
 
 
-async def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Queue, list[ReqState], bool]:
+async def _async_submit(
+    tm: TokenizerManager, submit: dict
+) -> tuple[asyncio.Queue, list[ReqState], bool]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     listener = _listener(lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-    context = contextvars.copy_context()  # the caller's (its current span parents the request's, when traced)
+    context = (
+        contextvars.copy_context()
+    )  # the caller's (its current span parents the request's, when traced)
     try:
         future = _submitter(tm).submit(context.run, lambda: tm.submit(**submit, listener=listener))
     except RuntimeError as exc:  # the pool was shut down by a shutdown() racing this call
@@ -189,7 +208,9 @@ async def _async_submit(tm: TokenizerManager, submit: dict) -> tuple[asyncio.Que
     return events, states, is_batch
 
 
-async def _async_chunks(tm: TokenizerManager, events: asyncio.Queue, remaining: dict[str, ReqState]) -> AsyncIterator[tuple]:
+async def _async_chunks(
+    tm: TokenizerManager, events: asyncio.Queue, remaining: dict[str, ReqState]
+) -> AsyncIterator[tuple]:
     try:
         while remaining:
             state, chunk = await events.get()

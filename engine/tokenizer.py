@@ -24,7 +24,12 @@ def load_hf_tokenizer(model_dir: str):
 
 # Tokenizer classes whose transformers form encodes exactly as tokenizer.json does. Others (Llama,
 # Qwen2, ...) rebuild the tokenizer from vocab and merges in their own __init__, with options.
-PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast")
+PLAIN_TOKENIZER_CLASSES = (
+    "TokenizersBackend",
+    "PreTrainedTokenizerFast",
+    "GPT2Tokenizer",
+    "GPT2TokenizerFast",
+)
 
 
 class PromptTokenizer:
@@ -43,8 +48,10 @@ class PromptTokenizer:
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self._fast = None
-        if (folder / "tokenizer.json").exists() and config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES and not (
-            {"add_bos_token", "add_eos_token", "add_prefix_space", "legacy"} & set(config)
+        if (
+            (folder / "tokenizer.json").exists()
+            and config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES
+            and not ({"add_bos_token", "add_eos_token", "add_prefix_space", "legacy"} & set(config))
         ):
             from tokenizers import Tokenizer
 
@@ -94,11 +101,16 @@ class BatchDecoder:
             self._hf = load_hf_tokenizer(model_dir)
 
     def decode_batch(
-        self, sequences: list[list[int]], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+        self,
+        sequences: list[list[int]],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> list[str]:
         """spaces_between_special_tokens matters only to slow (Python) tokenizers, as in transformers."""
         if self._fast is not None:
             return self._fast.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
         return self._hf.batch_decode(
-            sequences, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+            sequences,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
         )

@@ -43,7 +43,12 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
-from engine.request_checks import _check_logprob_options, _check_unique_rids, _malformed, check_call_size
+from engine.request_checks import (
+    _check_logprob_options,
+    _check_unique_rids,
+    _malformed,
+    check_call_size,
+)
 from engine.request_state import ReqState
 from engine.tokenize_stage import tokenize_stage
 from engine.tracing.context import normalize_trace_context
@@ -54,7 +59,13 @@ logger = logging.getLogger(__name__)
 def _done_hook(state: "ReqState", error: str | None) -> None:
     """engine_request_done, from the receiver thread: a plugin error is logged, never raised there."""
     try:
-        hooks.call("engine_request_done", rid=state.rid, meta_info=state.meta_info(), error=error, seq=state.seq)
+        hooks.call(
+            "engine_request_done",
+            rid=state.rid,
+            meta_info=state.meta_info(),
+            error=error,
+            seq=state.seq,
+        )
     except BaseException as exc:  # noqa: BLE001 - the receiver must go on (a fatal error too: it would hang callers)
         logger.error("engine: %s", exc)
 
@@ -72,11 +83,21 @@ def _not_sent(announced: list[TokenizedRequest], exc: BaseException) -> None:
     if not announced or not hooks.has("engine_request_done"):
         return
     for req in announced:
-        meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": 0, "cached_tokens": 0,
-                "finish_reason": None}  # fmt: skip
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": None,
+        }
         try:
-            hooks.call("engine_request_done", rid=req.rid, meta_info=meta, error=f"not sent: {type(exc).__name__}: {exc}",
-                       seq=req.seq)  # fmt: skip
+            hooks.call(
+                "engine_request_done",
+                rid=req.rid,
+                meta_info=meta,
+                error=f"not sent: {type(exc).__name__}: {exc}",
+                seq=req.seq,
+            )
         except BaseException as hook_exc:  # noqa: BLE001 - the caller gets the original error
             logger.error("engine: %s", hook_exc)
 
@@ -97,12 +118,16 @@ class TokenizerManager:
         self._stopping = False
         self._seq = _SEQ  # one count for every engine of the process: (rid, seq) names one request
         self.send_codec = Codec(ToScheduler)
-        self.inbox = Inbox(self.recv_sock, Codec(ToTokenizer), "engine::tokenizer_manager", _malformed)
+        self.inbox = Inbox(
+            self.recv_sock, Codec(ToTokenizer), "engine::tokenizer_manager", _malformed
+        )
         self.send_lock = threading.Lock()
         self.states: dict[str, ReqState] = {}
         self.states_lock = threading.Lock()
         self.pending_stats: dict[str, list] = {}
-        self.groups: dict[str, list[ReqState]] = {}  # rid given for n > 1 -> its copies, while any runs
+        self.groups: dict[
+            str, list[ReqState]
+        ] = {}  # rid given for n > 1 -> its copies, while any runs
         self.dead: str | None = None
         self.vocab_size = len(tokenizer)
         self.context_length = 0
@@ -126,7 +151,9 @@ class TokenizerManager:
         self.vocab_size = info["vocab_size"]  # the model's, which may exceed the tokenizer's
         self.model = str(info.get("model", ""))
         self._on_dead = on_dead
-        self._thread = threading.Thread(target=self._recv_loop, args=(sentinels,), name="engine-recv", daemon=True)
+        self._thread = threading.Thread(
+            target=self._recv_loop, args=(sentinels,), name="engine-recv", daemon=True
+        )
         self._thread.start()
 
     def close(self, reason: str = "the engine was shut down") -> None:
@@ -141,7 +168,9 @@ class TokenizerManager:
             thread.join(5)
         with self.send_lock:
             self.send_sock.close(linger=0)
-        if thread is not None and thread.is_alive():  # stuck in a caller's listener: leave its socket be
+        if (
+            thread is not None and thread.is_alive()
+        ):  # stuck in a caller's listener: leave its socket be
             logger.warning("engine: the receiver thread did not stop; its socket is left open")
             return
         self.recv_sock.close(linger=0)
@@ -208,7 +237,9 @@ class TokenizerManager:
                     for message in self.inbox.drain():
                         self._dispatch(message)
                 except Exception as exc:  # noqa: BLE001 - a dead receiver would leave every caller waiting
-                    reason = f"the tokenizer manager's receiver failed ({type(exc).__name__}: {exc})"
+                    reason = (
+                        f"the tokenizer manager's receiver failed ({type(exc).__name__}: {exc})"
+                    )
                     self._mark_dead(reason)
                     self._on_dead(reason)
                     return
@@ -218,8 +249,14 @@ class TokenizerManager:
             state = self.states.get(message.rid)
             if state is not None:
                 state.beam_out = message
-                self._finish(state, message.hypotheses[0].finish if message.hypotheses else FinishReason("length", length=0),
-                             message.meta, time.perf_counter())  # fmt: skip
+                self._finish(
+                    state,
+                    message.hypotheses[0].finish
+                    if message.hypotheses
+                    else FinishReason("length", length=0),
+                    message.meta,
+                    time.perf_counter(),
+                )
                 if state.listener is not None:
                     with contextlib.suppress(Exception):
                         state.listener(state, "", [])
@@ -237,7 +274,13 @@ class TokenizerManager:
         headers = message.headers or [None] * len(message.rids)
         logprobs = message.logprobs or [None] * len(message.rids)
         for rid, delta, token, finish, meta, header, logprob in zip(
-            message.rids, message.text_deltas, message.token_ids, message.finished, message.meta, headers, logprobs
+            message.rids,
+            message.text_deltas,
+            message.token_ids,
+            message.finished,
+            message.meta,
+            headers,
+            logprobs,
         ):
             state = states.get(rid)
             if state is None:
@@ -259,14 +302,22 @@ class TokenizerManager:
                 with contextlib.suppress(Exception):  # nor may a listener
                     state.listener(state, delta, [token] if token >= 0 else [])
 
-    def _finish(self, state: ReqState, finish: FinishReason, meta: RequestMeta | None, now: float) -> None:
+    def _finish(
+        self, state: ReqState, finish: FinishReason, meta: RequestMeta | None, now: float
+    ) -> None:
         state.finish_reason, state.meta, state.finished_at = finish, meta, now
         states = self.states
         with self.states_lock:
             states.pop(state.rid, None)
             members = self.groups.get(state.group) if state.group is not None else None
-            if members is not None and any(m is state for m in members) and not any(states.get(m.rid) is m for m in members):
-                self.groups.pop(state.group, None)  # its last copy ended (a copy's rid reused since is not one)
+            if (
+                members is not None
+                and any(m is state for m in members)
+                and not any(states.get(m.rid) is m for m in members)
+            ):
+                self.groups.pop(
+                    state.group, None
+                )  # its last copy ended (a copy's rid reused since is not one)
         if hooks.has("engine_request_done"):  # before the caller wakes: its spans end first
             _done_hook(state, None)
         state.done.set()
@@ -276,7 +327,9 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ stages
 
-    def tokenize(self, prompt=None, input_ids=None, messages=None) -> tuple[list[list[int]], bool, list[PromptRequest]]:
+    def tokenize(
+        self, prompt=None, input_ids=None, messages=None
+    ) -> tuple[list[list[int]], bool, list[PromptRequest]]:
         """The tokenize stage (engine/tokenize_stage.py) for this engine's tokenizer and model."""
         return tokenize_stage(self.tokenizer, self.model, prompt, input_ids, messages)
 
@@ -289,17 +342,23 @@ class TokenizerManager:
             raise ValueError(f"{where}the prompt is empty (0 tokens)")
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"{where}input_ids holds {t!r}, not a token id in [0, {self.vocab_size})")
+                raise ValueError(
+                    f"{where}input_ids holds {t!r}, not a token id in [0, {self.vocab_size})"
+                )
         if len(ids) >= self.context_length:
             raise ValueError(
                 f"{where}the prompt has {len(ids)} tokens but context_length is {self.context_length} "
                 "(a prompt must leave room for at least one new token)"
             )
         room = self.context_length - len(ids)
-        if params.max_new_tokens > room:  # min_new_tokens with it: it may never exceed max_new_tokens
+        if (
+            params.max_new_tokens > room
+        ):  # min_new_tokens with it: it may never exceed max_new_tokens
             # more than the context leaves can only mean "as many as fit": what the KV pool holds too
             room = max(1, min(room, self.max_total_tokens + 1 - len(ids)))
-            params = msgspec.structs.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
+            params = msgspec.structs.replace(
+                params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room)
+            )
         if len(ids) + params.max_new_tokens - 1 > self.max_total_tokens:
             raise ValueError(
                 f"{where}the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) needs more KV "
@@ -308,11 +367,20 @@ class TokenizerManager:
         return params
 
     def submit(
-        self, prompt=None, sampling_params=None, input_ids=None, messages=None, rid=None,
-        on_finish: Callable[[ReqState], None] | None = None, return_logprob: bool = False,
-        top_logprobs_num: int = 0, logprob_start_len: int = -1, listener=None, trace_context=None,
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        on_finish: Callable[[ReqState], None] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        listener=None,
+        trace_context=None,
         beam: BeamParams | None = None,
-    ) -> tuple[list[ReqState], bool]:  # fmt: skip
+    ) -> tuple[list[ReqState], bool]:
         """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error.
 
         A prompt with n > 1 becomes n requests (rids `<rid>-0` ... `<rid>-<n-1>`, seeds seed + i mod 2**63), which
@@ -322,12 +390,16 @@ class TokenizerManager:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         carrier = normalize_trace_context(trace_context)
-        check_call_size(self.max_sequences_per_call, prompt, input_ids, messages, sampling_params, beam)
+        check_call_size(
+            self.max_sequences_per_call, prompt, input_ids, messages, sampling_params, beam
+        )
         id_lists, is_batch, items = self.tokenize(prompt, input_ids, messages)
         n_prompts = len(id_lists)
         if isinstance(sampling_params, list):
             if len(sampling_params) != n_prompts:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts"
+                )
             params = []
             for i, p in enumerate(sampling_params):
                 try:
@@ -337,16 +409,23 @@ class TokenizerManager:
         else:
             params = [self.parse_params(sampling_params)] * n_prompts
         _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, self.vocab_size)
-        params = [self.validate(ids, p, i if is_batch else None) for i, (ids, p) in enumerate(zip(id_lists, params))]
+        params = [
+            self.validate(ids, p, i if is_batch else None)
+            for i, (ids, p) in enumerate(zip(id_lists, params))
+        ]
         if beam is not None:
             for i, (ids, p) in enumerate(zip(id_lists, params)):
-                problem = beam_problem(len(ids), p, beam, self.max_running_requests, self.max_total_tokens)
+                problem = beam_problem(
+                    len(ids), p, beam, self.max_running_requests, self.max_total_tokens
+                )
                 if problem is not None:
                     raise ValueError((f"request {i}: " if is_batch else "") + problem)
         for i, ids in enumerate(id_lists):
             if logprob_start_len >= len(ids):
                 where = f"request {i}: " if is_batch else ""
-                raise ValueError(f"{where}logprob_start_len must be -1 or in [0, {len(ids)}) for a {len(ids)}-token prompt, got {logprob_start_len}")
+                raise ValueError(
+                    f"{where}logprob_start_len must be -1 or in [0, {len(ids)}) for a {len(ids)}-token prompt, got {logprob_start_len}"
+                )
         base_rids = self._rids(rid, n_prompts, is_batch)
         reqs: list[TokenizedRequest] = []
         states: list[ReqState] = []
@@ -355,19 +434,43 @@ class TokenizerManager:
             copies = p.n
             for j in range(copies):
                 r = base if copies == 1 else f"{base}-{j}"
-                pj = p if copies == 1 else msgspec.structs.replace(p, n=1, seed=copy_seed(p.seed, j))
+                pj = (
+                    p if copies == 1 else msgspec.structs.replace(p, n=1, seed=copy_seed(p.seed, j))
+                )
                 seq = next(self._seq)
-                reqs.append(TokenizedRequest(
-                    r, ids, pj, dict(carrier), return_logprob, top_logprobs_num, logprob_start_len, seq=seq, beam=beam,
-                ))  # fmt: skip
+                reqs.append(
+                    TokenizedRequest(
+                        r,
+                        ids,
+                        pj,
+                        dict(carrier),
+                        return_logprob,
+                        top_logprobs_num,
+                        logprob_start_len,
+                        seq=seq,
+                        beam=beam,
+                    )
+                )
                 items_of.append(item)
-                states.append(ReqState(
-                    r, ids, seq, len(states), base if copies > 1 else None, return_logprob, logprob_start_len,
-                    on_finish=on_finish, listener=listener, beam=beam,
-                ))  # fmt: skip
+                states.append(
+                    ReqState(
+                        r,
+                        ids,
+                        seq,
+                        len(states),
+                        base if copies > 1 else None,
+                        return_logprob,
+                        logprob_start_len,
+                        on_finish=on_finish,
+                        listener=listener,
+                        beam=beam,
+                    )
+                )
         _check_unique_rids([s.rid for s in states])
         names = _names(states)
-        with self.states_lock:  # taken before the hooks see them, until registered (or the call fails)
+        with (
+            self.states_lock
+        ):  # taken before the hooks see them, until registered (or the call fails)
             self._check_clash(names)
             self._reserved.update(names)
         announced: list[TokenizedRequest] = []
@@ -375,9 +478,17 @@ class TokenizerManager:
         try:
             if hooks.has("engine_request_submitted"):
                 for req, item in zip(reqs, items_of):
-                    announced.append(req)  # first: a plugin called before the one that raises saw it
-                    hooks.call("engine_request_submitted", rid=req.rid, request=item, sampling=req.sampling,
-                               trace_context=req.trace_context, seq=req.seq)  # fmt: skip
+                    announced.append(
+                        req
+                    )  # first: a plugin called before the one that raises saw it
+                    hooks.call(
+                        "engine_request_submitted",
+                        rid=req.rid,
+                        request=item,
+                        sampling=req.sampling,
+                        trace_context=req.trace_context,
+                        seq=req.seq,
+                    )
             # registered and sent under one lock: an abort that finds the requests reaches the socket after
             # them (before, one could overtake them and match nothing), and nothing stays registered unsent
             with self.send_lock:
@@ -388,11 +499,21 @@ class TokenizerManager:
                     req.submitted_ns = now
                 try:
                     payload = self.send_codec.encode(GenerateBatch(reqs))
-                except (UnicodeEncodeError, OverflowError, TypeError) as exc:  # a value no check above caught
-                    raise ValueError(f"the request cannot be sent to the scheduler: {exc}") from None
-                if len(payload) > MAX_MESSAGE_BYTES:  # the scheduler's socket would drop it, silently
-                    raise ValueError(f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "
-                                     f"message may carry ({MAX_MESSAGE_BYTES:,}): split it into several calls")  # fmt: skip
+                except (
+                    UnicodeEncodeError,
+                    OverflowError,
+                    TypeError,
+                ) as exc:  # a value no check above caught
+                    raise ValueError(
+                        f"the request cannot be sent to the scheduler: {exc}"
+                    ) from None
+                if (
+                    len(payload) > MAX_MESSAGE_BYTES
+                ):  # the scheduler's socket would drop it, silently
+                    raise ValueError(
+                        f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "
+                        f"message may carry ({MAX_MESSAGE_BYTES:,}): split it into several calls"
+                    )
                 self.send_sock.send(payload)
                 sent = True
         except BaseException as exc:  # a hook, Ctrl-C while waiting for the socket or encoding, a value no check caught
@@ -413,12 +534,16 @@ class TokenizerManager:
             for state in states:
                 if self.states.get(state.rid) is state:
                     del self.states[state.rid]
-                if state.group is not None and any(m is state for m in self.groups.get(state.group, ())):
+                if state.group is not None and any(
+                    m is state for m in self.groups.get(state.group, ())
+                ):
                     self.groups.pop(state.group, None)
 
     def _register(self, states: list[ReqState]) -> None:
         with self.states_lock:
-            if self.dead is not None:  # checked under the lock that _mark_dead takes: no state is orphaned
+            if (
+                self.dead is not None
+            ):  # checked under the lock that _mark_dead takes: no state is orphaned
                 raise EngineDeadError(self.dead)  # (the caller then gives up the rids it reserved)
             self._reserved.difference_update(_names(states))
             for state in states:
@@ -442,14 +567,21 @@ class TokenizerManager:
         if self.dead is not None:
             return
         with self.states_lock:
-            named = [s for rid in rids for s in [*self.groups.get(rid, ()), self.states.get(rid)] if s is not None]
+            named = [
+                s
+                for rid in rids
+                for s in [*self.groups.get(rid, ()), self.states.get(rid)]
+                if s is not None
+            ]
         self.abort_requests(named, message)
 
     def _send_abort(self, live: list[ReqState], message: str) -> None:
         if live:
             message_out = AbortRequest([s.rid for s in live], message, [s.seq for s in live])
             with self.send_lock:
-                if self.dead is None:  # else the socket may be closed; the requests have failed already
+                if (
+                    self.dead is None
+                ):  # else the socket may be closed; the requests have failed already
                     self.send_sock.send(self.send_codec.encode(message_out))
 
     def abort_soon(self, states: list[ReqState], message: str = "aborted by the caller") -> None:
@@ -464,7 +596,9 @@ class TokenizerManager:
         while self._deferred:
             self.abort_requests(*self._deferred.popleft())
 
-    def abort_requests(self, states: list[ReqState], message: str = "aborted by the caller") -> None:
+    def abort_requests(
+        self, states: list[ReqState], message: str = "aborted by the caller"
+    ) -> None:
         """Abort these requests, those still running, and no later request given one of their rids."""
         if self.dead is not None:
             return
@@ -478,14 +612,18 @@ class TokenizerManager:
             return [uuid.uuid4().hex for _ in range(n)]
         rids = rid if isinstance(rid, list) else [rid]
         if len(rids) != n or not all(isinstance(r, str) and r for r in rids) or len(set(rids)) != n:
-            raise ValueError(f"rid must be {'a list of ' + str(n) + ' distinct strings' if is_batch else 'a string'}")
+            raise ValueError(
+                f"rid must be {'a list of ' + str(n) + ' distinct strings' if is_batch else 'a string'}"
+            )
         return rids
 
     def wait(self, states: list[ReqState]) -> list[dict]:
         try:
             for state in states:
                 state.done.wait()
-        except BaseException:  # Ctrl-C in the caller: its requests must not run on (as a closed stream's)
+        except (
+            BaseException
+        ):  # Ctrl-C in the caller: its requests must not run on (as a closed stream's)
             self.abort_requests(states)
             raise
         return [self.output(s.result(), s.seq) for s in states]
@@ -504,11 +642,17 @@ class TokenizerManager:
     def get_stats(self, timeout: float = 30.0) -> dict:
         stats = self._ask_scheduler(StatsRequest, timeout)
         with self.states_lock:  # this request's own holder is gone by now
-            stats.setdefault("tracked", {})["user"] = {"states": len(self.states), "groups": len(self.groups),
-                                                       "pending_stats": len(self.pending_stats),
-                                                       "deferred_aborts": len(self._deferred)}  # fmt: skip
+            stats.setdefault("tracked", {})["user"] = {
+                "states": len(self.states),
+                "groups": len(self.groups),
+                "pending_stats": len(self.pending_stats),
+                "deferred_aborts": len(self._deferred),
+            }
         if hooks.has("engine_stats"):
-            stats["plugins"] = {**stats.get("plugins", {}), "user": hooks.call_named("engine_stats", role="user")}
+            stats["plugins"] = {
+                **stats.get("plugins", {}),
+                "user": hooks.call_named("engine_stats", role="user"),
+            }
         return stats
 
     def flush_cache(self, timeout: float = 30.0) -> dict:

@@ -35,7 +35,18 @@ def _record(hook: str, **info) -> None:
     path = os.environ.get("ENGINE_TEST_PROBE")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"hook": hook, "role": hooks.current_role(), "pid": os.getpid(), "t": time.time(), **info}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "hook": hook,
+                        "role": hooks.current_role(),
+                        "pid": os.getpid(),
+                        "t": time.time(),
+                        **info,
+                    }
+                )
+                + "\n"
+            )
 
 
 @hookimpl
@@ -58,7 +69,7 @@ def engine_tokenize_before(request):
     if request.prompt is not None and "EXPLODE" in request.prompt:
         raise RuntimeError("exploded on purpose")
     if request.prompt is not None and request.prompt.startswith("REWRITE:"):
-        request.prompt = request.prompt[len("REWRITE:"):]
+        request.prompt = request.prompt[len("REWRITE:") :]
     _record("engine_tokenize_before", index=request.index, prompt=request.prompt)
 
 
@@ -99,7 +110,12 @@ def engine_request_finished(req, finish_reason):
 
 @hookimpl
 def engine_forward_before(batch, rids):
-    _record("engine_forward_before", rids=list(rids), mode=batch.mode.value, tokens=int(batch.input_ids.numel()))
+    _record(
+        "engine_forward_before",
+        rids=list(rids),
+        mode=batch.mode.value,
+        tokens=int(batch.input_ids.numel()),
+    )
 
 
 @hookimpl
@@ -115,15 +131,28 @@ def engine_process_logits(logits, rids, reqs, beams):
         elif rid.startswith("force-"):
             logits[row] = float("-inf")
             logits[row, BANNED] = 0.0
-    _record("engine_process_logits", rids=list(rids), shape=list(logits.shape), reqs=[r.rid for r in reqs],
-            beams=list(beams))  # fmt: skip
+    _record(
+        "engine_process_logits",
+        rids=list(rids),
+        shape=list(logits.shape),
+        reqs=[r.rid for r in reqs],
+        beams=list(beams),
+    )
 
 
 @hookimpl
 def engine_beam_step(rid, step, parents, tokens, scores, finished):
     if rid.startswith("boomstep-"):
         raise RuntimeError("beam step refused on purpose")
-    _record("engine_beam_step", rid=rid, step=step, parents=parents, tokens=tokens, scores=scores, finished=finished)
+    _record(
+        "engine_beam_step",
+        rid=rid,
+        step=step,
+        parents=parents,
+        tokens=tokens,
+        scores=scores,
+        finished=finished,
+    )
 
 
 class ExplodeAfter(CustomLogitProcessor):
@@ -134,7 +163,11 @@ class ExplodeAfter(CustomLogitProcessor):
     def __call__(self, logits, batch):
         for n, p in zip(batch.out_lens, batch.params):
             if int(n) >= p["after"]:  # custom_params["exit"]: as a plugin's sys.exit() would
-                raise SystemExit("exited on purpose") if p.get("exit") else RuntimeError("exploded on purpose")
+                raise (
+                    SystemExit("exited on purpose")
+                    if p.get("exit")
+                    else RuntimeError("exploded on purpose")
+                )
         return logits
 
 
@@ -166,7 +199,9 @@ def engine_sample_after(rids, next_ids, logprobs):
 
 @hookimpl
 def engine_detokenize(rids, token_ids, finished):
-    _record("engine_detokenize", rids=list(rids), token_ids=list(token_ids), finished=list(finished))
+    _record(
+        "engine_detokenize", rids=list(rids), token_ids=list(token_ids), finished=list(finished)
+    )
     if any(r.startswith("badtexts-") for r in rids):
         return ["x"] * (len(rids) + 1)  # one text too many: the engine must refuse it
     return None
@@ -187,27 +222,55 @@ def engine_output(result):
 
 @hookimpl
 def engine_request_submitted(rid, request, sampling, trace_context):
-    _record("engine_request_submitted", rid=rid, index=request.index, max_new=sampling.max_new_tokens,
-            trace_context=dict(trace_context), tokenize_ns=[request.tokenize_start_ns, request.tokenize_end_ns])  # fmt: skip
+    _record(
+        "engine_request_submitted",
+        rid=rid,
+        index=request.index,
+        max_new=sampling.max_new_tokens,
+        trace_context=dict(trace_context),
+        tokenize_ns=[request.tokenize_start_ns, request.tokenize_end_ns],
+    )
 
 
 @hookimpl
 def engine_request_done(rid, meta_info, error):
-    _record("engine_request_done", rid=rid, completion_tokens=meta_info["completion_tokens"],
-            finish_reason=meta_info["finish_reason"], error=error)  # fmt: skip
+    _record(
+        "engine_request_done",
+        rid=rid,
+        completion_tokens=meta_info["completion_tokens"],
+        finish_reason=meta_info["finish_reason"],
+        error=error,
+    )
 
 
 @hookimpl
 def engine_step_end(step):
-    times = [step.schedule_start_ns, step.forward_start_ns, step.sample_start_ns, step.results_start_ns, step.end_ns]
-    _record("engine_step_end", mode=step.mode, rids=[r.rid for r in step.reqs], tokens=step.tokens, times=times,
-            error=step.error, first_token_ns=[r.first_token_ns for r in step.reqs])  # fmt: skip
+    times = [
+        step.schedule_start_ns,
+        step.forward_start_ns,
+        step.sample_start_ns,
+        step.results_start_ns,
+        step.end_ns,
+    ]
+    _record(
+        "engine_step_end",
+        mode=step.mode,
+        rids=[r.rid for r in step.reqs],
+        tokens=step.tokens,
+        times=times,
+        error=step.error,
+        first_token_ns=[r.first_token_ns for r in step.reqs],
+    )
 
 
 @hookimpl
 def engine_detokenize_output(output):
-    _record("engine_detokenize_output", rids=list(output.rids), texts=list(output.text_deltas),
-            finished=[None if f is None else f.type for f in output.finished])  # fmt: skip
+    _record(
+        "engine_detokenize_output",
+        rids=list(output.rids),
+        texts=list(output.text_deltas),
+        finished=[None if f is None else f.type for f in output.finished],
+    )
 
 
 plugin = sys.modules[__name__]  # ENGINE_PLUGINS=engine_test_plugin:plugin registers this module

@@ -41,12 +41,17 @@ READY = re.compile(r"engine serve: ready on http://127\.0\.0\.1:(\d+) ")
 def start_server(*flags: str, env: dict | None = None, timeout: float = 240.0) -> Server:
     """engine serve on --port 0 with these flags; returns once it printed its ready line, which
     names the port the system chose (fails with its output otherwise)."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "ENGINE_API_KEY")}
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "ENGINE_API_KEY")
+    }
     full_env.update(env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.serve", "--port", "0", "--dtype", "float32", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+    )
     server = Server(proc, 0)
     ready = threading.Event()
 
@@ -67,7 +72,9 @@ def start_server(*flags: str, env: dict | None = None, timeout: float = 240.0) -
             raise AssertionError(f"server not ready after {timeout}s:\n{server.output()}")
     if not server.port:
         proc.kill()
-        raise AssertionError(f"no ready line naming a port (exit code {proc.poll()}):\n{server.output()}")
+        raise AssertionError(
+            f"no ready line naming a port (exit code {proc.poll()}):\n{server.output()}"
+        )
     return server
 
 
@@ -100,13 +107,13 @@ class _ServerTestPlugin:
     @hookimpl
     def engine_tokenize_before(self, request) -> None:
         if isinstance(request.prompt, str) and request.prompt.startswith(HOLD):
-            _hold(request.prompt[len(HOLD):].split("\n", 1)[0])
+            _hold(request.prompt[len(HOLD) :].split("\n", 1)[0])
 
     @hookimpl
     def engine_output(self, result) -> None:
         rid = result["meta_info"]["id"]
         if rid.startswith(HOLD_OUTPUT):
-            _hold(rid[len(HOLD_OUTPUT):])
+            _hold(rid[len(HOLD_OUTPUT) :])
 
     @hookimpl
     def engine_request_submitted(self, rid, request, sampling, trace_context) -> None:

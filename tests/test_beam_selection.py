@@ -46,10 +46,14 @@ def test_the_start_reads_the_prompts_row_unless_other_beams_would_count():
     fast = sel._best_candidates(row)
     assert fast[1].eq(0).all()
     _same(fast, _flat(sel, row))
-    masked = torch.full((1, 1000), -1e10)  # a processor's finite mask leaves 2 tokens, fewer than keep = 8
+    masked = torch.full(
+        (1, 1000), -1e10
+    )  # a processor's finite mask leaves 2 tokens, fewer than keep = 8
     masked[0, 5], masked[0, 9] = -0.5, -1.5
     got = sel._best_candidates(masked)
-    assert torch.equal(got[0], _flat(sel, masked)[0])  # the other beams' pushed-down tokens come next
+    assert torch.equal(
+        got[0], _flat(sel, masked)[0]
+    )  # the other beams' pushed-down tokens come next
     assert set(got[1].tolist()) != {0}
 
 
@@ -58,7 +62,9 @@ def test_a_searchs_reservation_is_what_its_decode_steps_take():
     sel = BeamSelection(k, n, (), device="cpu")
     group = BeamGroup(None, sel, torch.zeros(k, dtype=torch.int64))
     gen = torch.Generator().manual_seed(2)
-    sel.step(torch.log_softmax(torch.randn(1, 100, generator=gen), -1))  # the start, from the prefill
+    sel.step(
+        torch.log_softmax(torch.randn(1, 100, generator=gen), -1)
+    )  # the start, from the prefill
     taken = 0
     while not sel.done:
         assert group.remaining_tokens() == k * (n - 1) - taken  # what is still to come, exactly
@@ -68,7 +74,9 @@ def test_a_searchs_reservation_is_what_its_decode_steps_take():
 
 
 @pytest.mark.parametrize("regex, k, answers", [("(yes|no)", 4, {"yes", "no"}), ("a", 2, {"a"})])
-def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_matcher(regex, k, answers):
+def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_matcher(
+    regex, k, answers
+):
     """A grammar that leaves fewer continuations than beams: the beams kept to fill the width carry a stop
     token at a pushed-down score. Their matchers must not accept it (a terminated matcher has no next mask:
     xgrammar's fill raises, and the step failed every request in the batch); they keep their parent's state,
@@ -87,17 +95,23 @@ def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_match
     def masked(logprobs: torch.Tensor, matchers: list) -> torch.Tensor:  # what Grammars.mask does
         bitmask = xgr.allocate_token_bitmask(len(matchers), len(vocab))
         fill.batch_fill_next_token_bitmask(matchers, bitmask, list(range(len(matchers))))
-        xgr.apply_token_bitmask_inplace(logprobs, bitmask, vocab_size=len(vocab), indices=list(range(len(matchers))))
+        xgr.apply_token_bitmask_inplace(
+            logprobs, bitmask, vocab_size=len(vocab), indices=list(range(len(matchers)))
+        )
         return logprobs
 
     gen = torch.Generator().manual_seed(0)
     sel = BeamSelection(k, 5, (eos,), 1.0, False)
     root = xgr.GrammarMatcher(grammar)
-    _, tokens = sel.step(masked(torch.log_softmax(torch.randn(1, len(vocab), generator=gen), -1), [root]))
+    _, tokens = sel.step(
+        masked(torch.log_softmax(torch.randn(1, len(vocab), generator=gen), -1), [root])
+    )
     matchers = advance_matchers([root], [0] * k, tokens.tolist(), sel)
     short = False
     while not sel.done:
-        parents, tokens = sel.step(masked(torch.log_softmax(torch.randn(k, len(vocab), generator=gen), -1), matchers))
+        parents, tokens = sel.step(
+            masked(torch.log_softmax(torch.randn(k, len(vocab), generator=gen), -1), matchers)
+        )
         short |= bool((sel.scores <= PUSH_DOWN / 2).any())
         matchers = advance_matchers(matchers, parents.tolist(), tokens.tolist(), sel)
         assert not any(m.is_terminated() for m in matchers)
@@ -106,7 +120,9 @@ def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_match
     assert all(h.stopped for h in found)
     texts = {"".join(vocab[t] for t in h.output_ids[:-1]) for h in found}
     assert texts and texts <= answers and all(h.output_ids[-1] == eos for h in found), texts
-    for h in sel.results(k):  # a kept beam's continuations never make a hypothesis with a stop token inside
+    for h in sel.results(
+        k
+    ):  # a kept beam's continuations never make a hypothesis with a stop token inside
         assert eos not in h.output_ids[:-1], [vocab[t] for t in h.output_ids]
 
 
@@ -118,10 +134,16 @@ def test_a_start_with_fewer_allowed_tokens_than_beams_returns_no_placeholder_hyp
     for max_new, allowed in ((1, [7]), (1, [7, 9]), (3, [2])):
         sel = BeamSelection(4, max_new, (2,))
         logprobs = torch.full((1, 50), float("-inf"))
-        logprobs[0, allowed] = torch.log_softmax(torch.arange(len(allowed), dtype=torch.float32), -1)
+        logprobs[0, allowed] = torch.log_softmax(
+            torch.arange(len(allowed), dtype=torch.float32), -1
+        )
         sel.step(logprobs)
         while not sel.done:
-            sel.step(torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(sel.steps)), -1))
+            sel.step(
+                torch.log_softmax(
+                    torch.randn(4, 50, generator=torch.Generator().manual_seed(sel.steps)), -1
+                )
+            )
         got = sel.results(4)
         assert all(h.logprob > PUSH_DOWN / 2 for h in got), [(h.output_ids, h.logprob) for h in got]
         if max_new == 1:
@@ -147,7 +169,9 @@ def test_a_steps_memory_does_not_grow_with_stop_ids_times_max_new_tokens():
 
     vocab = 49152
     sel = BeamSelection(1, 4096, tuple(range(1, 1025)))
-    logprobs = torch.log_softmax(torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)), -1)
+    logprobs = torch.log_softmax(
+        torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)), -1
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         sel.step(logprobs)
         sel.step(logprobs)

@@ -28,27 +28,52 @@ def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys, mo
     assert parse_args(["--workload", "cpu", "--no-cpu-engine-again"]).cpu_engine_again is False
 
     def figures(tok_s: float) -> dict:
-        return {"startup": {"import_s": 0.1, "load_s": 1.0, "total_s": 1.1}, "memory": {"rss_mb": 600.0, "pss_mb": 500.0},
-                "single": {"ttft_s": 0.1, "decode_tokens_per_s": 50.0, "new_tokens": 256},
-                "batch": {"tokens_per_s": tok_s, "wall_s": 8192 / tok_s, "setting": "one call"}}  # fmt: skip
+        return {
+            "startup": {"import_s": 0.1, "load_s": 1.0, "total_s": 1.1},
+            "memory": {"rss_mb": 600.0, "pss_mb": 500.0},
+            "single": {"ttft_s": 0.1, "decode_tokens_per_s": 50.0, "new_tokens": 256},
+            "batch": {"tokens_per_s": tok_s, "wall_s": 8192 / tok_s, "setting": "one call"},
+        }
 
     from engine.bench import cpu_speed
 
     order = []
-    monkeypatch.setattr(cpu_speed, "_child", lambda backend, fn, cfg: order.append((backend, cfg.get("mode"))) or figures(1.0))
+    monkeypatch.setattr(
+        cpu_speed,
+        "_child",
+        lambda backend, fn, cfg: order.append((backend, cfg.get("mode"))) or figures(1.0),
+    )
     monkeypatch.setattr(cpu_speed, "hf_dtypes", lambda modes: ["float32"])
     for again in (True, False):
         order.clear()
-        args = parse_args(["--workload", "cpu", "--cpu-quantizations", "none,int8", "--cpu-skip-llama"]
-                          + ([] if again else ["--no-cpu-engine-again"]))  # fmt: skip
+        args = parse_args(
+            ["--workload", "cpu", "--cpu-quantizations", "none,int8", "--cpu-skip-llama"]
+            + ([] if again else ["--no-cpu-engine-again"])
+        )
         result = cpu_speed.run_cpu(args)
-        runs = [("engine", "none"), ("engine", "int8"), ("transformers", None)] + ([("engine", "none")] if again else [])
+        runs = [("engine", "none"), ("engine", "int8"), ("transformers", None)] + (
+            [("engine", "none")] if again else []
+        )
         assert order == runs and ("engine none again" in result["backends"]) == again
 
-    backends = {"engine none": figures(330.0), "transformers bfloat16": figures(100.0), "engine none again": figures(300.0)}
-    settings = {"prompt_len": 128, "new_tokens": 256, "num_prompts": 64, "min_len": 32, "max_len": 512, "max_new_tokens": 128}
+    backends = {
+        "engine none": figures(330.0),
+        "transformers bfloat16": figures(100.0),
+        "engine none again": figures(300.0),
+    }
+    settings = {
+        "prompt_len": 128,
+        "new_tokens": 256,
+        "num_prompts": 64,
+        "min_len": 32,
+        "max_len": 512,
+        "max_new_tokens": 128,
+    }
     print_cpu({"machine": "test", "backends": backends, "settings": settings})
     out = capsys.readouterr().out
-    assert "engine none / transformers bfloat16" in out and "engine none again / transformers bfloat16" in out
+    assert (
+        "engine none / transformers bfloat16" in out
+        and "engine none again / transformers bfloat16" in out
+    )
     batch = out[out.index("batch (generated tokens / wall)") :]
     assert "3.30x" in batch and "3.00x" in batch

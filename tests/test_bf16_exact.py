@@ -37,7 +37,9 @@ def test_native_bf16_elementwise_matches_torch(rows):
     got_h, got = ops.add_rms_norm(h.clone(), delta, w, 1e-5)
     assert torch.equal(got_h, want_h)  # the residual add: the same rounding
     ulps = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
-    assert ulps.max() <= 2**-7 and (got != want).float().mean() < 1e-3  # float32 sum order: one ulp, rarely
+    assert (
+        ulps.max() <= 2**-7 and (got != want).float().mean() < 1e-3
+    )  # float32 sum order: one ulp, rarely
     assert torch.equal(ops.rms_norm(want_h, w, 1e-5), got)
 
     gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 3).bfloat16()
@@ -48,7 +50,10 @@ def test_native_bf16_elementwise_matches_torch(rows):
     assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs() + 1e-30).all()
 
     qkv = torch.randn(rows, (9 + 2 * 3) * 64, generator=gen).bfloat16()
-    cos, sin = torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 64, generator=gen).bfloat16()
+    cos, sin = (
+        torch.randn(rows, 64, generator=gen).bfloat16(),
+        torch.randn(rows, 64, generator=gen).bfloat16(),
+    )
     q, k, v = qkv.split([576, 192, 192], dim=-1)
     want_q, want_k = ops.apply_rotary(q.reshape(rows, 9, 64), k.reshape(rows, 3, 64), cos, sin)
     want_v = v.reshape(rows, 3, 64).clone()
@@ -63,7 +68,11 @@ def test_float32_native_ops_match_transformers_order():
     if load_native() is None:
         pytest.skip("no C compiler: float32 stays on torch's operations")
     gen = torch.Generator().manual_seed(3)
-    x, d, w = torch.randn(70, 576, generator=gen), torch.randn(70, 576, generator=gen), torch.randn(576, generator=gen)
+    x, d, w = (
+        torch.randn(70, 576, generator=gen),
+        torch.randn(70, 576, generator=gen),
+        torch.randn(576, generator=gen),
+    )
 
     def transformers_order(y):
         return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5))
@@ -71,17 +80,23 @@ def test_float32_native_ops_match_transformers_order():
     assert torch.allclose(ops.rms_norm(x, w, 1e-5), transformers_order(x), rtol=1e-5, atol=1e-6)
     want_h = x + d
     h, normed = ops.add_rms_norm(x.clone(), d, w, 1e-5)
-    assert torch.equal(h, want_h) and torch.allclose(normed, transformers_order(want_h), rtol=1e-5, atol=1e-6)
+    assert torch.equal(h, want_h) and torch.allclose(
+        normed, transformers_order(want_h), rtol=1e-5, atol=1e-6
+    )
     gate_up = torch.randn(70, 2 * 1536, generator=gen) * 4
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.allclose(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(
+        ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6
+    )
     qkv = torch.randn(70, (9 + 2 * 3) * 64, generator=gen)
     angles = torch.rand(70, 32, generator=gen) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     q, k, v = qkv.clone().split([576, 192, 192], dim=-1)
     want_q, want_k = ops.apply_rotary(q.reshape(70, 9, 64), k.reshape(70, 3, 64), cos, sin)
     got_q, got_k, got_v = ops.rotate_qkv(qkv, cos, sin, 9, 3, 64)
-    assert torch.allclose(got_q, want_q, rtol=1e-5, atol=1e-6) and torch.allclose(got_k, want_k, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got_q, want_q, rtol=1e-5, atol=1e-6) and torch.allclose(
+        got_k, want_k, rtol=1e-5, atol=1e-6
+    )
     assert torch.equal(got_v, v.reshape(70, 3, 64))
 
 
@@ -103,8 +118,12 @@ def bf16_outputs(engine, tokenizer):
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         outs = eng.generate(input_ids=ids, sampling_params=params)
         alone = eng.generate(input_ids=ids[0], sampling_params=params)
-        scored = eng.generate(input_ids=ids[:2], sampling_params={**params, "max_new_tokens": 16}, return_logprob=True,
-                              top_logprobs_num=5)  # fmt: skip
+        scored = eng.generate(
+            input_ids=ids[:2],
+            sampling_params={**params, "max_new_tokens": 16},
+            return_logprob=True,
+            top_logprobs_num=5,
+        )
     finally:
         eng.shutdown()
     tops = [pos for o in scored for pos in o["meta_info"]["output_top_logprobs"]]
@@ -115,7 +134,9 @@ def test_bf16_greedy_agrees_with_transformers_bf16(bf16_outputs, model_dir):
     from transformers import AutoModelForCausalLM
 
     ids, outs, *_ = bf16_outputs
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).eval()
     agree = total = 0
     for prompt, out in zip(ids, outs):
         assert len(out) == NEW_TOKENS
@@ -127,8 +148,12 @@ def test_bf16_greedy_agrees_with_transformers_bf16(bf16_outputs, model_dir):
         margin = best - logits.gather(1, chosen[:, None]).squeeze(1)  # 0 where transformers agrees
         agree += int((margin == 0).sum())
         total += len(out)
-        assert margin.max() <= 0.5, f"a token transformers scores {float(margin.max())} below its best"
-    assert agree / total >= 0.95, f"transformers' argmax is the engine's token at {agree}/{total} positions"
+        assert margin.max() <= 0.5, (
+            f"a token transformers scores {float(margin.max())} below its best"
+        )
+    assert agree / total >= 0.95, (
+        f"transformers' argmax is the engine's token at {agree}/{total} positions"
+    )
 
 
 def test_bf16_logits_are_not_rounded_to_bfloat16(bf16_outputs):
@@ -141,7 +166,9 @@ def test_bf16_logits_are_not_rounded_to_bfloat16(bf16_outputs):
         logprobs = [lp for lp, _, _ in position]
         gaps = torch.tensor([logprobs[0] - lp for lp in logprobs[1:]], dtype=torch.float64) * 2**10
         on_grid += bool(((gaps - gaps.round()).abs() < 2e-3).all())
-    assert on_grid <= 4, f"{on_grid} of 32 positions have every top-5 gap on a 2^-10 grid: bfloat16 logits"
+    assert on_grid <= 4, (
+        f"{on_grid} of 32 positions have every top-5 gap on a 2^-10 grid: bfloat16 logits"
+    )
 
 
 def test_bf16_batch_and_alone_agree(bf16_outputs):
@@ -151,23 +178,30 @@ def test_bf16_batch_and_alone_agree(bf16_outputs):
     same = next((i for i, (a, b) in enumerate(zip(outs[0], alone)) if a != b), NEW_TOKENS)
     assert same >= 16, f"batched and alone greedy part after {same} tokens"
 
+
 def test_native_bf16_silu_saturates_as_torch():
     """Gates beyond exp's float32 range: torch's exp(-x) overflows to inf (silu -> -0.0, and NaN at -inf);
     a clamp at 88 had given -6e-37 and inf instead."""
     if load_native() is None:
         pytest.fail("no C compiler: the native kernels could not be built on this machine")
-    gate = torch.tensor([-100.0, -88.5, -89.0, -1e30, float("-inf"), 100.0, 0.0, -3.0] * 8).bfloat16()
+    gate = torch.tensor(
+        [-100.0, -88.5, -89.0, -1e30, float("-inf"), 100.0, 0.0, -3.0] * 8
+    ).bfloat16()
     up = torch.full_like(gate, 2.0)
     gate_up = torch.cat([gate, up])[None]
     want = torch.nn.functional.silu(gate) * up
     got = ops.silu_and_mul(gate_up)[0]
     assert torch.equal(got.isnan(), want.isnan())
     keep = ~want.isnan()
-    assert torch.equal(got[keep], want[keep]) and torch.equal(got[keep].signbit(), want[keep].signbit())
+    assert torch.equal(got[keep], want[keep]) and torch.equal(
+        got[keep].signbit(), want[keep].signbit()
+    )
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["bf16_logits", "torch"])
-@pytest.mark.parametrize("rows,out", [(1, 96), (7, 160), (64, 96), (9, 208)])  # panels of 48, 32 and 16 columns
+@pytest.mark.parametrize(
+    "rows,out", [(1, 96), (7, 160), (64, 96), (9, 208)]
+)  # panels of 48, 32 and 16 columns
 def test_float32_head_against_float64(kernel, rows, out):
     """Float32Head: bfloat16 weights, float32 rows and logits, within float32 rounding of float64."""
     from engine.model.float32_head import Float32Head

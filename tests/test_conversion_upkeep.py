@@ -26,7 +26,9 @@ def _conversion(root: Path, name: str, gguf: Path, host: str | None) -> Path:
     return folder
 
 
-def _cached(folder: Path, mode: str = "int8", kind: str = "quantized", host: str | None = None) -> Path:
+def _cached(
+    folder: Path, mode: str = "int8", kind: str = "quantized", host: str | None = None
+) -> Path:
     path = cache.cache_file(str(folder), mode, kind=kind)
     cache.save_cached(path, {"w": torch.zeros(4)}, str(folder), mode)
     if host:  # as another host sharing this home would have written it
@@ -34,12 +36,16 @@ def _cached(folder: Path, mode: str = "int8", kind: str = "quantized", host: str
     return path
 
 
-def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_else(tmp_path, monkeypatch):
+def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_else(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
     root, here = tmp_path / "cache", socket.gethostname()
     model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
     model.write_bytes(b"GGUF"), other.write_bytes(b"GGUF")
-    installed = tmp_path / "venv" / "lib" / "site-packages" / "pkg" / "gone.gguf"  # removed with its environment
+    installed = (
+        tmp_path / "venv" / "lib" / "site-packages" / "pkg" / "gone.gguf"
+    )  # removed with its environment
     unmounted = tmp_path / "drive" / "mine.gguf"  # a user's own file that is missing now
     kept = _conversion(root, "model-" + HEX, model, here)
     removed = [
@@ -50,16 +56,22 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     ]
     outside = _conversion(tmp_path / "elsewhere", "linked", installed, here)
     survivors = [
-        _conversion(root, "model-" + "5" * 16, model, "other-host"),  # a shared home: another host's venv
+        _conversion(
+            root, "model-" + "5" * 16, model, "other-host"
+        ),  # a shared home: another host's venv
         _conversion(root, "gone-" + "6" * 16, installed, "other-host"),
         _conversion(root, "mine-" + "7" * 16, unmounted, here),
         _conversion(root, "other-" + "8" * 16, other, None),
         _conversion(root, "user-model", installed, here),  # not named as ours
-        _conversion(root, ".convert-k2j4h5g6", model, here),  # marked just before its rename: in progress
+        _conversion(
+            root, ".convert-k2j4h5g6", model, here
+        ),  # marked just before its rename: in progress
         root / ("model-" + "9" * 16),  # no mark yet
         root / "quantized",
         root / ("link-" + "a" * 16),
-        _conversion(root, "kept-" + "c" * 16, installed.with_name("present.gguf"), here),  # installed, still there
+        _conversion(
+            root, "kept-" + "c" * 16, installed.with_name("present.gguf"), here
+        ),  # installed, still there
         _conversion(root, ".model-" + "d" * 16, model, here),  # a hidden folder is never ours
     ]
     installed.parent.mkdir(parents=True)
@@ -71,7 +83,9 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     files = {folder: _cached(folder) for folder in (kept, removed[0], removed[2], survivors[3])}
     panels = {folder: _cached(folder, "float32-panels", "packed") for folder in (kept, removed[2])}
     foreign = _cached(removed[3], host="other-host")
-    legacy = root / "quantized" / "unknown-int8-0000000000000000.safetensors"  # no metadata: not judged here
+    legacy = (
+        root / "quantized" / "unknown-int8-0000000000000000.safetensors"
+    )  # no metadata: not judged here
     legacy.write_bytes(b"\0" * 16)
 
     assert sorted(prune_conversions(kept)) == sorted(removed)
@@ -81,11 +95,17 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     for kind in ("quantized", "packed"):
         cache.prune_orphans(kind)
     assert files[kept].exists() and files[survivors[3]].exists() and panels[kept].exists()
-    assert not files[removed[0]].exists() and not files[removed[2]].exists() and not panels[removed[2]].exists()
+    assert (
+        not files[removed[0]].exists()
+        and not files[removed[2]].exists()
+        and not panels[removed[2]].exists()
+    )
     assert foreign.exists() and legacy.exists()  # another host's file is its own to judge
 
 
-def test_installing_a_conversion_marks_it_readably_and_prunes_what_it_replaces(tmp_path, monkeypatch):
+def test_installing_a_conversion_marks_it_readably_and_prunes_what_it_replaces(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
     root, gguf = tmp_path / "cache", tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -109,12 +129,19 @@ def test_the_mark_names_a_gguf_or_the_folder_is_no_conversion(tmp_path):
     gguf.write_bytes(b"GGUF")
     old = _conversion(tmp_path, "m-" + "2" * 16, gguf, None)
     assert conversion_source(old) == (str(gguf), None) and gguf_source(str(old)) == gguf
-    two_lines = _conversion(tmp_path, "m-" + "4" * 16, gguf, None)  # as one commit of this project wrote it
+    two_lines = _conversion(
+        tmp_path, "m-" + "4" * 16, gguf, None
+    )  # as one commit of this project wrote it
     (two_lines / ".complete").write_text(f"{gguf}\nhost-b\n")
-    assert conversion_source(two_lines) == (str(gguf), "host-b") and gguf_source(str(two_lines)) == gguf
+    assert (
+        conversion_source(two_lines) == (str(gguf), "host-b")
+        and gguf_source(str(two_lines)) == gguf
+    )
     bad = _conversion(tmp_path, "m-" + "3" * 16, tmp_path / "not-a-model.bin", "host-a")
     assert conversion_source(bad) is None and gguf_source(str(bad)) is None
-    assert prune_conversions(bad) == [] and old.is_dir()  # a folder that is no conversion prunes nothing
+    assert (
+        prune_conversions(bad) == [] and old.is_dir()
+    )  # a folder that is no conversion prunes nothing
 
 
 def test_a_neighbour_pruning_cannot_read_never_fails_the_conversion(tmp_path, monkeypatch):
@@ -123,14 +150,18 @@ def test_a_neighbour_pruning_cannot_read_never_fails_the_conversion(tmp_path, mo
     gguf.write_bytes(b"GGUF")
     broken = root / ("m-" + "5" * 16)
     broken.mkdir(parents=True)
-    (broken / ".complete").write_bytes(b"\xff\xfe not text")  # read_text raises UnicodeDecodeError, not OSError
+    (broken / ".complete").write_bytes(
+        b"\xff\xfe not text"
+    )  # read_text raises UnicodeDecodeError, not OSError
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     install_conversion(fresh, root / ("m-" + HEX), gguf)
     assert conversion_source(root / ("m-" + HEX)) is not None and broken.is_dir()
 
 
-def test_leftovers_of_a_killed_conversion_or_cache_write_are_removed_once_stale(tmp_path, monkeypatch):
+def test_leftovers_of_a_killed_conversion_or_cache_write_are_removed_once_stale(
+    tmp_path, monkeypatch
+):
     """A conversion, a cache file's write or a kernel build killed midway (SIGKILL, the OOM killer, a
     closed terminal) left its temporary folder or file for good: 514 MB a killed conversion of the
     embedded model. Those older than a day go with the next upkeep of their folder; younger ones may
@@ -182,13 +213,19 @@ def test_a_conversion_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypa
     real = os.fsync
 
     def fsync(fd):
-        synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))] = (fresh / ".complete").exists()
+        synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))] = (
+            fresh / ".complete"
+        ).exists()
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
     install_conversion(fresh, root / ("m-" + HEX), gguf)
-    assert synced.get("model.safetensors") is False and synced.get("config.json") is False, synced  # before the mark
-    assert "fresh" in synced and ".complete" in synced, synced  # the folder's entries, and the mark itself
+    assert synced.get("model.safetensors") is False and synced.get("config.json") is False, (
+        synced
+    )  # before the mark
+    assert "fresh" in synced and ".complete" in synced, (
+        synced
+    )  # the folder's entries, and the mark itself
 
 
 def test_a_conversion_an_engine_is_running_on_is_not_removed(tmp_path, monkeypatch):

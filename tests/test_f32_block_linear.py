@@ -27,7 +27,12 @@ pytestmark = pytest.mark.skipif(
 def _blocks(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Random [n, row bytes] blocks of the type with finite, realistic scales (d > 0, Q4_1's m < 0)."""
     raw = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=gen)
-    raw[..., 0:2] = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().view(torch.uint8).view(n, k // 32, 2)
+    raw[..., 0:2] = (
+        (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4)
+        .half()
+        .view(torch.uint8)
+        .view(n, k // 32, 2)
+    )
     if kind == 3:
         m = -torch.rand(n, k // 32, generator=gen) * 0.1
         raw[..., 2:4] = m.half().view(torch.uint8).view(n, k // 32, 2)
@@ -35,7 +40,9 @@ def _blocks(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("n,k", [(48, 576), (96, 1536), (16, 800)])  # 3 panels (an odd one for the pairs), K in blocks
+@pytest.mark.parametrize(
+    "n,k", [(48, 576), (96, 1536), (16, 800)]
+)  # 3 panels (an odd one for the pairs), K in blocks
 def test_bitwise_f32_linear_on_the_dequantized_weights(kind, n, k):
     gen = torch.Generator().manual_seed(kind * 1000 + n + k)
     blocks = _blocks(kind, n, k, gen)
@@ -47,7 +54,16 @@ def test_bitwise_f32_linear_on_the_dequantized_weights(kind, n, k):
     try:
         for t in sorted({1, threads}):
             torch.set_num_threads(t)
-            for m in (1, 2, 5, 6, 7, 12, 64, 100):  # straight from the blocks (up to 6 rows), buffered beyond
+            for m in (
+                1,
+                2,
+                5,
+                6,
+                7,
+                12,
+                64,
+                100,
+            ):  # straight from the blocks (up to 6 rows), buffered beyond
                 x = torch.randn(m, k, generator=gen)
                 got, want = mine(x), exact(x)
                 assert torch.equal(got, want), (m, t, (got - want).abs().max().item())
@@ -67,15 +83,23 @@ def test_shapes_and_types_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match="does not take"):
         F32BlockLinear(3, _blocks(3, 24, 64, gen), (24, 64), LIB)  # 24 rows: not whole panels of 16
     with pytest.raises(ValueError, match="does not take"):
-        F32BlockLinear(12, torch.zeros(16, 144, dtype=torch.uint8), (16, 256), LIB)  # Q4_K: not read
+        F32BlockLinear(
+            12, torch.zeros(16, 144, dtype=torch.uint8), (16, 256), LIB
+        )  # Q4_K: not read
     with pytest.raises(TypeError, match="float32"):
-        F32BlockLinear(3, _blocks(3, 16, 64, gen), (16, 64), LIB)(torch.zeros(1, 64, dtype=torch.bfloat16))
+        F32BlockLinear(3, _blocks(3, 16, 64, gen), (16, 64), LIB)(
+            torch.zeros(1, 64, dtype=torch.bfloat16)
+        )
 
 
 def _linears(model_dir: str, monkeypatch, blocks: bool) -> dict[str, torch.nn.Module]:
     monkeypatch.setenv("ENGINE_EXACT_BLOCKS", "1" if blocks else "0")
     model, _ = load_model(model_dir, load_hf_config(model_dir), torch.float32, "cpu", 64)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, (F32Linear, F32BlockLinear, torch.nn.Linear))}
+    kept = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, (F32Linear, F32BlockLinear, torch.nn.Linear))
+    }
     # AVX-512 keeps MKL for plain float32 weights: their panels are packed here, to compare with
     return {n: F32Linear(m, LIB) if isinstance(m, torch.nn.Linear) else m for n, m in kept.items()}
 
@@ -84,14 +108,18 @@ def test_every_layer_of_the_embedded_model_is_bitwise_its_float32_layer(model_di
     floats = _linears(model_dir, monkeypatch, blocks=False)
     mine = _linears(model_dir, monkeypatch, blocks=True)
     assert set(mine) == set(floats) and len(mine) == 30 * 4 + 1  # every layer and the lm_head
-    assert all(isinstance(m, F32BlockLinear) for m in mine.values()) and all(isinstance(m, F32Linear) for m in floats.values())
+    assert all(isinstance(m, F32BlockLinear) for m in mine.values()) and all(
+        isinstance(m, F32Linear) for m in floats.values()
+    )
     gen = torch.Generator().manual_seed(1)
     for name, layer in mine.items():
         for rows in (1, 9):  # one row straight from the blocks, more buffered
             x = torch.randn(rows, layer.in_features, generator=gen)
             assert torch.equal(layer(x), floats[name](x)), name
     held = sum(m.packed.numel() for m in mine.values())
-    assert held < sum(m.packed.numel() * 4 for m in floats.values()) / 5  # bytes: blocks against float32 panels
+    assert (
+        held < sum(m.packed.numel() * 4 for m in floats.values()) / 5
+    )  # bytes: blocks against float32 panels
 
 
 def test_the_engine_on_blocks_gives_the_float_panels_tokens_and_logprobs(engine, monkeypatch):
@@ -103,14 +131,26 @@ def test_the_engine_on_blocks_gives_the_float_panels_tokens_and_logprobs(engine,
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
     def run(eng) -> list:
-        one = [eng.generate(p, params, return_logprob=True, top_logprobs_num=2) for p in prompts]  # batch 1
-        many = eng.generate(prompts * 4, params, return_logprob=True, top_logprobs_num=2)  # a batch of 12
-        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"])
-                for o in one + many]  # fmt: skip
+        one = [
+            eng.generate(p, params, return_logprob=True, top_logprobs_num=2) for p in prompts
+        ]  # batch 1
+        many = eng.generate(
+            prompts * 4, params, return_logprob=True, top_logprobs_num=2
+        )  # a batch of 12
+        return [
+            (
+                o["output_ids"],
+                o["meta_info"]["output_token_logprobs"],
+                o["meta_info"]["output_top_logprobs"],
+            )
+            for o in one + many
+        ]
 
     if not float32_panels_here("cpu"):
-        pytest.skip("the float panels run on AVX2 CPUs only (AVX-512 keeps MKL, another summation order): "
-                    "the layers' bitwise test above compares the blocks with them here")
+        pytest.skip(
+            "the float panels run on AVX2 CPUs only (AVX-512 keeps MKL, another summation order): "
+            "the layers' bitwise test above compares the blocks with them here"
+        )
     engine.flush_cache()
     mine = run(engine)
     monkeypatch.setenv("ENGINE_EXACT_BLOCKS", "0")

@@ -23,7 +23,11 @@ def _within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     """float32 accumulation error over K terms (each bounded by |x||w|) plus one rounding of the result,
     the bound torch's own linear keeps (tests/test_packed_linear.py)."""
     exact = x.double() @ w.double().T
-    bound = 2**-24 * exact.abs() + x.shape[-1] * 2**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    bound = (
+        2**-24 * exact.abs()
+        + x.shape[-1] * 2**-23 * (x.double().abs() @ w.double().abs().T)
+        + 1e-30
+    )
     err = (got.double() - exact).abs()
     assert (err <= bound).all(), f"worst error {float((err / bound).max()):.2f} x the bound"
 
@@ -32,7 +36,9 @@ def _within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
 def lib():
     lib = load_native()
     if not f32_linear.runs_here(lib):
-        pytest.skip("this build has no f32_linear (no AVX2 and FMA here): float32 keeps oneDNN or MKL")
+        pytest.skip(
+            "this build has no f32_linear (no AVX2 and FMA here): float32 keeps oneDNN or MKL"
+        )
     return lib
 
 

@@ -17,7 +17,9 @@ from engine.kernels.cpu import load_native
 from engine.kernels.ops import apply_rotary, rms_norm, silu_and_mul
 from test_scheduler_steps import InProcess
 
-needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the fused ops cannot be built")
+needs_kernel = pytest.mark.skipif(
+    load_native() is None, reason="no C compiler: the fused ops cannot be built"
+)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
@@ -30,9 +32,13 @@ def test_elementwise_ops_match_torch(rows):
     lib, gen = load_native(), torch.Generator().manual_seed(rows)
     h, a, w = (torch.randn(rows, 576, generator=gen) for _ in range(3))
     out, want_h = torch.empty_like(h), h + a
-    lib.add_rms_norm(h.data_ptr(), a.data_ptr(), w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2)
+    lib.add_rms_norm(
+        h.data_ptr(), a.data_ptr(), w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2
+    )
     assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
-    lib.add_rms_norm(h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2)  # no residual
+    lib.add_rms_norm(
+        h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2
+    )  # no residual
     assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
 
     heads, kv_heads, d = 9, 3, 64
@@ -41,9 +47,13 @@ def test_elementwise_ops_match_torch(rows):
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     q, k, v = qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], -1)
     want_q, want_k = apply_rotary(q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), cos, sin)
-    lib.rotary_qkv(qkv.data_ptr(), rows, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), 2)
+    lib.rotary_qkv(
+        qkv.data_ptr(), rows, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), 2
+    )
     got_q, got_k, got_v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
-    assert close(got_q.reshape(rows, heads, d), want_q) and close(got_k.reshape(rows, kv_heads, d), want_k)
+    assert close(got_q.reshape(rows, heads, d), want_q) and close(
+        got_k.reshape(rows, kv_heads, d), want_k
+    )
     assert torch.equal(got_v, v)  # v is not rotated
 
     gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
@@ -52,7 +62,9 @@ def test_elementwise_ops_match_torch(rows):
     assert close(act, silu_and_mul(gate_up))
 
 
-def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+def _both_ways(
+    run: InProcess, max_new_tokens: int
+) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Three requests and a short one to the end, every decode step computed by the plain forward, by the
     fused one's Python loop (decode_layers.py's one C call switched off for the step) and then by the
     installed fused one (which the step goes on with): (finished requests, [(plain, loop, fused) logits])."""
@@ -61,7 +73,10 @@ def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[to
 
     def loop(batch, backend):
         saved = model.__dict__.get("_decode_layers")
-        model.__dict__["_decode_layers"] = (backend, None)  # what _native caches where the C step cannot run
+        model.__dict__["_decode_layers"] = (
+            backend,
+            None,
+        )  # what _native caches where the C step cannot run
         try:
             return fused(batch, backend)
         finally:
@@ -79,14 +94,22 @@ def _both_ways(run: InProcess, max_new_tokens: int) -> tuple[list, list[tuple[to
 
     model.forward = both
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    run.submit(*(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3)))
-    run.submit(TokenizedRequest("short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    run.submit(
+        *(TokenizedRequest(f"r{i}", [1, 100 + i, 200 + 7 * i, 300], params) for i in range(3))
+    )
+    run.submit(
+        TokenizedRequest(
+            "short", [1, 5, 9], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        )
+    )
     return run.finish_all(), seen
 
 
 def _ran_in_one_call(model) -> None:
     """The float32 fused steps ran as decode_layers.c's one call, unless ENGINE_DECODE_LAYERS=0 kept the loop."""
-    assert (model.__dict__["_decode_layers"][1] is not None) == (os.environ.get("ENGINE_DECODE_LAYERS") != "0")
+    assert (model.__dict__["_decode_layers"][1] is not None) == (
+        os.environ.get("ENGINE_DECODE_LAYERS") != "0"
+    )
 
 
 @needs_kernel
@@ -101,12 +124,16 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     run = InProcess(model_dir, max_total_tokens=2048, quantization=mode)
     try:
         model = run.sched.model
-        assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one C call
+        assert (
+            run.sched.backend.rows_decoder() is not None
+        )  # the K/V store and attention as one C call
         done, seen = _both_ways(run, 12)
         buffers, rows = model.__dict__["_fused_buffers"], model.__dict__["_fused_rows"]
         _ran_in_one_call(model)
         native = model.__dict__["_decode_layers"][1]
-        if native is not None:  # a kernel's failure names the layer and stage (it fails before any K/V store)
+        if (
+            native is not None
+        ):  # a kernel's failure names the layer and stage (it fails before any K/V store)
             native._layers[0].qkv.kind = 99
             h, cs = torch.zeros(1, model.cfg.hidden_size), torch.zeros(1, model.cfg.head_dim)
             with pytest.raises(RuntimeError, match="layer 0's qkv_proj failed with code -100"):
@@ -116,9 +143,14 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     assert len(done) == 4 and len(seen) >= 10
     assert len(rows) >= 2  # steps of several sizes, and one set of buffers under all of them
     for t, r in rows.items():
-        assert all(r.ptr[name] == buf.data_ptr() and getattr(r, name).shape[0] == t for name, buf in buffers.items())
+        assert all(
+            r.ptr[name] == buf.data_ptr() and getattr(r, name).shape[0] == t
+            for name, buf in buffers.items()
+        )
     for plain, loop, got in seen:
-        assert got.shape == plain.shape and close(got, plain, rel), float((got - plain).abs().max() / plain.abs().max())
+        assert got.shape == plain.shape and close(got, plain, rel), float(
+            (got - plain).abs().max() / plain.abs().max()
+        )
         assert torch.equal(got.argmax(-1), plain.argmax(-1))
         assert torch.equal(got, loop)  # the one C call: the loop's kernels in its order on its rows
 
@@ -134,21 +166,39 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     try:
         model = run.sched.model
         installed = model.decode_path is not None  # fused_decode.install sets it
-        switches = ("ENGINE_FUSED_DECODE", "ENGINE_BF16_LINEAR", "ENGINE_PACK_WEIGHTS")  # any of them 0: plain
+        switches = (
+            "ENGINE_FUSED_DECODE",
+            "ENGINE_BF16_LINEAR",
+            "ENGINE_PACK_WEIGHTS",
+        )  # any of them 0: plain
         switched_off = any(os.environ.get(name) == "0" for name in switches)
-        assert installed == (bf16_linear.runs_here(load_native()) and run.sched.dtype == torch.bfloat16 and not switched_off)
+        assert installed == (
+            bf16_linear.runs_here(load_native())
+            and run.sched.dtype == torch.bfloat16
+            and not switched_off
+        )
         if not installed:
-            pytest.skip("no fused bfloat16 decode here (no AVX512_BF16, AMX, or switched off): checked it is not installed")
-        assert run.sched.backend.rows_decoder() is not None  # the K/V store and attention as one bfloat16 call
+            pytest.skip(
+                "no fused bfloat16 decode here (no AVX512_BF16, AMX, or switched off): checked it is not installed"
+            )
+        assert (
+            run.sched.backend.rows_decoder() is not None
+        )  # the K/V store and attention as one bfloat16 call
         done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.bfloat16
-        assert model.__dict__["_decode_layers"][1] is None  # bfloat16 keeps the loop (decode_layers.py says why)
+        assert (
+            model.__dict__["_decode_layers"][1] is None
+        )  # bfloat16 keeps the loop (decode_layers.py says why)
     finally:
         run.close()
     assert len(done) == 4 and len(seen) >= 9
     assert {got.shape[0] for _, _, got in seen} >= {3, 4}
     for plain, loop, got in seen:
-        assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain) and torch.equal(got, loop)
+        assert (
+            got.dtype == plain.dtype == torch.float32
+            and torch.equal(got, plain)
+            and torch.equal(got, loop)
+        )
 
 
 def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
@@ -163,12 +213,18 @@ def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     try:
         model = run.sched.model
         installed = model.decode_path is not None  # fused_decode.install sets it
-        switches = ("ENGINE_FUSED_DECODE", "ENGINE_F32_LINEAR", "ENGINE_PACK_WEIGHTS")  # any of them 0: plain
+        switches = (
+            "ENGINE_FUSED_DECODE",
+            "ENGINE_F32_LINEAR",
+            "ENGINE_PACK_WEIGHTS",
+        )  # any of them 0: plain
         switched_off = any(os.environ.get(name) == "0" for name in switches)
         here = f32_linear.runs_here(load_native()) and packing_available(torch.float32, "cpu")
         assert installed == (here and not switched_off)
         if not installed:
-            pytest.skip("no fused float32 decode here (float32 not packed on this CPU, or switched off): checked it is not installed")
+            pytest.skip(
+                "no fused float32 decode here (float32 not packed on this CPU, or switched off): checked it is not installed"
+            )
         done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.float32
         _ran_in_one_call(model)
@@ -177,4 +233,8 @@ def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     assert len(done) == 4 and len(seen) >= 9
     assert {got.shape[0] for _, _, got in seen} >= {3, 4}
     for plain, loop, got in seen:
-        assert got.dtype == plain.dtype == torch.float32 and torch.equal(got, plain) and torch.equal(got, loop)
+        assert (
+            got.dtype == plain.dtype == torch.float32
+            and torch.equal(got, plain)
+            and torch.equal(got, loop)
+        )

@@ -10,8 +10,14 @@ import pytest
 from engine.model.embedded import convert_here, convert_with_transformers, embedded_gguf_path
 from engine.model.gguf_convert import hf_name
 
-FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-         "chat_template.jinja")  # fmt: skip
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 
 
 @pytest.fixture
@@ -37,9 +43,15 @@ def test_the_embedded_gguf_converts_to_what_transformers_makes_of_it(tmp_path, o
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     ours.mkdir()
     theirs.mkdir()
-    assert convert_here(gguf, ours), "the embedded model's kind of file is converted here, not by transformers"
+    assert convert_here(gguf, ours), (
+        "the embedded model's kind of file is converted here, not by transformers"
+    )
     convert_with_transformers(gguf, theirs)
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == sorted(FILES)
+    assert (
+        sorted(p.name for p in ours.iterdir())
+        == sorted(p.name for p in theirs.iterdir())
+        == sorted(FILES)
+    )
     for name in FILES:
         assert filecmp.cmp(ours / name, theirs / name, shallow=False), name
 
@@ -62,8 +74,12 @@ def test_a_conversion_that_fails_halfway_leaves_nothing_and_says_so(tmp_path, mo
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(gguf_convert, "state_dict", lambda gguf, config: {"model.norm.weight": torch.ones(4)})
-    monkeypatch.setattr(GenerationConfig, "save_pretrained", fail)  # after model.safetensors and config.json
+    monkeypatch.setattr(
+        gguf_convert, "state_dict", lambda gguf, config: {"model.norm.weight": torch.ones(4)}
+    )
+    monkeypatch.setattr(
+        GenerationConfig, "save_pretrained", fail
+    )  # after model.safetensors and config.json
     out = tmp_path / "out"
     out.mkdir()
     assert not convert_here(embedded_gguf_path(), out)
@@ -74,5 +90,11 @@ def test_a_conversion_that_fails_halfway_leaves_nothing_and_says_so(tmp_path, mo
 def test_tensor_names_outside_a_llama_are_not_guessed():
     assert hf_name("blk.3.attn_q.weight", 30) == "model.layers.3.self_attn.q_proj.weight"
     assert hf_name("output.weight", 30) == "lm_head.weight"
-    for name in ("blk.30.attn_q.weight", "blk.0.attn_q.bias", "rope_freqs.weight", "blk.x.ffn_up.weight", "blk.0"):
+    for name in (
+        "blk.30.attn_q.weight",
+        "blk.0.attn_q.bias",
+        "rope_freqs.weight",
+        "blk.x.ffn_up.weight",
+        "blk.0",
+    ):
         assert hf_name(name, 30) is None, name

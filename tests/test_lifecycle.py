@@ -38,9 +38,13 @@ def test_runtime_dir_private_and_removed_at_shutdown():
 def test_process_titles_and_ctrl_c_does_not_kill_children():
     with Engine(**SMALL) as eng:
         for role in ("scheduler", "detokenizer"):
-            cmdline = Path(f"/proc/{eng.pids[role]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cmdline = (
+                Path(f"/proc/{eng.pids[role]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            )
             assert cmdline.startswith(f"engine::{role}")
-            os.kill(eng.pids[role], signal.SIGINT)  # what a terminal's Ctrl-C sends to the whole group
+            os.kill(
+                eng.pids[role], signal.SIGINT
+            )  # what a terminal's Ctrl-C sends to the whole group
         time.sleep(0.5)
         assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
 
@@ -93,7 +97,9 @@ def test_scheduler_sigkill_mid_generation_raises_engine_dead():
 def _run_script(body: str) -> subprocess.Popen:
     header = "import json, os, sys, time\nfrom engine import Engine\nif __name__ == '__main__':\n"
     script = header + textwrap.indent(textwrap.dedent(body).strip() + "\n", "    ")
-    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
 
 
 def test_a_script_read_from_stdin_starts_an_engine(tiny_llama_dir):
@@ -105,7 +111,9 @@ def test_a_script_read_from_stdin_starts_an_engine(tiny_llama_dir):
             out = eng.generate(input_ids=[1, 2, 3], sampling_params={{"max_new_tokens": 2, "temperature": 0}})
         print(len(out["output_ids"]))
     """)
-    res = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert res.returncode == 0 and res.stdout.strip() == "2", res.stderr[-2000:]
 
 
@@ -154,7 +162,13 @@ def test_atexit_closes_the_engine_before_multiprocessing_stops_its_children(tiny
             eng.generate(input_ids=[1, 2, 3], sampling_params={{"max_new_tokens": 2, "temperature": 0}})
             print(json.dumps({{"pids": eng.pids, "dir": eng.runtime_dir}}), flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     finally:
@@ -166,18 +180,24 @@ def test_atexit_closes_the_engine_before_multiprocessing_stops_its_children(tiny
             proc.communicate()
     info = json.loads(out.splitlines()[0])
     assert proc.returncode == 0, err[-2000:]
-    assert "stagetimer: seconds per stage" in err and "scheduler" in err.split("stagetimer: seconds per stage")[1], err[-2000:]
+    assert (
+        "stagetimer: seconds per stage" in err
+        and "scheduler" in err.split("stagetimer: seconds per stage")[1]
+    ), err[-2000:]
     assert wait_gone([info["pids"]["scheduler"], info["pids"]["detokenizer"]], 10) == []
     assert not os.path.exists(info["dir"])
 
 
-def test_an_engine_left_open_in_a_multiprocessing_worker_lets_the_worker_exit(tiny_llama_dir, tmp_path):
+def test_an_engine_left_open_in_a_multiprocessing_worker_lets_the_worker_exit(
+    tiny_llama_dir, tmp_path
+):
     """A multiprocessing worker runs no atexit handlers: when its target ends, multiprocessing SIGTERMs
     its daemonic children and joins them. With the engine's children ignoring SIGTERM (the parent's to
     decide), an engine still referenced there (a global, or a frame a traceback keeps) hung the worker
     for good. The engine's close is one of multiprocessing's own exit finalizers, run before that."""
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, multiprocessing, sys
         from engine import Engine
 
@@ -196,8 +216,11 @@ def test_an_engine_left_open_in_a_multiprocessing_worker_lets_the_worker_exit(ti
             print(json.dumps({{"pids": pids, "exitcode": worker.exitcode}}), flush=True)
             if worker.exitcode is None:
                 worker.kill()
-    """))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    """)
+    )
+    res = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     info = json.loads(res.stdout.splitlines()[-1])
     children = [info["pids"]["scheduler"], info["pids"]["detokenizer"]]
     try:
@@ -232,7 +255,9 @@ def test_a_fork_of_the_user_process_does_not_close_its_engine(tiny_llama_dir):
             os.waitpid(pid, 0)
         assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, done
         assert os.path.exists(runtime_dir)
-        out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
+        out = eng.generate(
+            input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0}
+        )
         assert len(out["output_ids"]) == 2
 
 
@@ -277,8 +302,13 @@ def test_an_engine_whose_ready_hook_fails_is_shut_down(tiny_llama_dir):
 def test_a_context_length_past_the_models_is_refused_not_cut(tiny_llama_dir):
     """It became the model's max_position_embeddings unseen; long prompts were then refused naming a
     context_length the caller never gave."""
-    with pytest.raises(EngineStartError, match=r"context_length=1000000 is more than the model's max_position_embeddings \(\d+\)"):
-        Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, context_length=10**6)
+    with pytest.raises(
+        EngineStartError,
+        match=r"context_length=1000000 is more than the model's max_position_embeddings \(\d+\)",
+    ):
+        Engine(
+            model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, context_length=10**6
+        )
 
 
 def test_bad_model_path_raises_before_spawning(tmp_path):
@@ -290,12 +320,22 @@ def test_bad_model_path_raises_before_spawning(tmp_path):
         Engine(dtype="float16x")
 
 
-@pytest.mark.parametrize("option, value", [
-    ("mem_fraction", "0.5"),  # passed as float("0.5"), then int * str in the scheduler: a string of 3x free RAM
-    ("mem_fraction", True), ("mem_fraction", float("nan")), ("mem_fraction", 1.0),
-    ("startup_timeout", "5"),  # a TypeError from the comparison, not the ValueError promised
-    ("startup_timeout", float("nan")), ("startup_timeout", float("inf")), ("startup_timeout", 0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        (
+            "mem_fraction",
+            "0.5",
+        ),  # passed as float("0.5"), then int * str in the scheduler: a string of 3x free RAM
+        ("mem_fraction", True),
+        ("mem_fraction", float("nan")),
+        ("mem_fraction", 1.0),
+        ("startup_timeout", "5"),  # a TypeError from the comparison, not the ValueError promised
+        ("startup_timeout", float("nan")),
+        ("startup_timeout", float("inf")),
+        ("startup_timeout", 0),
+    ],
+)
 def test_bad_number_options_are_value_errors_naming_them(option, value):
     from engine.config import EngineConfig
 
@@ -303,9 +343,18 @@ def test_bad_number_options_are_value_errors_naming_them(option, value):
         EngineConfig.from_kwargs(**{option: value})
 
 
-@pytest.mark.parametrize("name, value", [("ENGINE_NATIVE_KERNELS", "no"), ("ENGINE_PANEL_CACHE", "yes"),
-                                         ("ENGINE_PLUGIN_ERRORS", "yes"), ("ENGINE_FUSED_DECODE", "off")])  # fmt: skip
-def test_a_switch_set_to_a_value_it_does_not_take_stops_the_start_naming_it(monkeypatch, name, value):
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("ENGINE_NATIVE_KERNELS", "no"),
+        ("ENGINE_PANEL_CACHE", "yes"),
+        ("ENGINE_PLUGIN_ERRORS", "yes"),
+        ("ENGINE_FUSED_DECODE", "off"),
+    ],
+)
+def test_a_switch_set_to_a_value_it_does_not_take_stops_the_start_naming_it(
+    monkeypatch, name, value
+):
     """docs/configuration.md: bad values stop the start naming the variable. These compared with one
     value ("0", "1", "raise") and took anything else as the default, without a word."""
     monkeypatch.setenv(name, value)

@@ -48,17 +48,28 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("mode", ["default", "quiet"])
-def test_engine_messages_reach_stderr_unless_the_engine_logger_is_silenced(tiny_llama_dir, tmp_path, mode):
+def test_engine_messages_reach_stderr_unless_the_engine_logger_is_silenced(
+    tiny_llama_dir, tmp_path, mode
+):
     (tmp_path / "noisy").mkdir()
     (tmp_path / "noisy" / "__init__.py").write_text("")
     (tmp_path / "noisy" / "plugin.py").write_text(textwrap.dedent(PLUGIN))
     (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["ENGINE_PLUGINS"] = "noisy.plugin"
-    proc = subprocess.run([sys.executable, "script.py", tiny_llama_dir, mode], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "script.py", tiny_llama_dir, mode],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert set((tmp_path / "called.log").read_text().split()) == {"step_end", "done"}  # both hooks failed
+    assert set((tmp_path / "called.log").read_text().split()) == {
+        "step_end",
+        "done",
+    }  # both hooks failed
     lines = proc.stderr.splitlines()
     scheduler = [l for l in lines if l.startswith("engine::scheduler: ") and "step_end broke" in l]
     user = [l for l in lines if l.startswith("engine: ") and "done broke" in l]

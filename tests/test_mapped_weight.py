@@ -39,19 +39,25 @@ def _rss_file_mb() -> float:
 
 def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
     if not packing_available(torch.float32, "cpu"):
-        pytest.skip("float32 is not packed on this CPU: the tied lm_head reads the embedding (next test)")
+        pytest.skip(
+            "float32 is not packed on this CPU: the tied lm_head reads the embedding (next test)"
+        )
     model, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64)
     weights = index_weights(tiny_llama_dir)
     entry = weights["model.embed_tokens.weight"]
     embed, file = model.embed_tokens.weight, os.path.realpath(entry.path)
     ours = f32_linear.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
-    kind = (F32Linear if ours else PackedLinear) if float32_panels_here("cpu") else Linear  # AVX-512: MKL's
+    kind = (
+        (F32Linear if ours else PackedLinear) if float32_panels_here("cpu") else Linear
+    )  # AVX-512: MKL's
     assert _mapped_file(embed.data_ptr()) == file and type(model.lm_head) is kind  # its own copy
     assert _mapped_file(getattr(model.lm_head, "weight", model.norm.weight).data_ptr()) != file
     assert _mapped_file(model.norm.weight.data_ptr()) != file  # read into memory
     with open(entry.path, "rb") as f:
         f.seek(entry.offset)
-        on_disk = torch.frombuffer(bytearray(f.read(entry.nbytes)), dtype=torch.float32).view(entry.shape)
+        on_disk = torch.frombuffer(bytearray(f.read(entry.nbytes)), dtype=torch.float32).view(
+            entry.shape
+        )
     assert torch.equal(embed, on_disk)
     ids = torch.tensor([[0, 5, entry.shape[0] - 1]])
     assert torch.equal(model.embed_tokens(ids), on_disk[ids])
@@ -71,7 +77,14 @@ def test_a_tied_lm_head_left_plain_reads_the_embedding_into_memory(tiny_llama_di
     assert _mapped_file(model.embed_tokens.weight.data_ptr()) != file
     if load_native() is None:
         pytest.skip("no C compiler: no quantized mode")
-    model, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64, quantization="int8")
+    model, _ = load_model(
+        tiny_llama_dir,
+        load_hf_config(tiny_llama_dir),
+        torch.float32,
+        "cpu",
+        64,
+        quantization="int8",
+    )
     assert _mapped_file(model.embed_tokens.weight.data_ptr()) == file
 
 
@@ -82,13 +95,21 @@ def test_mapping_is_only_resident_where_touched_and_gives_pages_back(tmp_path):
     entry = index_weights(str(tmp_path))["w"]
     before = _rss_file_mb()
     mapped = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-    assert torch.equal(mapped.tensor[[3, 9000]], torch.tensor([[3.0], [9000.0]]) * hidden + torch.arange(hidden))
+    assert torch.equal(
+        mapped.tensor[[3, 9000]], torch.tensor([[3.0], [9000.0]]) * hidden + torch.arange(hidden)
+    )
     assert _rss_file_mb() - before < 8  # two rows gathered: a few pages, not the file
-    assert float(mapped.tensor.sum(dtype=torch.float64)) == pytest.approx((rows * hidden) * (rows * hidden - 1) / 2)
-    assert _rss_file_mb() - before > 56  # all of it read once (a packed or quantized lm_head's load)
+    assert float(mapped.tensor.sum(dtype=torch.float64)) == pytest.approx(
+        (rows * hidden) * (rows * hidden - 1) / 2
+    )
+    assert (
+        _rss_file_mb() - before > 56
+    )  # all of it read once (a packed or quantized lm_head's load)
     mapped.drop_pages()
     assert _rss_file_mb() - before < 8
-    assert float(mapped.tensor[rows - 1, hidden - 1]) == rows * hidden - 1  # read again from the page cache
+    assert (
+        float(mapped.tensor[rows - 1, hidden - 1]) == rows * hidden - 1
+    )  # read again from the page cache
 
 
 def test_mapping_is_copy_on_write(tmp_path):

@@ -31,14 +31,21 @@ def test_small_pool_queues_and_completes_all(engine, tokenizer):
     with Engine(dtype="float32", max_total_tokens=2 * need + 10, max_running_requests=8) as small:
         outs = small.generate(input_ids=prompts, sampling_params=params)
         stats = small.get_stats()
-        with pytest.raises(ValueError, match="max_total_tokens"):  # could never fit: refused, not queued forever
-            small.generate(input_ids=[5] * (stats["max_total_tokens"] - 10), sampling_params={"max_new_tokens": 64})
+        with pytest.raises(
+            ValueError, match="max_total_tokens"
+        ):  # could never fit: refused, not queued forever
+            small.generate(
+                input_ids=[5] * (stats["max_total_tokens"] - 10),
+                sampling_params={"max_new_tokens": 64},
+            )
         assert small.get_stats()["prompt_tokens"] == stats["prompt_tokens"]
     assert [o["output_ids"] for o in outs] == expected
     assert len({o["meta_info"]["id"] for o in outs}) == len(prompts)
     assert engine_idle(stats)
     assert stats["prefill_steps"] >= len(prompts) // 2, "requests were not queued behind each other"
-    assert stats["retracted_requests"] == 0  # the default estimate of new tokens is cautious enough here
+    assert (
+        stats["retracted_requests"] == 0
+    )  # the default estimate of new tokens is cautious enough here
     assert stats["finished_requests"] == len(prompts)
 
 
@@ -64,8 +71,12 @@ def test_kv_pool_takes_memory_only_as_tokens_are_written(dtype):
     pool = TokenKVPool(tokens, layers, heads, dim, dtype, "cpu")
     grown = _resident_bytes() - before
     total = TokenKVPool.bytes_per_token(layers, heads, dim, dtype) * (tokens + 1)
-    assert grown < total / 10, f"a new pool of {total >> 20} MiB made the process {grown >> 20} MiB bigger"
-    for buf in pool.k_buffers + pool.v_buffers:  # still zero where never written, padding slot included
+    assert grown < total / 10, (
+        f"a new pool of {total >> 20} MiB made the process {grown >> 20} MiB bigger"
+    )
+    for buf in (
+        pool.k_buffers + pool.v_buffers
+    ):  # still zero where never written, padding slot included
         assert buf.dtype == dtype and buf.shape == (tokens + 1, heads, dim)
         assert not buf[0].any() and not buf[tokens // 2].any() and not buf[-1].any()
     pool.k_buffers[0][1:1001] = 1.0  # writes still land
@@ -101,7 +112,9 @@ def test_kv_pool_stays_lazy_whatever_malloc_has_freed():
     """A test process whose earlier tests had freed hundreds of MB made a new pool 476 MB resident (CI on
     2026-12-03): calloc clears reused heap memory byte by byte. Here malloc is made to hold 600 MB of freed,
     never-written heap (glibc's mallopt); the pool still takes no memory, and gives it back when freed."""
-    out = subprocess.run([sys.executable, "-c", FREED_HEAP_THEN_POOL], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", FREED_HEAP_THEN_POOL], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     grown_mb, given_back_mb = map(int, out.stdout.split())
     assert grown_mb < 50, f"a 496 MB pool made the process {grown_mb} MB bigger"
@@ -148,7 +161,9 @@ def test_a_request_freed_twice_after_the_tree_raised_frees_nothing_twice():
     from engine.memory.manager import KVManager
     from engine.memory.req_to_token import ReqToTokenPool
 
-    kv = KVManager(TokenKVPool(64, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(4, 32, "cpu"), True, "cpu")
+    kv = KVManager(
+        TokenKVPool(64, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(4, 32, "cpu"), True, "cpu"
+    )
 
     class Leaving:
         beam_slots: list = []
@@ -175,5 +190,9 @@ def test_a_request_freed_twice_after_the_tree_raised_frees_nothing_twice():
         kv.free_request(req, 8)
     kv.cache.insert = real
     kv.free_request(req, 8, keep=False)  # the failure handler's
-    assert None not in kv.slots._free.tolist() if hasattr(kv.slots._free, "tolist") else None not in kv.slots._free
+    assert (
+        None not in kv.slots._free.tolist()
+        if hasattr(kv.slots._free, "tolist")
+        else None not in kv.slots._free
+    )
     assert kv.slots.available == 4 and kv.pool.available == 64 and kv.cache.lock_refs() == 0

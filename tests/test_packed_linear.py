@@ -18,12 +18,24 @@ from engine.model.bf16_linear import Bf16Linear
 from engine.model.f32_linear import F32Linear
 from engine.model.llama import Linear  # the model's plain layers: nn.Linear without its random init
 from engine.model.loader import load_model
-from engine.model.packed_linear import PackedLinear, float32_panels_here, pack_linears, packing_available
+from engine.model.packed_linear import (
+    PackedLinear,
+    float32_panels_here,
+    pack_linears,
+    packing_available,
+)
 
-SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2-135M's qkv, gate_up, down, lm_head
+SHAPES = [
+    (576, 960),
+    (576, 3072),
+    (1536, 576),
+    (576, 49152),
+]  # SmolLM2-135M's qkv, gate_up, down, lm_head
 
 
-def _within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+def _within_rounding(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> None:
     """got is the exact product (float64) up to one rounding of the result to its dtype plus float32
     accumulation error (K terms, each bounded by |x||w|), the bound torch's own linear also keeps."""
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -54,8 +66,12 @@ def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
         got = packed(x)
         assert got.dtype == dtype and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, lin.bias)
-        _within_rounding(lin(x), x, lin.weight, lin.bias)  # the bound is one torch's linear keeps too
-        assert torch.equal(packed(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
+        _within_rounding(
+            lin(x), x, lin.weight, lin.bias
+        )  # the bound is one torch's linear keeps too
+        assert torch.equal(
+            packed(x.reshape(1, rows, k)), got.reshape(1, rows, n)
+        )  # leading dims kept
 
 
 def _bf16_kernel_here() -> bool:
@@ -94,14 +110,20 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
         got = ours(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, None)
-        assert torch.equal(ours(x.reshape(1, rows, k)), got.reshape(1, rows, n))  # leading dims kept
-        odd = torch.empty(rows * k + 1, dtype=torch.bfloat16)[1:].view(rows, k)  # 2 bytes past an alignment
+        assert torch.equal(
+            ours(x.reshape(1, rows, k)), got.reshape(1, rows, n)
+        )  # leading dims kept
+        odd = torch.empty(rows * k + 1, dtype=torch.bfloat16)[1:].view(
+            rows, k
+        )  # 2 bytes past an alignment
         odd.copy_(x)
         assert torch.equal(ours(odd), got)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            assert torch.equal(ours(x), got)  # the panels' split among threads does not change a value
+            assert torch.equal(
+                ours(x), got
+            )  # the panels' split among threads does not change a value
         finally:
             torch.set_num_threads(threads)
         if packing_available(torch.bfloat16, "cpu"):
@@ -113,7 +135,9 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
 def test_bf16_kernel_refuses_what_it_cannot_take():
     lib = load_native()
     if not _bf16_kernel_here():
-        pytest.skip("this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the test above)")
+        pytest.skip(
+            "this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the test above)"
+        )
     assert bf16_linear.fits(nn.Linear(64, 48, bias=False).bfloat16())
     assert not bf16_linear.fits(nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
     assert not bf16_linear.fits(nn.Linear(63, 48, bias=False).bfloat16())  # odd K
@@ -130,15 +154,26 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
 
     def linears(dtype):
         model, cfg = load_model(tiny_llama_dir, hf_config, dtype, "cpu", 64)
-        kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, Bf16Linear, F32Linear))}
+        kinds = {
+            type(m)
+            for m in model.modules()
+            if isinstance(m, (nn.Linear, PackedLinear, Bf16Linear, F32Linear))
+        }
         return model, cfg, kinds
 
     model, _, kinds = linears(torch.float32)
-    if float32_panels_here("cpu"):  # float32: packed too, a tied lm_head as its own copy (AVX2; AVX-512 keeps MKL)
+    if float32_panels_here(
+        "cpu"
+    ):  # float32: packed too, a tied lm_head as its own copy (AVX2; AVX-512 keeps MKL)
         ours = f32_linear.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
         assert kinds == ({F32Linear} if ours else {PackedLinear})  # AVX2: ours
         ids = torch.tensor([[3, 17, 99]])
-        _within_rounding(model.lm_head(model.embed_tokens(ids)), model.embed_tokens(ids), model.embed_tokens.weight, None)
+        _within_rounding(
+            model.lm_head(model.embed_tokens(ids)),
+            model.embed_tokens(ids),
+            model.embed_tokens.weight,
+            None,
+        )
         monkeypatch.setenv("ENGINE_F32_LINEAR", "0")  # the A/B switch: oneDNN's
         assert linears(torch.float32)[2] == {PackedLinear}
         monkeypatch.delenv("ENGINE_F32_LINEAR")
@@ -162,7 +197,11 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
     monkeypatch.setattr("engine.kernels.cpu.load_native", lambda: None)  # no C kernels: oneDNN
     assert linears(torch.bfloat16)[2] == {PackedLinear}
     monkeypatch.undo()
-    assert cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided  # gathered from: plain
+    assert (
+        cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided
+    )  # gathered from: plain
     ids = torch.tensor([[3, 17, 99]])
     head = model.lm_head(model.embed_tokens(ids))
-    _within_rounding(head, model.embed_tokens(ids), model.embed_tokens.weight, None)  # its own packed copy
+    _within_rounding(
+        head, model.embed_tokens(ids), model.embed_tokens.weight, None
+    )  # its own packed copy

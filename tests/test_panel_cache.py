@@ -31,9 +31,13 @@ def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, t
     monkeypatch.setenv("ENGINE_PANEL_CACHE", "1")  # opt-in (panel_cache.enabled)
     first = _load(tiny_llama_dir)
     path = panel_file(tiny_llama_dir)
-    if not first:  # float32 is not on our kernel here (AVX-512 keeps MKL, or no compiler): nothing kept
+    if (
+        not first
+    ):  # float32 is not on our kernel here (AVX-512 keeps MKL, or no compiler): nothing kept
         assert not path.exists()
-        pytest.skip("float32 layers do not run on f32_linear on this CPU: checked that no panels are kept")
+        pytest.skip(
+            "float32 layers do not run on f32_linear on this CPU: checked that no panels are kept"
+        )
     assert path.exists() and set(load_file(str(path))) == set(first)
     stamp = path.stat().st_mtime_ns
 
@@ -55,7 +59,9 @@ def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, t
     assert all(torch.equal(third[n].packed, first[n].packed) for n in first)
     assert set(load_file(str(path))) == set(first)
 
-    monkeypatch.delenv("ENGINE_PANEL_CACHE")  # off by default: packed at every start, nothing read or written
+    monkeypatch.delenv(
+        "ENGINE_PANEL_CACHE"
+    )  # off by default: packed at every start, nothing read or written
     path.unlink()
     assert set(_load(tiny_llama_dir)) == set(first) and not path.exists()
 
@@ -80,17 +86,26 @@ def test_panels_that_do_not_fit_are_not_used(tmp_path, monkeypatch, tiny_llama_d
     shapes = {"lm_head": (64, 32), "layers.0.mlp.down_proj": (32, 48)}
     path = panel_file(tiny_llama_dir)
     path.parent.mkdir(parents=True)
-    write_safetensors(str(path), {"lm_head": torch.zeros(64 * 32), "layers.0.mlp.down_proj": torch.zeros(32 * 48)})
+    write_safetensors(
+        str(path), {"lm_head": torch.zeros(64 * 32), "layers.0.mlp.down_proj": torch.zeros(32 * 48)}
+    )
     assert set(mapped_panels(tiny_llama_dir, shapes)) == set(shapes)
-    for wrong in ({"lm_head": torch.zeros(64 * 31)}, {"lm_head": torch.zeros(64, 32)},
-                  {"lm_head": torch.zeros(64 * 32, dtype=torch.float64)}, {"not_a_layer": torch.zeros(4)}):  # fmt: skip
+    for wrong in (
+        {"lm_head": torch.zeros(64 * 31)},
+        {"lm_head": torch.zeros(64, 32)},
+        {"lm_head": torch.zeros(64 * 32, dtype=torch.float64)},
+        {"not_a_layer": torch.zeros(4)},
+    ):
         write_safetensors(str(path), wrong)
         assert mapped_panels(tiny_llama_dir, shapes) is None, wrong
 
 
 def test_our_safetensors_writer_is_read_by_safetensors(tmp_path):
-    tensors = {"a": torch.randn(3, 5), "b": torch.randint(-127, 128, (2, 7, 16), dtype=torch.int8),
-               "c": torch.randn(4)[::2]}  # fmt: skip
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randint(-127, 128, (2, 7, 16), dtype=torch.int8),
+        "c": torch.randn(4)[::2],
+    }
     write_safetensors(str(tmp_path / "t.safetensors"), tensors, {"model_dir": "/x", "mode": "m"})
     back = load_file(str(tmp_path / "t.safetensors"))
     assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
@@ -102,7 +117,9 @@ def test_a_new_cache_file_removes_the_ones_it_replaces(tmp_path, monkeypatch):
     Removed: the same model and mode under another key (its files changed), the same model files in an
     older format (before the metadata: known by that name), and this host's files of model folders gone."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    model, other, gone, twin = (tmp_path / name for name in ("model", "other", "gone", "elsewhere/model"))
+    model, other, gone, twin = (
+        tmp_path / name for name in ("model", "other", "gone", "elsewhere/model")
+    )
     for folder in (model, other, gone, twin):
         folder.mkdir(parents=True)
         (folder / "config.json").write_text("{}")
@@ -119,16 +136,25 @@ def test_a_new_cache_file_removes_the_ones_it_replaces(tmp_path, monkeypatch):
     older = written("model-int8-0000.safetensors", model, "int8")
     legacy = cache.cache_file(str(model), "int8", fmt=1)  # format 1, before the metadata
     write_safetensors(str(legacy), one)
-    unknown = folder / "model-int8-1111.safetensors"  # no metadata, not a name this model's files give
+    unknown = (
+        folder / "model-int8-1111.safetensors"
+    )  # no metadata, not a name this model's files give
     write_safetensors(str(unknown), one)
-    kept = [written("model-float32-panels-2222.safetensors", model, "float32-panels"),
-            written("other-int8-3333.safetensors", other, "int8"),
-            written("model-int8-5555.safetensors", twin, "int8"),
-            written("gone-int8-6666.safetensors", gone, "int8", host="another-host"), unknown]  # fmt: skip
+    kept = [
+        written("model-float32-panels-2222.safetensors", model, "float32-panels"),
+        written("other-int8-3333.safetensors", other, "int8"),
+        written("model-int8-5555.safetensors", twin, "int8"),
+        written("gone-int8-6666.safetensors", gone, "int8", host="another-host"),
+        unknown,
+    ]
     orphan = written("gone-int8-4444.safetensors", gone, "int8")
     shutil.rmtree(gone)
     path = cache.cache_file(str(model), "int8")
     cache.save_cached(path, one, str(model), "int8")
-    assert path.exists() and read_metadata(path) == {"model_dir": str(model.resolve()), "mode": "int8", "host": here}
+    assert path.exists() and read_metadata(path) == {
+        "model_dir": str(model.resolve()),
+        "mode": "int8",
+        "host": here,
+    }
     assert all(p.exists() for p in kept), [p.name for p in kept if not p.exists()]
     assert not older.exists() and not legacy.exists() and not orphan.exists()

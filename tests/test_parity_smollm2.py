@@ -19,7 +19,9 @@ def chat_ids(tokenizer) -> list[list[int]]:
         if i % 2 == 0:  # half plain text, half through the chat template
             ids.append(tokenizer.encode(p))
         else:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
             ids.append(tokenizer.encode(text, add_special_tokens=False))
     return ids
 
@@ -30,7 +32,9 @@ GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
 @pytest.fixture(scope="module")
 def reference(hf_model, engine, chat_ids) -> list[list[int]]:
     """transformers generate's greedy tokens; found by checking the engine's in one pass (conftest)."""
-    candidates = [o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=GREEDY)]
+    candidates = [
+        o["output_ids"] for o in engine.generate(input_ids=chat_ids, sampling_params=GREEDY)
+    ]
     engine.flush_cache()  # the tests below start from an empty prefix cache, as they did before
     return [hf_greedy_checked(hf_model, ids, c, NEW_TOKENS) for ids, c in zip(chat_ids, candidates)]
 

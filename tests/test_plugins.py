@@ -29,12 +29,16 @@ def probe(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("probe") / "events.jsonl"
     os.environ["ENGINE_TEST_PROBE"] = str(path)  # the children inherit it at spawn
-    eng = Engine(dtype="float32", max_total_tokens=4096, plugins=PLUGIN + ",no_repeat_ngram,stagetimer")
+    eng = Engine(
+        dtype="float32", max_total_tokens=4096, plugins=PLUGIN + ",no_repeat_ngram,stagetimer"
+    )
     try:
         yield eng, path
     finally:
         eng.shutdown()
-        unload_plugins([PLUGIN, "no_repeat_ngram", "stagetimer"])  # the session's other engines must not see it in this process
+        unload_plugins(
+            [PLUGIN, "no_repeat_ngram", "stagetimer"]
+        )  # the session's other engines must not see it in this process
         os.environ.pop("ENGINE_TEST_PROBE", None)
 
 
@@ -42,29 +46,54 @@ def events(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-SCHEDULER_HOOKS = ("engine_request_arrived", "engine_schedule", "engine_request_admitted", "engine_forward_before", "engine_forward_after",
-                   "engine_process_logits", "engine_sample_after", "engine_request_finished", "engine_step_end")  # fmt: skip
+SCHEDULER_HOOKS = (
+    "engine_request_arrived",
+    "engine_schedule",
+    "engine_request_admitted",
+    "engine_forward_before",
+    "engine_forward_after",
+    "engine_process_logits",
+    "engine_sample_after",
+    "engine_request_finished",
+    "engine_step_end",
+)
 
 
 def test_every_hook_fires_in_its_process_in_stage_order(probe):
     eng, path = probe
     path.write_text("")
-    out = eng.generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, rid="probe-1")
+    out = eng.generate(
+        PROMPTS[0], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, rid="probe-1"
+    )
     assert out["meta_info"]["seen_by_test_plugin"] is True
-    deadline = time.time() + 10  # engine_step_end runs after the step's output left: maybe after the result
+    deadline = (
+        time.time() + 10
+    )  # engine_step_end runs after the step's output left: maybe after the result
     while sum(e["hook"] == "engine_step_end" for e in events(path)) < 4 and time.time() < deadline:
         time.sleep(0.01)
     ev = events(path)
     pids = eng.pids
-    role_of = {pids["user"]: "user", pids["scheduler"]: "scheduler", pids["detokenizer"]: "detokenizer"}
-    expected_role = {"engine_tokenize_before": "user", "engine_tokenize_after": "user", "engine_output": "user",
-                     "engine_request_submitted": "user", "engine_request_done": "user",
-                     "engine_detokenize": "detokenizer", "engine_detokenize_after": "detokenizer",
-                     "engine_detokenize_output": "detokenizer", **{h: "scheduler" for h in SCHEDULER_HOOKS}}  # fmt: skip
+    role_of = {
+        pids["user"]: "user",
+        pids["scheduler"]: "scheduler",
+        pids["detokenizer"]: "detokenizer",
+    }
+    expected_role = {
+        "engine_tokenize_before": "user",
+        "engine_tokenize_after": "user",
+        "engine_output": "user",
+        "engine_request_submitted": "user",
+        "engine_request_done": "user",
+        "engine_detokenize": "detokenizer",
+        "engine_detokenize_after": "detokenizer",
+        "engine_detokenize_output": "detokenizer",
+        **{h: "scheduler" for h in SCHEDULER_HOOKS},
+    }
     seen = {e["hook"] for e in ev}
     assert seen == set(expected_role), seen ^ set(expected_role)
     for e in ev:
         assert e["role"] == expected_role[e["hook"]] == role_of[e["pid"]], e
+
     # stage order for this request, across the three processes
     def first(hook):
         return min(e["t"] for e in ev if e["hook"] == hook)
@@ -72,30 +101,57 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     def last(hook):
         return max(e["t"] for e in ev if e["hook"] == hook)
 
-    order = ["engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_request_arrived",
-             "engine_schedule", "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
-             "engine_sample_after", "engine_detokenize", "engine_detokenize_after", "engine_detokenize_output"]  # fmt: skip
+    order = [
+        "engine_tokenize_before",
+        "engine_tokenize_after",
+        "engine_request_submitted",
+        "engine_request_arrived",
+        "engine_schedule",
+        "engine_request_admitted",
+        "engine_forward_before",
+        "engine_forward_after",
+        "engine_process_logits",
+        "engine_sample_after",
+        "engine_detokenize",
+        "engine_detokenize_after",
+        "engine_detokenize_output",
+    ]
     assert [first(h) for h in order] == sorted(first(h) for h in order)
     # after the step's output was sent: the detokenizer may already be at work on it
     assert first("engine_sample_after") <= first("engine_step_end")
-    assert last("engine_request_finished") <= last("engine_detokenize") <= last("engine_detokenize_output")
-    assert last("engine_detokenize_output") <= first("engine_request_done") <= first("engine_output")
+    assert (
+        last("engine_request_finished")
+        <= last("engine_detokenize")
+        <= last("engine_detokenize_output")
+    )
+    assert (
+        last("engine_detokenize_output") <= first("engine_request_done") <= first("engine_output")
+    )
     # documented arguments
     by = {h: [e for e in ev if e["hook"] == h] for h in seen}
     assert by["engine_tokenize_before"][0]["prompt"] == PROMPTS[0]
     assert by["engine_tokenize_after"][0]["n_ids"] == out["meta_info"]["prompt_tokens"]
     assert by["engine_request_admitted"][0]["rid"] == "probe-1"
     (arrived,) = by["engine_request_arrived"]
-    assert arrived["rid"] == "probe-1" and arrived["arrived_ns"] >= by["engine_request_submitted"][0]["tokenize_ns"][1]
+    assert (
+        arrived["rid"] == "probe-1"
+        and arrived["arrived_ns"] >= by["engine_request_submitted"][0]["tokenize_ns"][1]
+    )
     modes = [e["mode"] for e in by["engine_forward_before"]]
     assert modes == ["extend"] + ["decode"] * 3
-    assert all(e["logits_shape"] == [1, eng.server_info["vocab_size"]] for e in by["engine_forward_after"])
+    assert all(
+        e["logits_shape"] == [1, eng.server_info["vocab_size"]] for e in by["engine_forward_after"]
+    )
     assert [t for e in by["engine_sample_after"] for t in e["next_ids"]] == out["output_ids"]
     assert [t for e in by["engine_detokenize"] for t in e["token_ids"]] == out["output_ids"]
     assert "".join(t for e in by["engine_detokenize_after"] for t in e["texts"]) == out["text"]
     assert by["engine_request_finished"][0]["finish_reason"] == {"type": "length", "length": 4}
     (submitted,) = by["engine_request_submitted"]
-    assert submitted["rid"] == "probe-1" and submitted["max_new"] == 4 and submitted["trace_context"] == {}
+    assert (
+        submitted["rid"] == "probe-1"
+        and submitted["max_new"] == 4
+        and submitted["trace_context"] == {}
+    )
     assert 0 < submitted["tokenize_ns"][0] <= submitted["tokenize_ns"][1]
     (done,) = by["engine_request_done"]
     assert done["rid"] == "probe-1" and done["completion_tokens"] == 4 and done["error"] is None
@@ -106,7 +162,9 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     assert [e["tokens"] for e in steps] == [out["meta_info"]["prompt_tokens"], 1, 1, 1]
     for e in steps:  # wall-clock stage starts, in order
         assert e["times"] == sorted(e["times"]) and e["times"][0] > 0
-    assert steps[0]["first_token_ns"][0] >= steps[0]["times"][3]  # set while processing the prefill's results
+    assert (
+        steps[0]["first_token_ns"][0] >= steps[0]["times"][3]
+    )  # set while processing the prefill's results
     outputs = by["engine_detokenize_output"]
     assert "".join(t for e in outputs for t in e["texts"]) == out["text"]
     assert [f for e in outputs for f in e["finished"]] == [None] * 3 + ["length"]
@@ -122,15 +180,30 @@ def test_lifecycle_hooks_ran_in_all_three_processes(probe):
     ev = events(path)
     for hook in ("engine_process_start", "engine_process_ready", "engine_process_stop"):
         roles = {e["arg_role"]: e["pid"] for e in ev if e["hook"] == hook}
-        assert roles == {"user": pids["user"], "scheduler": pids["scheduler"], "detokenizer": pids["detokenizer"]}, (hook, roles)
+        assert roles == {
+            "user": pids["user"],
+            "scheduler": pids["scheduler"],
+            "detokenizer": pids["detokenizer"],
+        }, (hook, roles)
         # the user process ran them for the second engine although the first still serves: once per Engine
-        assert sorted(e["arg_role"] for e in ev if e["hook"] == hook) == ["detokenizer", "scheduler", "user"], hook
+        assert sorted(e["arg_role"] for e in ev if e["hook"] == hook) == [
+            "detokenizer",
+            "scheduler",
+            "user",
+        ], hook
     from engine.hooks.specs import EngineSpecs
 
-    rows = [line for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
-            if line.startswith("| lifecycle |")]  # fmt: skip
-    for hook, row in zip(("engine_process_start", "engine_process_ready", "engine_process_stop"), rows):
-        assert f"`{hook}`" in row and "once per Engine" in row, row  # the docs say what the code does
+    rows = [
+        line
+        for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
+        if line.startswith("| lifecycle |")
+    ]
+    for hook, row in zip(
+        ("engine_process_start", "engine_process_ready", "engine_process_stop"), rows
+    ):
+        assert f"`{hook}`" in row and "once per Engine" in row, (
+            row
+        )  # the docs say what the code does
         assert "once per Engine" in " ".join(getattr(EngineSpecs, hook).__doc__.split()), hook
 
 
@@ -157,7 +230,12 @@ def test_hold_back_hook_delays_a_request(probe):
 
 def test_logits_hook_changes_sampling(probe, tokenizer):
     eng, _ = probe
-    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logit_bias": {BANNED: 100.0}}
+    params = {
+        "max_new_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logit_bias": {BANNED: 100.0},
+    }
     free = eng.generate(PROMPTS[5], params, rid="free-logits")
     banned = eng.generate(PROMPTS[5], params, rid="ban-logits")
     assert free["output_ids"] == [BANNED] * 6  # the bias makes it the only choice...
@@ -171,14 +249,19 @@ def test_failing_hook_fails_only_its_requests(probe):
     outs = eng.generate([PROMPTS[0], PROMPTS[1]], params, rid=["boom-1", "fine-1"])
     after = eng.get_stats()  # the refused request's prompt was never admitted: it counts nowhere
     assert after["prompt_tokens"] - before["prompt_tokens"] == outs[1]["meta_info"]["prompt_tokens"]
-    assert after["prompt_cache_hit_tokens"] - before["prompt_cache_hit_tokens"] == outs[1]["meta_info"]["cached_tokens"]
+    assert (
+        after["prompt_cache_hit_tokens"] - before["prompt_cache_hit_tokens"]
+        == outs[1]["meta_info"]["cached_tokens"]
+    )
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
     message = outs[0]["meta_info"]["finish_reason"]["message"]
     assert PLUGIN in message and "engine_request_admitted" in message and "on purpose" in message
     assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
     with pytest.raises(HookError, match=f"{PLUGIN}.*engine_tokenize_before"):
         eng.generate("EXPLODE now", params)
-    assert eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"  # serves on
+    assert (
+        eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
+    )  # serves on
     stats = eng.get_stats()
     assert stats["running"] == 0 and stats["cache_lock_refs"] == 0
 
@@ -190,10 +273,15 @@ def test_plugin_provides_a_logit_processor(probe):
     base = eng.generate(prompt, params)["output_ids"]
     bigrams = lambda ids: [tuple(ids[i : i + 2]) for i in range(len(ids) - 1)]  # noqa: E731
     assert len(set(bigrams(base))) < len(bigrams(base))  # greedy repeats itself here
-    out = eng.generate(prompt, {**params, "custom_logit_processor": "no_repeat_ngram", "custom_params": {"n": 2}})
+    out = eng.generate(
+        prompt, {**params, "custom_logit_processor": "no_repeat_ngram", "custom_params": {"n": 2}}
+    )
     assert len(set(bigrams(out["output_ids"]))) == len(bigrams(out["output_ids"]))
     with pytest.raises(ValueError, match="custom_params"):
-        eng.generate(prompt, {**params, "custom_logit_processor": "no_repeat_ngram", "custom_params": {"n": 0}})
+        eng.generate(
+            prompt,
+            {**params, "custom_logit_processor": "no_repeat_ngram", "custom_params": {"n": 0}},
+        )
 
 
 def test_stagetimer_reports_every_process(probe):
@@ -203,7 +291,10 @@ def test_stagetimer_reports_every_process(probe):
     eng.generate(PROMPTS[1], {"max_new_tokens": 4})
     s = summary(eng.get_stats())
     assert set(s["per_process"]) == {"user", "scheduler", "detokenizer"}
-    assert s["per_process"]["scheduler"]["forward"] > 0 and s["per_process"]["detokenizer"]["detokenize"] > 0
+    assert (
+        s["per_process"]["scheduler"]["forward"] > 0
+        and s["per_process"]["detokenizer"]["detokenize"] > 0
+    )
     assert s["per_process"]["user"]["tokenize"] > 0
     assert s["total"]["forward"] == s["per_process"]["scheduler"]["forward"]
     # a beam search's steps have no sampled rows (no engine_sample_after): their sample stage, the
@@ -247,7 +338,11 @@ def test_bad_detokenize_result_and_failing_output_hook_fail_only_their_requests(
     params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     out = eng.generate(PROMPTS[0], params, rid="badtexts-1")
     reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "engine_detokenize" in reason["message"] and PLUGIN in reason["message"]
+    assert (
+        reason["type"] == "abort"
+        and "engine_detokenize" in reason["message"]
+        and PLUGIN in reason["message"]
+    )
     outs = eng.generate([PROMPTS[1], PROMPTS[2]], params, rid=["badoutput-1", "fine-2"])
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert "engine_output" in outs[0]["meta_info"]["finish_reason"]["message"]
@@ -259,7 +354,9 @@ def test_bad_detokenize_result_and_failing_output_hook_fail_only_their_requests(
 
 def test_engine_plugins_argument_overrides_the_variable(monkeypatch):
     monkeypatch.setenv("ENGINE_PLUGINS", "no_such_plugin")
-    with Engine(dtype="float32", max_total_tokens=512, plugins="") as eng:  # the children load nothing
+    with Engine(
+        dtype="float32", max_total_tokens=512, plugins=""
+    ) as eng:  # the children load nothing
         assert eng.generate(PROMPTS[0], {"max_new_tokens": 2})["output_ids"]
 
 
@@ -272,18 +369,34 @@ def test_hooks_and_processors_see_beam_rows(probe):
     eng, path = probe
     path.write_text("")
     k, n = 3, 5
-    params = dict(beam_width=k, max_new_tokens=n, num_return_sequences=k, ignore_eos=True, logit_bias={BANNED: 100.0})
+    params = dict(
+        beam_width=k,
+        max_new_tokens=n,
+        num_return_sequences=k,
+        ignore_eos=True,
+        logit_bias={BANNED: 100.0},
+    )
     free = eng.beam_search(PROMPTS[5], rid="free-beams", **params)
     banned = eng.beam_search(PROMPTS[5], rid="ban-beams", **params)
     assert BANNED in free["hypotheses"][0]["output_ids"]  # the bias makes it the best choice...
-    assert all(BANNED not in h["output_ids"] for h in banned["hypotheses"])  # ...unless the hook removes it
+    assert all(
+        BANNED not in h["output_ids"] for h in banned["hypotheses"]
+    )  # ...unless the hook removes it
     ev = events(path)
     rows = [e for e in ev if e["hook"] == "engine_process_logits" and "ban-beams" in e["rids"]]
-    assert rows[0]["beams"] == [0] and rows[0]["shape"][0] == 1  # the first selection: the prompt's row
+    assert (
+        rows[0]["beams"] == [0] and rows[0]["shape"][0] == 1
+    )  # the first selection: the prompt's row
     assert all(e["beams"] == list(range(k)) and e["reqs"] == ["ban-beams"] * k for e in rows[1:])
     steps = [e for e in ev if e["hook"] == "engine_beam_step" and e["rid"] == "ban-beams"]
-    assert [e["step"] for e in steps] == list(range(1, n + 1)) == list(range(1, banned["meta_info"]["steps"] + 1))
-    assert steps[0]["parents"] == [0] * k and all(len(e["tokens"]) == len(e["scores"]) == k for e in steps)
+    assert (
+        [e["step"] for e in steps]
+        == list(range(1, n + 1))
+        == list(range(1, banned["meta_info"]["steps"] + 1))
+    )
+    assert steps[0]["parents"] == [0] * k and all(
+        len(e["tokens"]) == len(e["scores"]) == k for e in steps
+    )
     # the trail of parents and tokens rebuilds the live beams; each hypothesis (all end at the last step:
     # no stop token) is a beam alive one step before, plus one token
     live = [[]] * k
@@ -300,11 +413,21 @@ def test_plugin_processor_on_beams_matches_transformers(probe, hf_model, tokeniz
     eng, _ = probe
     ids = tokenizer.encode("Repeat after me: one two one two one two one two")
     params = {"n": 2}
-    ours = eng.beam_search(input_ids=ids, beam_width=4, max_new_tokens=16, num_return_sequences=2,
-                           custom_logit_processor="no_repeat_ngram", custom_params=params)  # fmt: skip
+    ours = eng.beam_search(
+        input_ids=ids,
+        beam_width=4,
+        max_new_tokens=16,
+        num_return_sequences=2,
+        custom_logit_processor="no_repeat_ngram",
+        custom_params=params,
+    )
     adapter = ForTransformers("no_repeat_ngram", params, len(ids))
     adapter.proc = NoRepeatNGram()
-    _same(ours["hypotheses"], hf_beam_search(hf_model, ids, 4, 16, 2, processors=[adapter]), tokenizer.eos_token_id)
+    _same(
+        ours["hypotheses"],
+        hf_beam_search(hf_model, ids, 4, 16, 2, processors=[adapter]),
+        tokenizer.eos_token_id,
+    )
 
 
 def test_failing_processor_or_beam_hook_fails_only_its_search(probe):
@@ -312,23 +435,41 @@ def test_failing_processor_or_beam_hook_fails_only_its_search(probe):
     results = {}
 
     def beam(rid: str, **extra) -> None:
-        results[rid] = eng.beam_search(PROMPTS[7], rid=rid, beam_width=4, max_new_tokens=12, ignore_eos=True, **extra)
+        results[rid] = eng.beam_search(
+            PROMPTS[7], rid=rid, beam_width=4, max_new_tokens=12, ignore_eos=True, **extra
+        )
 
     def plain() -> None:
-        results["plain"] = eng.generate(PROMPTS[2], {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+        results["plain"] = eng.generate(
+            PROMPTS[2], {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        )
 
-    threads = [threading.Thread(target=beam, args=("explodes",), kwargs=dict(custom_logit_processor="explode_after",
-                                                                                custom_params={"after": 3})),
-               threading.Thread(target=beam, args=("boomstep-1",)), threading.Thread(target=beam, args=("fine-beams",)),
-               threading.Thread(target=plain)]  # fmt: skip
+    threads = [
+        threading.Thread(
+            target=beam,
+            args=("explodes",),
+            kwargs=dict(custom_logit_processor="explode_after", custom_params={"after": 3}),
+        ),
+        threading.Thread(target=beam, args=("boomstep-1",)),
+        threading.Thread(target=beam, args=("fine-beams",)),
+        threading.Thread(target=plain),
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     exploded = results["explodes"]["meta_info"]["finish_reason"]
-    assert exploded["type"] == "abort" and "explode_after" in exploded["message"] and "on purpose" in exploded["message"]
+    assert (
+        exploded["type"] == "abort"
+        and "explode_after" in exploded["message"]
+        and "on purpose" in exploded["message"]
+    )
     hooked = results["boomstep-1"]["meta_info"]["finish_reason"]
-    assert hooked["type"] == "abort" and "engine_beam_step" in hooked["message"] and PLUGIN in hooked["message"]
+    assert (
+        hooked["type"] == "abort"
+        and "engine_beam_step" in hooked["message"]
+        and PLUGIN in hooked["message"]
+    )
     assert results["fine-beams"]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(results["fine-beams"]["hypotheses"][0]["output_ids"]) == 12
     assert results["plain"]["meta_info"]["completion_tokens"] == 16
@@ -342,8 +483,11 @@ def test_a_grammar_refusing_a_plugins_token_fails_only_that_request(probe, token
     that request ends alone, saying so; its neighbour in the step is served."""
     eng, _ = probe
     assert tokenizer.decode([BANNED]) not in "0123456789"
-    outs = eng.generate(["Phone:", "Phone:"], [{"max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}] * 2,
-                        rid=["force-grammar", "fine-grammar"])  # fmt: skip
+    outs = eng.generate(
+        ["Phone:", "Phone:"],
+        [{"max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}] * 2,
+        rid=["force-grammar", "fine-grammar"],
+    )
     forced = outs[0]["meta_info"]["finish_reason"]
     assert forced["type"] == "abort" and "grammar" in forced["message"], forced
     assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop" and len(outs[1]["text"]) == 3
@@ -355,8 +499,16 @@ def test_a_processor_failing_on_one_row_fails_only_that_request(probe):
     """One batched call for every row that selected the processor; when it raises, each row is tried
     alone, so a neighbour using the same processor is served."""
     eng, _ = probe
-    params = [{"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "custom_logit_processor": "explode_after",
-               "custom_params": {"after": after}} for after in (2, 100)]  # fmt: skip
+    params = [
+        {
+            "max_new_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_logit_processor": "explode_after",
+            "custom_params": {"after": after},
+        }
+        for after in (2, 100)
+    ]
     outs = eng.generate([PROMPTS[0], PROMPTS[1]], params)
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert "on purpose" in outs[0]["meta_info"]["finish_reason"]["message"]
@@ -366,11 +518,21 @@ def test_a_processor_failing_on_one_row_fails_only_that_request(probe):
 def test_a_processor_raising_systemexit_fails_only_its_request(probe):
     """Before: SystemExit got past the sampler's and the step's `except Exception`, and the scheduler died."""
     eng, _ = probe
-    params = [{"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "custom_logit_processor": "explode_after",
-               "custom_params": {"after": after, "exit": True}} for after in (2, 100)]  # fmt: skip
+    params = [
+        {
+            "max_new_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_logit_processor": "explode_after",
+            "custom_params": {"after": after, "exit": True},
+        }
+        for after in (2, 100)
+    ]
     outs = eng.generate([PROMPTS[0], PROMPTS[1]], params)
     reason = outs[0]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "SystemExit: exited on purpose" in reason["message"], reason
+    assert reason["type"] == "abort" and "SystemExit: exited on purpose" in reason["message"], (
+        reason
+    )
     assert outs[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     after = eng.generate(PROMPTS[0], {"max_new_tokens": 2, "ignore_eos": True})
     assert eng.alive and after["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
@@ -379,7 +541,9 @@ def test_a_processor_raising_systemexit_fails_only_its_request(probe):
 def test_a_plugin_provides_the_grammar_backend(probe):
     eng, path = probe
     path.write_text("")
-    out = eng.generate("Year:", {"max_new_tokens": 8, "temperature": 0, "regex": " (19|20)[0-9]{2}"})
+    out = eng.generate(
+        "Year:", {"max_new_tokens": 8, "temperature": 0, "regex": " (19|20)[0-9]{2}"}
+    )
     assert re.fullmatch(" (19|20)[0-9]{2}", out["text"])
     compiles = [e for e in events(path) if e["hook"] == "grammar_compile"]
     assert compiles and compiles[-1]["kind"] == "regex" and compiles[-1]["role"] == "scheduler"
@@ -435,10 +599,15 @@ def test_a_hook_raising_systemexit_in_the_scheduler_fails_only_its_request(probe
     params = {"max_new_tokens": 3, "temperature": 0}
     outs = eng.generate([PROMPTS[0], PROMPTS[1]], params, rid=["exit-1", "fine-exit"])
     reason = outs[0]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "engine_request_admitted: SystemExit" in reason["message"], reason
+    assert (
+        reason["type"] == "abort" and "engine_request_admitted: SystemExit" in reason["message"]
+    ), reason
     assert PLUGIN in reason["message"] and "exits on purpose" in reason["message"]
     assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
-    assert eng.alive and eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
+    assert (
+        eng.alive
+        and eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
+    )
 
 
 def test_a_failing_arrival_hook_fails_only_its_request(probe):
@@ -446,7 +615,11 @@ def test_a_failing_arrival_hook_fails_only_its_request(probe):
     params = {"max_new_tokens": 3, "temperature": 0}
     outs = eng.generate([PROMPTS[0], PROMPTS[1]], params, rid=["noarrive-1", "fine-arrive"])
     reason = outs[0]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "engine_request_arrived" in reason["message"] and PLUGIN in reason["message"]
+    assert (
+        reason["type"] == "abort"
+        and "engine_request_arrived" in reason["message"]
+        and PLUGIN in reason["message"]
+    )
     assert outs[0]["meta_info"]["completion_tokens"] == 0
     assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
     stats = eng.get_stats()
@@ -461,7 +634,9 @@ def test_noop_implements_every_hook_and_does_nothing():
     from engine.plugins import noop
 
     spec_names = {name for name in vars(specs.EngineSpecs) if name.startswith("engine_")}
-    implemented = {name for name, fn in vars(noop).items() if getattr(fn, "engine_impl", None) is not None}
+    implemented = {
+        name for name, fn in vars(noop).items() if getattr(fn, "engine_impl", None) is not None
+    }
     assert implemented == spec_names, spec_names ^ implemented
     for name in spec_names:
         fn = getattr(noop, name)
@@ -491,14 +666,18 @@ def test_grammar_backend_hook_is_called_once_and_fatal_errors_reach_the_serving_
         futures = [grammars.request("regex", "[0-9]"), grammars.request("regex", "[a-z]")]
         wait(futures)
         for future in futures:  # both requests fail with the one error; the hook ran once
-            assert "'failingbackend' failed in hook engine_grammar_backend" in Grammars.problem(future, "regex")
+            assert "'failingbackend' failed in hook engine_grammar_backend" in Grammars.problem(
+                future, "regex"
+            )
         assert calls == [1024]
         grammars.close()
         monkeypatch.setenv("ENGINE_PLUGIN_ERRORS", "raise")
         grammars = Grammars("unused", 1024, [2])
         future = grammars.request("regex", "[0-9]")
         wait([future])
-        with pytest.raises(FatalHookError, match="no backend on purpose"):  # in the thread that asks: it stops
+        with pytest.raises(
+            FatalHookError, match="no backend on purpose"
+        ):  # in the thread that asks: it stops
             Grammars.problem(future, "regex")
     finally:
         grammars.close()
@@ -544,17 +723,36 @@ def test_forward_after_rows_and_rids_follow_the_documented_layout(probe):
     path.write_text("")
     k = 3
     eng.beam_search(PROMPTS[6], rid="layout-beams", beam_width=k, max_new_tokens=3, ignore_eos=True)
-    ev = [e for e in events(path) if e["hook"] == "engine_forward_after" and "layout-beams" in e["rids"]]
+    ev = [
+        e
+        for e in events(path)
+        if e["hook"] == "engine_forward_after" and "layout-beams" in e["rids"]
+    ]
     prefill, *decode = ev
-    assert prefill["rids"] == ["layout-beams"] and prefill["logits_shape"][0] == 1  # the search's first row
-    assert len(decode) == 2 and all(e["rids"] == ["layout-beams"] * k and e["logits_shape"][0] == k for e in decode)
-    out = eng.generate(PROMPTS[6], {"max_new_tokens": 1}, rid="layout-lp", return_logprob=True, logprob_start_len=0)
-    (row,) = [e for e in events(path) if e["hook"] == "engine_forward_after" and e["rids"] == ["layout-lp"]]
-    assert row["logits_shape"][0] == 1 + out["meta_info"]["prompt_tokens"] - 1  # its token's row, then the prompt's
+    assert (
+        prefill["rids"] == ["layout-beams"] and prefill["logits_shape"][0] == 1
+    )  # the search's first row
+    assert len(decode) == 2 and all(
+        e["rids"] == ["layout-beams"] * k and e["logits_shape"][0] == k for e in decode
+    )
+    out = eng.generate(
+        PROMPTS[6], {"max_new_tokens": 1}, rid="layout-lp", return_logprob=True, logprob_start_len=0
+    )
+    (row,) = [
+        e
+        for e in events(path)
+        if e["hook"] == "engine_forward_after" and e["rids"] == ["layout-lp"]
+    ]
+    assert (
+        row["logits_shape"][0] == 1 + out["meta_info"]["prompt_tokens"] - 1
+    )  # its token's row, then the prompt's
     doc = " ".join(EngineSpecs.engine_forward_after.__doc__.split())
     assert "beam" in doc and "once per live beam" in doc
-    table = next(line for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
-                 if line.startswith("| forward | `engine_forward_after`"))  # fmt: skip
+    table = next(
+        line
+        for line in (Path(__file__).parent.parent / "docs" / "plugins.md").read_text().splitlines()
+        if line.startswith("| forward | `engine_forward_after`")
+    )
     assert "beam" in table and "once per live beam" in table
 
 
@@ -586,7 +784,10 @@ def test_a_misspelt_hook_name_is_refused_naming_it(plugin_dir):
     )
     with pytest.raises(PluginLoadError, match="engine_forward_befor"):
         load_plugins("tp_typo.plugin")
-    assert "tp_typo.plugin" not in loaded_plugins() and plugin_manager().get_plugin("tp_typo.plugin") is None
+    assert (
+        "tp_typo.plugin" not in loaded_plugins()
+        and plugin_manager().get_plugin("tp_typo.plugin") is None
+    )
 
 
 def test_one_plugin_named_two_ways_loads_once(plugin_dir):
@@ -610,13 +811,19 @@ def test_one_plugin_named_two_ways_loads_once(plugin_dir):
     unload_plugins(["noop", "engine.plugins.noop"])
 
 
-@pytest.mark.parametrize("spec, source", [
-    ("tp_bad.broken", "raise RuntimeError('broken at import')\n"),
-    ("tp_bad.syntax", "def (\n"),
-    ("tp_bad.ctor:P", "class P:\n    def __init__(self):\n        raise RuntimeError('no instance')\n"),
-    (":obj", None),
-    (".relative", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, source",
+    [
+        ("tp_bad.broken", "raise RuntimeError('broken at import')\n"),
+        ("tp_bad.syntax", "def (\n"),
+        (
+            "tp_bad.ctor:P",
+            "class P:\n    def __init__(self):\n        raise RuntimeError('no instance')\n",
+        ),
+        (":obj", None),
+        (".relative", None),
+    ],
+)
 def test_a_plugin_that_fails_to_load_is_named_in_the_error(plugin_dir, spec, source):
     """A dotted plugin whose import or construction raised escaped as the bare exception (or, in a
     child's first pass, was taken for one not installed yet): `ENGINE_PLUGINS` and the plugin went

@@ -100,13 +100,20 @@ def run(tmp_path, env_extra: dict, script: str = SCRIPT) -> subprocess.Completed
     (tmp_path / "script.py").write_text(script)
     env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "PYTHONPATH")}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_plugin_is_active_in_all_three_processes_and_skipdetok_skips(tmp_path):
@@ -116,12 +123,22 @@ def test_plugin_is_active_in_all_three_processes_and_skipdetok_skips(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "myplugin.py").write_text(PLUGIN)
-    out = result(run(tmp_path, {"ENGINE_PLUGINS": "stagetimer,myplugin_pkg.myplugin,skipdetok"}, WRAPPER_SCRIPT))
+    out = result(
+        run(
+            tmp_path,
+            {"ENGINE_PLUGINS": "stagetimer,myplugin_pkg.myplugin,skipdetok"},
+            WRAPPER_SCRIPT,
+        )
+    )
     lines = [l.split() for l in (pkg / "active.log").read_text().splitlines()]
     pids = out["pids"]
-    assert sorted(lines) == sorted([["user", str(pids["user"]), "user"],
-                                    ["scheduler", str(pids["scheduler"]), "scheduler"],
-                                    ["detokenizer", str(pids["detokenizer"]), "detokenizer"]])  # fmt: skip
+    assert sorted(lines) == sorted(
+        [
+            ["user", str(pids["user"]), "user"],
+            ["scheduler", str(pids["scheduler"]), "scheduler"],
+            ["detokenizer", str(pids["detokenizer"]), "detokenizer"],
+        ]
+    )
     assert out["text"] == "" and len(out["ids"]) == 6  # skipdetok: ids, no text
     timed = out["stats"]["detokenizer"]["stagetimer"]
     assert timed["calls"].get("detokenize", 0) >= 6 and timed["seconds"]["detokenize"] > 0, timed
@@ -147,7 +164,9 @@ def test_users_own_sitecustomize_runs_alongside_ours_and_alone(tmp_path):
     proc = run(tmp_path, {"PYTHONPATH": str(user_dir), "ENGINE_PLUGINS": "stagetimer"})
     both = result(proc)
     assert both["text"] == plain["text"].upper()  # our sitecustomize chained to the user's
-    assert "stagetimer: seconds per stage" in proc.stderr and "total" in proc.stderr  # its shutdown report
+    assert (
+        "stagetimer: seconds per stage" in proc.stderr and "total" in proc.stderr
+    )  # its shutdown report
     ran_in = {int(p) for p in log.read_text().split()}
     assert {both["pids"]["user"], both["pids"]["scheduler"], both["pids"]["detokenizer"]} <= ran_in
 
@@ -162,15 +181,26 @@ def test_wrappers_run_in_all_three_processes_and_plugins_load_only_there(tmp_pat
     module = write_example(site, "wrapclock")
     (site / "myplugins" / "probe.py").write_text(PROBE)
     log = tmp_path / "probe.log"
-    proc = run(tmp_path, {"ENGINE_PLUGINS": f"{module},myplugins.probe,skipdetok", "PYTHONPATH": str(site),
-                          "PROBE_LOG": str(log)}, WRAPPER_SCRIPT)  # fmt: skip
+    proc = run(
+        tmp_path,
+        {
+            "ENGINE_PLUGINS": f"{module},myplugins.probe,skipdetok",
+            "PYTHONPATH": str(site),
+            "PROBE_LOG": str(log),
+        },
+        WRAPPER_SCRIPT,
+    )
     out = result(proc)
     pids = out["pids"]
     role_of = {pids[r]: r for r in ("user", "scheduler", "detokenizer")}
     lines = [line.split() for line in log.read_text().splitlines()]
     # only the engine's three processes (before the fix: multiprocessing's resource tracker too)
     assert {int(pid) for _, pid, _ in lines} == set(role_of), lines
-    for what, pid, role in lines:  # the true role, from the plugin's import on (before: "user" in the children)
+    for (
+        what,
+        pid,
+        role,
+    ) in lines:  # the true role, from the plugin's import on (before: "user" in the children)
         assert role == role_of[int(pid)], (what, pid, role)
     assert sorted(what for what, _, _ in lines) == ["import"] * 3 + ["logit_processors"] * 3
     # the wrappers ran: the detokenizer's rewrote skipdetok's empty texts, the user's marked the result

@@ -35,7 +35,9 @@ def workload(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(hf_model, engine, workload) -> list[list[int]]:
     """transformers' greedy tokens, checked in one pass each against the session engine's (conftest)."""
-    candidates = [o["output_ids"] for o in engine.generate(input_ids=workload, sampling_params=PARAMS)]
+    candidates = [
+        o["output_ids"] for o in engine.generate(input_ids=workload, sampling_params=PARAMS)
+    ]
     engine.flush_cache()
     return [hf_greedy_checked(hf_model, ids, c, NEW_TOKENS) for ids, c in zip(workload, candidates)]
 
@@ -56,7 +58,9 @@ def run_workload(eng: Engine, prompts: list[list[int]]) -> tuple[list[dict], dic
     return outs, before, after
 
 
-def check_complete_once(outs: list[dict], before: dict, after: dict, n: int, searches: list[dict] = ()) -> None:
+def check_complete_once(
+    outs: list[dict], before: dict, after: dict, n: int, searches: list[dict] = ()
+) -> None:
     """Every request (and beam search: one finish, K tokens per step) finished exactly once."""
     assert len(outs) == n and len({o["meta_info"]["id"] for o in outs}) == n
     for o in outs:
@@ -65,16 +69,24 @@ def check_complete_once(outs: list[dict], before: dict, after: dict, n: int, sea
     assert after["finished_requests"] - before["finished_requests"] == n + len(searches)
     assert after["aborted_requests"] == before["aborted_requests"]
     beam_tokens = sum(s["meta_info"]["beam_width"] * s["meta_info"]["steps"] for s in searches)
-    assert after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS + beam_tokens  # nothing twice
+    assert (
+        after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS + beam_tokens
+    )  # nothing twice
     assert engine_idle(after)
 
 
 def test_cache_off_and_chunking_off_match_transformers(workload, expected):
-    with Engine(dtype="float32", max_total_tokens=16384, enable_prefix_cache=False, chunked_prefill_size=0) as eng:
+    with Engine(
+        dtype="float32", max_total_tokens=16384, enable_prefix_cache=False, chunked_prefill_size=0
+    ) as eng:
         outs, before, after = run_workload(eng, workload)
     assert [o["output_ids"] for o in outs] == expected
     check_complete_once(outs, before, after, len(workload))
-    assert after["cache_enabled"] is False and after["cache_hit_tokens"] == 0 and after["cache_tokens"] == 0
+    assert (
+        after["cache_enabled"] is False
+        and after["cache_hit_tokens"] == 0
+        and after["cache_tokens"] == 0
+    )
     assert after["free_tokens"] == after["max_total_tokens"]
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
 
@@ -86,7 +98,9 @@ def test_cache_on_matches_and_reuses_prefixes(engine, workload, expected):
     check_complete_once(outs, before, after, len(workload))
     system_len = len(engine.tokenizer.encode(SYSTEM)) - 1
     hits = [o["meta_info"]["cached_tokens"] for o in outs]
-    assert sum(h >= system_len for h in hits) >= len(workload) - 1, hits  # all but the first share the system prompt
+    assert sum(h >= system_len for h in hits) >= len(workload) - 1, (
+        hits
+    )  # all but the first share the system prompt
     assert after["cache_hit_tokens"] - before["cache_hit_tokens"] == sum(hits)
     assert after["cache_tokens"] > 0
 
@@ -103,7 +117,9 @@ def test_cache_on_matches_and_reuses_prefixes(engine, workload, expected):
 
 
 def test_chunked_prefill_matches(workload, expected):
-    with Engine(dtype="float32", max_total_tokens=16384, enable_prefix_cache=False, chunked_prefill_size=24) as eng:
+    with Engine(
+        dtype="float32", max_total_tokens=16384, enable_prefix_cache=False, chunked_prefill_size=24
+    ) as eng:
         outs, before, after = run_workload(eng, workload)
     assert [o["output_ids"] for o in outs] == expected
     check_complete_once(outs, before, after, len(workload))
@@ -115,8 +131,10 @@ def test_small_pool_evicts_and_retracts_and_matches(workload, expected, engine):
     # beam searches in the middle of it (issue 15): admitted with their whole KV need, never short
     beam_prompts = [workload[1][:48], workload[5][:40]]
     beam_args = dict(beam_width=3, max_new_tokens=10, num_return_sequences=2)
-    beam_expected = [[h["output_ids"] for h in engine.beam_search(input_ids=p, **beam_args)["hypotheses"]]
-                     for p in beam_prompts]  # fmt: skip
+    beam_expected = [
+        [h["output_ids"] for h in engine.beam_search(input_ids=p, **beam_args)["hypotheses"]]
+        for p in beam_prompts
+    ]
     beams: dict = {}
     # room for about two requests; a low initial estimate of new tokens makes admission take more,
     # so decode runs out of room and must evict cache and retract requests. Chunks of 32 tokens: the
@@ -124,9 +142,12 @@ def test_small_pool_evicts_and_retracts_and_matches(workload, expected, engine):
     # retracted requests were, and whether any was depended on when the beam searches arrived (a
     # clean-clone CI run on a loaded machine saw none).
     with Engine(
-        dtype="float32", max_total_tokens=2 * longest + 20, max_running_requests=8,
-        chunked_prefill_size=32, init_new_token_ratio=0.05,
-    ) as eng:  # fmt: skip
+        dtype="float32",
+        max_total_tokens=2 * longest + 20,
+        max_running_requests=8,
+        chunked_prefill_size=32,
+        init_new_token_ratio=0.05,
+    ) as eng:
         import threading
 
         def search() -> None:
@@ -158,14 +179,18 @@ def test_concurrent_requests_share_a_long_prefix(engine):
     engine.flush_cache()
     shared = engine.tokenizer.encode(SYSTEM * 4)
     a, b = shared + [1000, 1001], shared + [2000, 2001, 2002]
-    outs = engine.generate(input_ids=[a, b], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    outs = engine.generate(
+        input_ids=[a, b], sampling_params={"max_new_tokens": 4, "temperature": 0}
+    )
     assert outs[0]["meta_info"]["cached_tokens"] == 0
     assert outs[1]["meta_info"]["cached_tokens"] >= len(shared)
     assert engine_idle(engine.get_stats())
 
 
 def test_fcfs_policy_matches(workload, expected):
-    with Engine(dtype="float32", max_total_tokens=16384, schedule_policy="fcfs", chunked_prefill_size=0) as eng:
+    with Engine(
+        dtype="float32", max_total_tokens=16384, schedule_policy="fcfs", chunked_prefill_size=0
+    ) as eng:
         outs, before, after = run_workload(eng, workload[:4])
     assert [o["output_ids"] for o in outs] == expected[:4]
     check_complete_once(outs, before, after, 4)

@@ -14,7 +14,9 @@ from engine.hooks.loader import unload_plugins
 from engine.hooks.runtime import plugin_manager, refresh, register
 
 
-def test_two_engines_started_from_two_threads_leave_the_environment_clean(tiny_llama_dir, monkeypatch):
+def test_two_engines_started_from_two_threads_leave_the_environment_clean(
+    tiny_llama_dir, monkeypatch
+):
     from engine import Engine
 
     monkeypatch.setenv("PYTHONPATH", "/some/user/path")
@@ -26,7 +28,14 @@ def test_two_engines_started_from_two_threads_leave_the_environment_clean(tiny_l
         def start() -> None:
             try:
                 barrier.wait()
-                engines.append(Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, plugins="noop"))
+                engines.append(
+                    Engine(
+                        model_path=tiny_llama_dir,
+                        dtype="float32",
+                        max_total_tokens=1024,
+                        plugins="noop",
+                    )
+                )
             except BaseException as exc:  # noqa: BLE001 - reported below
                 failures.append(exc)
 
@@ -37,8 +46,12 @@ def test_two_engines_started_from_two_threads_leave_the_environment_clean(tiny_l
             t.join(300)
         try:
             assert not failures, failures
-            assert len(engines) == 2 and not any(t.is_alive() for t in threads)  # neither start hung
-            assert dict(os.environ) == before  # before the lock: PYTHONPATH kept a sitecustomize entry
+            assert len(engines) == 2 and not any(
+                t.is_alive() for t in threads
+            )  # neither start hung
+            assert (
+                dict(os.environ) == before
+            )  # before the lock: PYTHONPATH kept a sitecustomize entry
             for eng in engines:
                 out = eng.generate("Hello", {"max_new_tokens": 2, "temperature": 0})
                 assert out["meta_info"]["completion_tokens"] == 2

@@ -14,20 +14,34 @@ import test_plugins
 import test_request_api
 from conftest import PROMPTS
 from engine import Engine
-from engine.bench.quality import greedy_agreement, held_out_windows, parity_inputs, prompt_perplexity
+from engine.bench.quality import (
+    greedy_agreement,
+    held_out_windows,
+    parity_inputs,
+    prompt_perplexity,
+)
 from engine.hooks.loader import unload_plugins
 from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, panels, quantize_rows, rows_of
 from engine.kernels.cpu import load_native
 
-needs_kernel = pytest.mark.skipif(load_native() is None, reason="no C compiler: the int8 kernel cannot be built")
+needs_kernel = pytest.mark.skipif(
+    load_native() is None, reason="no C compiler: the int8 kernel cannot be built"
+)
 
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 300])
-@pytest.mark.parametrize("out_features,in_features,bias", [
-    (960, 576, False), (48, 41, True), (32, 1600, False),  # in panels: 1,600 in blocks of K
-    (45, 40, True), (8, 1536, True), (44, 41, True),  # row-major; 41: the scalar path
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "out_features,in_features,bias",
+    [
+        (960, 576, False),
+        (48, 41, True),
+        (32, 1600, False),  # in panels: 1,600 in blocks of K
+        (45, 40, True),
+        (8, 1536, True),
+        (44, 41, True),  # row-major; 41: the scalar path
+    ],
+)
 def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     """Stated tolerances: against its own dequantized weight the layer is exact to float32 rounding
     (1e-4 relative to the output's scale); against the float32 layer the error stays within the
@@ -48,11 +62,17 @@ def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     assert (got - own).abs().max() <= 1e-4 * own.abs().max() + 1e-5
     bound = x.abs() @ (layer.scale / 2).expand(in_features, -1)
     assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
-    assert layer(x.reshape(1, rows, in_features)).shape == (1, rows, out_features)  # any leading shape
+    assert layer(x.reshape(1, rows, in_features)).shape == (
+        1,
+        rows,
+        out_features,
+    )  # any leading shape
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (80, 200, False), (48, 1600, True)])
+@pytest.mark.parametrize(
+    "out_features,in_features,bias", [(960, 576, False), (80, 200, False), (48, 1600, True)]
+)
 def test_an_int8_row_is_bitwise_the_same_alone_or_in_any_batch(out_features, in_features, bias):
     """Weights in panels: every row count (one and two rows over several panels at once, tiles converting in
     registers, the buffered many-row path, blocks of K) and thread count (1-3: threads with 1 to 60 panels)
@@ -61,7 +81,9 @@ def test_an_int8_row_is_bitwise_the_same_alone_or_in_any_batch(out_features, in_
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.05)
-    layers = [Int8Linear(linear.weight, linear.bias, load_native(), threads) for threads in (1, 2, 3)]
+    layers = [
+        Int8Linear(linear.weight, linear.bias, load_native(), threads) for threads in (1, 2, 3)
+    ]
     assert layers[0].in_panels and layers[0].qweight.shape == (out_features // 16, in_features, 16)
     assert layers[0].direct_max_rows > 100  # every row count below goes to the panel kernel
     x = torch.randn(100, in_features, generator=gen)
@@ -73,8 +95,20 @@ def test_an_int8_row_is_bitwise_the_same_alone_or_in_any_batch(out_features, in_
     layer = layers[1]
     untouched = torch.full((2, out_features), 7.0)  # no rows: nothing written
     bias_ptr = None if linear.bias is None else layer.bias.data_ptr()
-    assert load_native().int8_panel_linear(x.data_ptr(), layer.qweight.data_ptr(), layer.scale.data_ptr(), bias_ptr,
-                                           untouched.data_ptr(), 0, out_features, in_features, 2) == 0  # fmt: skip
+    assert (
+        load_native().int8_panel_linear(
+            x.data_ptr(),
+            layer.qweight.data_ptr(),
+            layer.scale.data_ptr(),
+            bias_ptr,
+            untouched.data_ptr(),
+            0,
+            out_features,
+            in_features,
+            2,
+        )
+        == 0
+    )
     assert (untouched == 7.0).all()
 
 
@@ -88,7 +122,9 @@ def test_without_avx2_the_panel_kernel_is_kept_to_few_rows():
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 64, generator=gen) * 0.05
-    layer = Int8Linear(weight, None, ScalarBuild(load_native(), "int8_panel_vectorized"), torch.get_num_threads())
+    layer = Int8Linear(
+        weight, None, ScalarBuild(load_native(), "int8_panel_vectorized"), torch.get_num_threads()
+    )
     assert layer.in_panels and layer.direct_max_rows == DIRECT_MAX_ROWS
     x = torch.randn(DIRECT_MAX_ROWS + 20, 64, generator=gen)
     with torch.inference_mode():
@@ -126,7 +162,9 @@ def test_int8_panels_hold_the_row_major_weights():
 def test_a_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch, bias):
     import engine.quantization.linear as linear
 
-    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 40 * 7)  # tiles of 7 output rows, the last one short
+    monkeypatch.setattr(
+        linear, "SCRATCH_MAX_ELEMENTS", 40 * 7
+    )  # tiles of 7 output rows, the last one short
     linear = torch.nn.Linear(40, 45, bias=bias)
     layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
     x = torch.randn(DIRECT_MAX_ROWS + 30, 40)
@@ -157,8 +195,12 @@ def int8_engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("probe-int8") / "events.jsonl"
     os.environ["ENGINE_TEST_PROBE"] = str(path)
     # chunks of 512: the request-API check of a chunked prompt then prefills 964 tokens, not 2,500
-    eng = Engine(quantization="int8", max_total_tokens=8192, chunked_prefill_size=512,
-                 plugins=test_plugins.PLUGIN + ",no_repeat_ngram")  # fmt: skip
+    eng = Engine(
+        quantization="int8",
+        max_total_tokens=8192,
+        chunked_prefill_size=512,
+        plugins=test_plugins.PLUGIN + ",no_repeat_ngram",
+    )
     try:
         yield eng, path
     finally:
@@ -174,27 +216,46 @@ def test_int8_engine_reports_its_mode(int8_engine):
 
 
 @needs_kernel
-@pytest.mark.parametrize("check", [
-    "test_seeded_request_is_reproducible_in_any_batch", "test_stop_strings_spanning_tokens",
-    "test_min_new_tokens_suppresses_eos", "test_n_samples_share_one_prefill", "test_streaming_equals_non_streaming",
-    "test_async_generate_and_async_stream", "test_abort_frees_memory", "test_custom_processor_bans_tokens",
-    "test_force_token_after", "test_logit_bias_forces_a_token", "test_prompt_logprobs_from_a_start_position_bypass_the_cache",
-    "test_n_samples_of_a_chunked_prompt_share_its_prefill",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "check",
+    [
+        "test_seeded_request_is_reproducible_in_any_batch",
+        "test_stop_strings_spanning_tokens",
+        "test_min_new_tokens_suppresses_eos",
+        "test_n_samples_share_one_prefill",
+        "test_streaming_equals_non_streaming",
+        "test_async_generate_and_async_stream",
+        "test_abort_frees_memory",
+        "test_custom_processor_bans_tokens",
+        "test_force_token_after",
+        "test_logit_bias_forces_a_token",
+        "test_prompt_logprobs_from_a_start_position_bypass_the_cache",
+        "test_n_samples_of_a_chunked_prompt_share_its_prefill",
+    ],
+)
 def test_request_api_on_int8(int8_engine, tokenizer, check):
     fn = getattr(test_request_api, check)
     eng, _ = int8_engine
-    fn(eng, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(eng)
+    fn(eng, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(
+        eng
+    )
 
 
 @needs_kernel
-@pytest.mark.parametrize("check", [
-    "test_rewrite_prompt_hook_changes_the_output", "test_logits_hook_changes_sampling",
-    "test_failing_hook_fails_only_its_requests", "test_plugin_provides_a_logit_processor",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "check",
+    [
+        "test_rewrite_prompt_hook_changes_the_output",
+        "test_logits_hook_changes_sampling",
+        "test_failing_hook_fails_only_its_requests",
+        "test_plugin_provides_a_logit_processor",
+    ],
+)
 def test_plugins_on_int8(int8_engine, tokenizer, check):
     fn = getattr(test_plugins, check)
-    fn(int8_engine, tokenizer) if "tokenizer" in fn.__code__.co_varnames[: fn.__code__.co_argcount] else fn(int8_engine)
+    fn(int8_engine, tokenizer) if "tokenizer" in fn.__code__.co_varnames[
+        : fn.__code__.co_argcount
+    ] else fn(int8_engine)
 
 
 @needs_kernel
@@ -207,7 +268,9 @@ def test_int8_prefix_cache_reuses_and_matches(int8_engine, tokenizer):
     warm = eng.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
     assert all(o["meta_info"]["cached_tokens"] >= len(shared) - 1 for o in warm)
-    assert cold[1]["meta_info"]["cached_tokens"] >= len(shared) - 1  # the second cold request reused the first's
+    assert (
+        cold[1]["meta_info"]["cached_tokens"] >= len(shared) - 1
+    )  # the second cold request reused the first's
 
 
 @needs_kernel
@@ -252,12 +315,15 @@ def test_int8_weights_come_back_from_the_cache(tmp_path, monkeypatch, model_dir)
     assert path.stat().st_size > 100
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"quantization": "int4"}, "quantization must be one of"),
-    ({"quantization": None}, "quantization must be one of"),
-    ({"quantization": "int8", "dtype": "bfloat16"}, "computes in float32"),
-    ({"quantization": "int8", "device": "cuda"}, "CPU only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"quantization": "int4"}, "quantization must be one of"),
+        ({"quantization": None}, "quantization must be one of"),
+        ({"quantization": "int8", "dtype": "bfloat16"}, "computes in float32"),
+        ({"quantization": "int8", "device": "cuda"}, "CPU only"),
+    ],
+)
 def test_bad_quantization_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(**kwargs)

@@ -40,7 +40,11 @@ def test_match_mid_edge_splits_the_node():
     cache.insert([1, 2, 3, 4, 5], idx(11, 12, 13, 14, 15))
     indices, node = cache.match_prefix([1, 2, 3, 9])
     assert indices.tolist() == [11, 12, 13]
-    assert node.key == [1, 2, 3] and node.value.tolist() == [11, 12, 13]  # the node ends where the match does
+    assert node.key == [1, 2, 3] and node.value.tolist() == [
+        11,
+        12,
+        13,
+    ]  # the node ends where the match does
     (child,) = node.children.values()
     assert child.key == [4, 5] and child.value.tolist() == [14, 15] and child.parent is node
     assert cache.total_size == 5  # splitting moves tokens, it does not add any
@@ -71,7 +75,9 @@ def test_lock_protects_a_path_from_eviction():
     cache.insert([1, 2, 4, 5], idx(1, 2, 40, 50))
     _, node = cache.match_prefix([1, 2, 3])
     cache.inc_lock_ref(node)
-    assert cache.protected_size == 3 and cache.evictable_size == 2  # [1, 2] and [3] locked; [4, 5] not
+    assert (
+        cache.protected_size == 3 and cache.evictable_size == 2
+    )  # [1, 2] and [3] locked; [4, 5] not
     assert cache.evict(100) == 2
     assert sorted(free.freed) == [40, 50]
     assert cache.match_prefix([1, 2, 3])[0].tolist() == [1, 2, 3]
@@ -172,7 +178,9 @@ def test_eviction_takes_the_least_recently_used_leaf_without_walking_the_tree(mo
             leaves = [n for n in real_leaves() if n.lock_ref == 0]
             oldest = min(n.last_access for n in leaves)
             cache.evict(1)
-            gone = [n for n in leaves if n.parent is None or n.parent.children.get(n.key[0]) is not n]
+            gone = [
+                n for n in leaves if n.parent is None or n.parent.children.get(n.key[0]) is not n
+            ]
             assert len(gone) == 1 and gone[0].last_access == oldest, op
     assert walks == [], "an eviction walked the tree"
     for node in locked:
@@ -214,7 +222,9 @@ def test_evictions_free_what_they_are_asked_while_the_heap_is_rebuilt_often(monk
                 free(torch.arange(nxt, nxt + already))
                 nxt += len(key)
             elif r < 0.65:
-                _, node = cache.match_prefix([rnd.randrange(3) for _ in range(rnd.randrange(1, 10))])
+                _, node = cache.match_prefix(
+                    [rnd.randrange(3) for _ in range(rnd.randrange(1, 10))]
+                )
                 if node is not cache.root:
                     cache.inc_lock_ref(node)
                     locked.append(node)

@@ -20,8 +20,10 @@ LONG = {"max_new_tokens": 80, "ignore_eos": True, "temperature": 0}
 
 def test_head_dim_40_serves_with_the_default_backend(tiny_engine):
     """Item 1: the native extend kernel refused head_dim % 16 != 0 with code 1 in every prefill."""
-    outs = tiny_engine.generate(input_ids=[[1, 2, 3, 4], [1] + list(range(100, 160))],
-                                sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})  # fmt: skip
+    outs = tiny_engine.generate(
+        input_ids=[[1, 2, 3, 4], [1] + list(range(100, 160))],
+        sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )
     assert [o["meta_info"]["finish_reason"] for o in outs] == [{"type": "length", "length": 6}] * 2
 
 
@@ -32,9 +34,19 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     queued: list[list[str]] = []
     sent: list[list[str]] = []
     abort_soon, send_abort = tm.abort_soon, tm._send_abort
-    monkeypatch.setattr(tm, "abort_soon", lambda states, *a: (queued.append([s.rid for s in states]), abort_soon(states, *a)))
-    monkeypatch.setattr(tm, "_send_abort", lambda live, *a: (sent.append([s.rid for s in live]), send_abort(live, *a)))
-    stream = tiny_engine.generate(input_ids=[1, 5, 6], sampling_params=LONG, rid="gc-dropped", stream=True)
+    monkeypatch.setattr(
+        tm,
+        "abort_soon",
+        lambda states, *a: (queued.append([s.rid for s in states]), abort_soon(states, *a)),
+    )
+    monkeypatch.setattr(
+        tm,
+        "_send_abort",
+        lambda live, *a: (sent.append([s.rid for s in live]), send_abort(live, *a)),
+    )
+    stream = tiny_engine.generate(
+        input_ids=[1, 5, 6], sampling_params=LONG, rid="gc-dropped", stream=True
+    )
     state = tm.states["gc-dropped"]
     cycle: dict = {"stream": stream}
     cycle["self"] = cycle  # only the cycle collector can free it now
@@ -50,7 +62,9 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     try:
         worker = threading.Thread(target=collect_under_lock, daemon=True)
         worker.start()
-        assert finished.wait(10), "deadlock: the finalizer took states_lock in the thread that holds it"
+        assert finished.wait(10), (
+            "deadlock: the finalizer took states_lock in the thread that holds it"
+        )
     finally:
         gc.enable()
     assert queued == [["gc-dropped"]]  # the finalizer queued the abort instead of taking the lock
@@ -60,9 +74,12 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
         time.sleep(0.01)
     assert not tm._deferred  # and the receiver thread sent it, unless the request was done by then:
     # a collection of a large heap can outlast the 80 tokens
-    assert (sent == [["gc-dropped"]] and state.finish_reason.type == "abort") or state.finish_reason.length == 80, (
-        sent, state.finish_reason)  # fmt: skip
-    assert tiny_engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["output_ids"]
+    assert (
+        sent == [["gc-dropped"]] and state.finish_reason.type == "abort"
+    ) or state.finish_reason.length == 80, (sent, state.finish_reason)
+    assert tiny_engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})[
+        "output_ids"
+    ]
 
 
 @pytest.fixture
@@ -79,7 +96,9 @@ def test_old_abort_does_not_stop_a_new_request_reusing_the_rid(run):
     run.submit(TokenizedRequest("x", [1, 2, 3], params, seq=2))
     run.requests.send(run.codec.encode(AbortRequest(["x"], STOP_STRING_MATCHED, [1])))
     assert run.sched.recv_sock.poll(5000)
-    assert [(rid, f.type) for rid, f in run.finish_all()] == [("x", "length")]  # the new one ran to its length
+    assert [(rid, f.type) for rid, f in run.finish_all()] == [
+        ("x", "length")
+    ]  # the new one ran to its length
 
 
 def test_a_reused_rid_supersedes_the_request_still_running_under_it(run):
@@ -88,7 +107,9 @@ def test_a_reused_rid_supersedes_the_request_still_running_under_it(run):
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     run.submit(TokenizedRequest("y", [1, 2, 3], params, seq=7))
     assert run.sched.run_once(block=False) and run.sched.run_once(block=False)
-    run.submit(TokenizedRequest("y", [4, 5, 6], msgspec.structs.replace(params, max_new_tokens=3), seq=8))
+    run.submit(
+        TokenizedRequest("y", [4, 5, 6], msgspec.structs.replace(params, max_new_tokens=3), seq=8)
+    )
     run.requests.send(run.codec.encode(AbortRequest(["y"], STOP_STRING_MATCHED, [7])))
     assert run.sched.recv_sock.poll(5000)
     finishes = run.finish_all()
@@ -109,8 +130,12 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     returns or raises EngineDeadError; nothing else escapes, and the process survives."""
     from engine import Engine
 
-    eng = Engine(model_path=tiny_engine.model_dir, dtype="float32", max_total_tokens=2048, context_length=96)
-    asyncio.run(eng.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1}))  # a submit worker starts
+    eng = Engine(
+        model_path=tiny_engine.model_dir, dtype="float32", max_total_tokens=2048, context_length=96
+    )
+    asyncio.run(
+        eng.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
+    )  # a submit worker starts
     from engine.streaming import _submitters
 
     workers = list(_submitters[eng._resources.tokenizer_manager]._threads)
@@ -120,11 +145,17 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     start = threading.Barrier(5)
 
     def hammer(i: int) -> None:
-        tm = eng._resources.tokenizer_manager  # straight to submit: a thread is nearly always sending
+        tm = (
+            eng._resources.tokenizer_manager
+        )  # straight to submit: a thread is nearly always sending
         start.wait()
         for j in range(1_000_000):
             try:
-                tm.submit(input_ids=[1, 2 + i, 3 + j % 50], sampling_params={"max_new_tokens": 1}, rid=f"h{i}-{j}")
+                tm.submit(
+                    input_ids=[1, 2 + i, 3 + j % 50],
+                    sampling_params={"max_new_tokens": 1},
+                    rid=f"h{i}-{j}",
+                )
                 tm.abort([f"h{i}-{j}"])
                 counts["ok"] += 1
             except EngineDeadError:
@@ -139,7 +170,9 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
         t.start()
     start.wait()
     deadline = time.monotonic() + 30
-    while counts["ok"] == 0 and not errors and time.monotonic() < deadline:  # some submit-and-abort went through
+    while (
+        counts["ok"] == 0 and not errors and time.monotonic() < deadline
+    ):  # some submit-and-abort went through
         time.sleep(0.01)
     time.sleep(0.1)
     eng.shutdown()
@@ -148,7 +181,9 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     assert not any(t.is_alive() for t in threads), "a caller hung across shutdown"
     assert errors == [], errors
     assert counts["ok"] > 0 and counts["dead"] == 4
-    deadline = time.monotonic() + 10  # the async submit workers end with the engine, not at garbage collection
+    deadline = (
+        time.monotonic() + 10
+    )  # the async submit workers end with the engine, not at garbage collection
     while any(t.is_alive() for t in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [t.name for t in workers if t.is_alive()]

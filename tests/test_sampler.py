@@ -16,10 +16,17 @@ from engine.sampling_params import SamplingParams
 V = 64
 
 
-def tensors(params: list[SamplingParams], prompts=None, outputs=None, logprob=None) -> SamplingTensors:
+def tensors(
+    params: list[SamplingParams], prompts=None, outputs=None, logprob=None
+) -> SamplingTensors:
     n = len(params)
     return SamplingTensors.build(
-        params, V, "cpu", prompts or [[1, 2, 3]] * n, outputs or [[]] * n, logprob or [(False, 0)] * n
+        params,
+        V,
+        "cpu",
+        prompts or [[1, 2, 3]] * n,
+        outputs or [[]] * n,
+        logprob or [(False, 0)] * n,
     )
 
 
@@ -35,7 +42,9 @@ def test_repetition_penalty_matches_transformers():
     ours = apply_penalties(logits.clone(), st)
     for row, p in enumerate(params):
         ids = torch.tensor([prompts[row] + outputs[row]])
-        ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[row : row + 1].clone())
+        ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
+            ids, logits[row : row + 1].clone()
+        )
         torch.testing.assert_close(ours[row], ref[0])
 
 
@@ -43,7 +52,10 @@ def test_frequency_and_presence_penalties_follow_openai():
     torch.manual_seed(1)
     logits = torch.randn(2, V)
     outputs = [[3, 3, 3, 8], [8]]
-    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), SamplingParams(presence_penalty=-1.0)]
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(presence_penalty=-1.0),
+    ]
     st = tensors(params, [[3, 4], [8, 9]], outputs)
     ours = apply_penalties(logits.clone(), st)
     ref = logits.clone()
@@ -57,11 +69,17 @@ def test_penalty_counts_follow_sampled_tokens():
     st = tensors([SamplingParams(frequency_penalty=1.0, temperature=0)])
     logits = torch.zeros(1, V)
     logits[0, 7] = 5.0
-    first = sample(logits.clone(), st, torch.tensor([0]), torch.full((1, 1), -1), [[]], ProcessorSet())
+    first = sample(
+        logits.clone(), st, torch.tensor([0]), torch.full((1, 1), -1), [[]], ProcessorSet()
+    )
     assert first.next_ids.tolist() == [7] and st.counts[0, 7] == 1
     # each 7 costs it 1.0: after five of them it ties with the rest and loses the argmax to token 0
-    picks = [sample(logits.clone(), st, torch.tensor([0]), torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids.item()
-             for _ in range(5)]  # fmt: skip
+    picks = [
+        sample(
+            logits.clone(), st, torch.tensor([0]), torch.full((1, 1), -1), [[]], ProcessorSet()
+        ).next_ids.item()
+        for _ in range(5)
+    ]
     assert picks == [7, 7, 7, 7, 0]
     assert st.counts[0, 7] == 5 and st.counts[0, 0] == 1
 
@@ -81,7 +99,14 @@ def test_min_p_matches_transformers():
     params = [SamplingParams(min_p=m) for m in min_ps]
     st = tensors(params)
     for _ in range(50):
-        ids = sample(logits.clone(), st, torch.zeros(4, dtype=torch.int64), torch.full((4, 1), -1), [[]] * 4, ProcessorSet()).next_ids
+        ids = sample(
+            logits.clone(),
+            st,
+            torch.zeros(4, dtype=torch.int64),
+            torch.full((4, 1), -1),
+            [[]] * 4,
+            ProcessorSet(),
+        ).next_ids
         probs = torch.softmax(logits, -1)
         chosen = probs.gather(1, ids[:, None]).squeeze(1)
         assert bool((chosen >= torch.tensor(min_ps) * probs.max(-1).values).all())
@@ -120,7 +145,11 @@ def test_the_stop_table_follows_its_rows_through_merge_and_filter():
     kept = both.filter(torch.tensor([False, True, True, True]), 3)
     assert kept.numel() == 4 and kept.hits(torch.tensor([2, 5, 7])).tolist() == [False, True, True]
     assert kept.hits(torch.tensor([0, 0, 0])).tolist() == [False] * 3
-    assert StopTable.build([], "cpu").cat(kept).hits(torch.tensor([1, 1, 7])).tolist() == [False, False, True]
+    assert StopTable.build([], "cpu").cat(kept).hits(torch.tensor([1, 1, 7])).tolist() == [
+        False,
+        False,
+        True,
+    ]
 
 
 def test_logit_bias_and_logprobs_from_raw_logits():
@@ -130,7 +159,14 @@ def test_logit_bias_and_logprobs_from_raw_logits():
         [SamplingParams(temperature=0, logit_bias=((9, 100.0),)), SamplingParams(temperature=0)],
         logprob=[(True, 3), (True, 0)],
     )
-    out = sample(logits.clone(), st, torch.zeros(2, dtype=torch.int64), torch.full((2, 1), -1), [[]] * 2, ProcessorSet())
+    out = sample(
+        logits.clone(),
+        st,
+        torch.zeros(2, dtype=torch.int64),
+        torch.full((2, 1), -1),
+        [[]] * 2,
+        ProcessorSet(),
+    )
     assert out.next_ids.tolist() == [9, int(logits[1].argmax())]
     raw = torch.log_softmax(logits, -1)
     torch.testing.assert_close(out.logprobs, raw.gather(1, out.next_ids[:, None]).squeeze(1))
@@ -145,8 +181,12 @@ def test_seeded_rows_ignore_their_neighbours():
     mixed = tensors([SamplingParams(temperature=0.7), seeded, SamplingParams(temperature=0)])
     for step in range(20):
         lens = torch.tensor([step])
-        a = sample(logits[1:2].clone(), alone, lens, torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids
-        b = sample(logits.clone(), mixed, lens.repeat(3), torch.full((3, 1), -1), [[]] * 3, ProcessorSet()).next_ids
+        a = sample(
+            logits[1:2].clone(), alone, lens, torch.full((1, 1), -1), [[]], ProcessorSet()
+        ).next_ids
+        b = sample(
+            logits.clone(), mixed, lens.repeat(3), torch.full((3, 1), -1), [[]] * 3, ProcessorSet()
+        ).next_ids
         assert a.item() == b[1].item()
 
 
@@ -163,11 +203,17 @@ def test_top_p_one_keeps_every_token_beside_a_row_that_cuts():
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_it():
-    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125], [0.5, 0.25, 0.125, 0.125]])
-    top_p = torch.tensor([0.5, 0.75, 0.76])  # sums exact in float32: the first two reach 0.5 and 0.75
+    probs = torch.tensor(
+        [[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125], [0.5, 0.25, 0.125, 0.125]]
+    )
+    top_p = torch.tensor(
+        [0.5, 0.75, 0.76]
+    )  # sums exact in float32: the first two reach 0.5 and 0.75
     kept = top_k_top_p(probs, torch.full((3,), 4, dtype=torch.int64), top_p)
     assert (kept > 0).sum(dim=-1).tolist() == [2, 2, 3]
-    tiny = top_k_top_p(probs[1:2], torch.tensor([4]), torch.tensor([1e-46]))  # 0 in float32: still the top token
+    tiny = top_k_top_p(
+        probs[1:2], torch.tensor([4]), torch.tensor([1e-46])
+    )  # 0 in float32: still the top token
     assert tiny.tolist() == [[0.5, 0.0, 0.0, 0.0]]
 
 
@@ -177,7 +223,12 @@ def test_top_p_matches_transformers():
     torch.manual_seed(7)
     logits = torch.randn(4, V) * 2
     top_ps = [0.1, 0.5, 0.9, 0.99]
-    kept = top_k_top_p(torch.softmax(logits, -1), torch.full((4,), V, dtype=torch.int64), torch.tensor(top_ps)) > 0
+    kept = (
+        top_k_top_p(
+            torch.softmax(logits, -1), torch.full((4,), V, dtype=torch.int64), torch.tensor(top_ps)
+        )
+        > 0
+    )
     for row, top_p in enumerate(top_ps):
         ref = TopPLogitsWarper(top_p)(None, logits[row : row + 1].clone())[0]
         assert torch.equal(kept[row], torch.isfinite(ref)), top_p
@@ -187,7 +238,17 @@ def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [1e-12] * (V - 3)]))
     st = tensors([SamplingParams(temperature=1.0)])
     torch.manual_seed(5)
-    draws = [sample(logits.clone(), st, torch.zeros(1, dtype=torch.int64), torch.full((1, 1), -1), [[]], ProcessorSet()).next_ids.item() for _ in range(3000)]
+    draws = [
+        sample(
+            logits.clone(),
+            st,
+            torch.zeros(1, dtype=torch.int64),
+            torch.full((1, 1), -1),
+            [[]],
+            ProcessorSet(),
+        ).next_ids.item()
+        for _ in range(3000)
+    ]
     freq = [draws.count(i) / len(draws) for i in range(3)]
     assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
 
@@ -195,7 +256,12 @@ def test_sampling_follows_the_distribution():
 @pytest.mark.parametrize(
     "pieces, stops, released, matched",
     [
-        (["Hello wo", "rld! STO", "P here"], ("STOP",), "Hello world! ", "STOP"),  # spans three pieces
+        (
+            ["Hello wo", "rld! STO", "P here"],
+            ("STOP",),
+            "Hello world! ",
+            "STOP",
+        ),  # spans three pieces
         (["a", "b", "c", "d"], ("bc",), "a", "bc"),
         (["The end.", "\n", "\nNext"], ("\n\n",), "The end.", "\n\n"),
         (["no match ", "at all"], ("xyz",), "no match at all", None),
@@ -223,7 +289,9 @@ def test_stop_string_prefix_is_held_back_while_streaming():
 
 def test_stop_string_across_the_min_new_tokens_boundary():
     m = StopMatcher(("END",))
-    assert m.release("xE") == "x"  # before min_new_tokens nothing matches, but "E" may start a stop string
+    assert (
+        m.release("xE") == "x"
+    )  # before min_new_tokens nothing matches, but "E" may start a stop string
     assert m.feed("ND more", False) == ("", "END")  # a match that ends after the boundary counts
     m = StopMatcher(("A", "END"))
     assert m.release("xAy") == "xAy"  # a whole stop string before the boundary is passed over...
@@ -251,12 +319,24 @@ def test_non_finite_logits_never_give_an_out_of_range_token(bad, kind):
         logits[1, 2] = float("inf")
         logits[2] = float("-inf")
         logits[3, ::2] = float("nan")
-    base = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.9, seed=1),
-            "top_p_k_min_p": dict(temperature=1.0, top_p=0.5, top_k=3, min_p=0.1),
-            "penalties": dict(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)}[kind]  # fmt: skip
+    base = {
+        "greedy": dict(temperature=0.0),
+        "sampled": dict(temperature=0.9, seed=1),
+        "top_p_k_min_p": dict(temperature=1.0, top_p=0.5, top_k=3, min_p=0.1),
+        "penalties": dict(
+            temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5
+        ),
+    }[kind]
     params = [SamplingParams(**base)] * 4
     st = tensors(params, outputs=[[1, 2], [], [3], [4, 4]])
-    out = sample(logits.clone(), st, torch.tensor([2, 0, 1, 2]), torch.full((4, 1), -1), [[1, 2], [], [3], [4, 4]], ProcessorSet())
+    out = sample(
+        logits.clone(),
+        st,
+        torch.tensor([2, 0, 1, 2]),
+        torch.full((4, 1), -1),
+        [[1, 2], [], [3], [4, 4]],
+        ProcessorSet(),
+    )
     ids = out.next_ids.tolist()
     assert all(0 <= i < V for i in ids), (bad, kind, ids)
 
@@ -264,7 +344,9 @@ def test_non_finite_logits_never_give_an_out_of_range_token(bad, kind):
 def test_top_k_past_int64_builds_as_the_whole_vocabulary():
     """A top_k no int64 holds (the scheduler only range-checks it as >= 1) must not make building the
     step's sampling tensors raise: that aborted every request admitted with it."""
-    st = tensors([SamplingParams(top_k=2**63), SamplingParams(top_k=10**30), SamplingParams(top_k=3)])
+    st = tensors(
+        [SamplingParams(top_k=2**63), SamplingParams(top_k=10**30), SamplingParams(top_k=3)]
+    )
     assert st.top_k.tolist() == [V, V, 3]
 
 
@@ -272,7 +354,14 @@ def test_penalty_and_bias_state_goes_when_the_last_row_using_it_leaves():
     """[B, V] counts, seen and bias cost a full pass each step (sample() at B=64: 16-18 ms without them,
     134-182 ms with): they must not outlive the rows that asked for them."""
     plain = SamplingParams(temperature=0)
-    st = tensors([plain, SamplingParams(repetition_penalty=1.2), SamplingParams(logit_bias=((4, 2.0),)), plain])
+    st = tensors(
+        [
+            plain,
+            SamplingParams(repetition_penalty=1.2),
+            SamplingParams(logit_bias=((4, 2.0),)),
+            plain,
+        ]
+    )
     assert st.counts is not None and st.seen is not None and st.bias is not None
     no_penalty = st.filter(torch.tensor([True, False, True, True]), [True, False, True, True])
     assert no_penalty.counts is None and no_penalty.seen is None
@@ -295,7 +384,9 @@ def test_a_complete_grammar_ends_the_output_before_min_new_tokens(greedy):
     logits = torch.randn(3, V)
     eos = 2
 
-    def grammar(lg: torch.Tensor) -> None:  # row 0: complete (EOS only); rows 1 and 2: EOS or token 9
+    def grammar(
+        lg: torch.Tensor,
+    ) -> None:  # row 0: complete (EOS only); rows 1 and 2: EOS or token 9
         allowed = torch.zeros_like(lg, dtype=torch.bool)
         allowed[:, eos] = True
         allowed[1:, 9] = True
@@ -303,8 +394,15 @@ def test_a_complete_grammar_ends_the_output_before_min_new_tokens(greedy):
 
     logits[:, eos] = 10.0  # EOS is the most likely wherever it is allowed
     st = tensors([SamplingParams(min_new_tokens=6, temperature=0.0 if greedy else 1.0)] * 3)
-    out = sample(logits.clone(), st, torch.tensor([1, 1, 6]), StopTable.build([[eos]] * 3, "cpu"), [[]] * 3, ProcessorSet(),
-                 grammar=grammar)  # fmt: skip
+    out = sample(
+        logits.clone(),
+        st,
+        torch.tensor([1, 1, 6]),
+        StopTable.build([[eos]] * 3, "cpu"),
+        [[]] * 3,
+        ProcessorSet(),
+        grammar=grammar,
+    )
     assert out.next_ids.tolist() == [eos, 9, eos]
 
 
@@ -317,7 +415,9 @@ def test_a_draw_never_lands_on_a_token_filtered_out(u, monkeypatch):
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.3, 0.0], [0.1, 0.0, 0.2, 0.0]])
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(u))
-    st = SamplingTensors.build([SamplingParams(temperature=1.0)] * 3, 4, "cpu", [[1]] * 3, [[]] * 3, [(False, 0)] * 3)
+    st = SamplingTensors.build(
+        [SamplingParams(temperature=1.0)] * 3, 4, "cpu", [[1]] * 3, [[]] * 3, [(False, 0)] * 3
+    )
     picked = sampler.draw(probs, st, torch.zeros(3, dtype=torch.int64)).tolist()
     assert picked == {0.0: [0, 2, 0], 0.5: [1, 2, 2], 1 - 2**-53: [1, 2, 2]}[u]
 
@@ -336,9 +436,13 @@ def test_top_k_top_p_in_a_window_keeps_what_the_full_sort_keeps(scale, measured_
     top_k = torch.tensor([49152, 40, 49152, 200, 49152])
     top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.9])
     seen, real = [], sampler._dropped
-    monkeypatch.setattr(sampler, "_dropped", lambda p, k, q: seen.append(tuple(p.shape)) or real(p, k, q))
+    monkeypatch.setattr(
+        sampler, "_dropped", lambda p, k, q: seen.append(tuple(p.shape)) or real(p, k, q)
+    )
     windowed = top_k_top_p(probs, top_k, top_p)
-    assert seen[-1] == (1 if measured_on > 256 else 4, measured_on), seen  # only the row the window did not hold goes on
+    assert seen[-1] == (1 if measured_on > 256 else 4, measured_on), (
+        seen
+    )  # only the row the window did not hold goes on
     monkeypatch.setattr(sampler, "TOP_WINDOWS", ())
     full = top_k_top_p(probs, top_k, top_p)
     assert torch.equal(windowed, full)

@@ -27,7 +27,10 @@ INVALID = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"stop_token_ids": "2"}, "stop_token_ids"),
-    ({"stop_token_ids": [0] * 49152}, "stop_token_ids"),  # a beam search's selection then failed its whole step
+    (
+        {"stop_token_ids": [0] * 49152},
+        "stop_token_ids",
+    ),  # a beam search's selection then failed its whole step
     ({"stop_token_ids": list(range(1, 1026))}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"min_new_tokens": -1}, "min_new_tokens"),
@@ -38,7 +41,10 @@ INVALID = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": 11}, "repetition_penalty"),
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
-    ({"repetition_penalty": 1e-40}, "repetition_penalty"),  # dividing logits by it overflowed to inf
+    (
+        {"repetition_penalty": 1e-40},
+        "repetition_penalty",
+    ),  # dividing logits by it overflowed to inf
     ({"repetition_penalty": 0.001}, "repetition_penalty"),
     ({"temperature": 1e39}, "temperature"),  # inf in float32: logits / inf gave NaN, then token 0
     ({"temperature": 2e6}, "temperature"),
@@ -49,7 +55,10 @@ INVALID = [
     ({"stop": ["ok", 5]}, "stop"),
     ({"stop": ["s"] * 17}, "stop"),
     ({"seed": -1}, "seed"),
-    ({0: 1, "": None}, "names must be strings"),  # found by tests/stress/test_hostile_input.py: was a TypeError
+    (
+        {0: 1, "": None},
+        "names must be strings",
+    ),  # found by tests/stress/test_hostile_input.py: was a TypeError
     ({"seed": 1.5}, "seed"),
     ({"seed": 2**63}, "seed"),
     ({"n": 0}, "n must"),
@@ -65,20 +74,43 @@ INVALID = [
     ({"custom_logit_processor": "no_such_processor"}, "not registered"),
     ({"custom_logit_processor": 5}, "custom_logit_processor"),
     ({"custom_logit_processor": "disallowed_tokens"}, "token_ids"),
-    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [10**9]}}, "token_ids"),
+    (
+        {"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [10**9]}},
+        "token_ids",
+    ),
     ({"custom_logit_processor": "force_token_after", "custom_params": {"token_id": 5}}, "after"),
     ({"custom_params": {"a": 1}}, "custom_logit_processor is not"),
-    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "x": object()}}, "JSON"),
+    (
+        {
+            "custom_logit_processor": "disallowed_tokens",
+            "custom_params": {"token_ids": [1], "x": object()},
+        },
+        "JSON",
+    ),
     ({"custom_logit_processor": "disallowed_tokens", "custom_params": [1]}, "custom_params"),
-    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "deep": DEEP}}, "custom_params.*JSON"),
+    (
+        {
+            "custom_logit_processor": "disallowed_tokens",
+            "custom_params": {"token_ids": [1], "deep": DEEP},
+        },
+        "custom_params.*JSON",
+    ),
     # NaN went through the JSON round trip as null: the processor saw None, not an error
-    ({"custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": [1], "w": [math.nan]}}, "custom_params.*finite"),
+    (
+        {
+            "custom_logit_processor": "disallowed_tokens",
+            "custom_params": {"token_ids": [1], "w": [math.nan]},
+        },
+        "custom_params.*finite",
+    ),
     ({"max_tokens": 5}, "unknown sampling parameter"),
     ({"temprature": 0.5}, "unknown sampling parameter"),
 ]
 
 
-@pytest.mark.parametrize("params,field", INVALID, ids=[f"{f}:{reprlib.repr(p)}" for p, f in INVALID])
+@pytest.mark.parametrize(
+    "params,field", INVALID, ids=[f"{f}:{reprlib.repr(p)}" for p, f in INVALID]
+)
 def test_invalid_parameter_raises_before_queueing(engine, params, field):
     before = engine.get_stats()
     with pytest.raises(ValueError, match=field):
@@ -87,7 +119,10 @@ def test_invalid_parameter_raises_before_queueing(engine, params, field):
     with pytest.raises(ValueError, match=field):
         engine.generate(["Hello", "World"], [{"max_new_tokens": 4}, params])
     after = engine.get_stats()
-    assert after["prompt_tokens"] == before["prompt_tokens"] and after["prefill_steps"] == before["prefill_steps"]
+    assert (
+        after["prompt_tokens"] == before["prompt_tokens"]
+        and after["prefill_steps"] == before["prefill_steps"]
+    )
 
 
 REQUEST_OPTIONS = [
@@ -128,7 +163,9 @@ def test_invalid_inputs(engine):
 def test_greedy_equivalents(engine):
     prompt = "The three primary colors are"
     greedy = engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0})["output_ids"]
-    top1 = engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0.9, "top_k": 1})["output_ids"]
+    top1 = engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0.9, "top_k": 1})[
+        "output_ids"
+    ]
     assert top1 == greedy
 
 
@@ -142,14 +179,18 @@ def test_sampling_mixed_batch_and_stop_tokens(engine, tokenizer):
     ]
     outs = engine.generate([prompt] * 4, params)
     greedy = engine.generate(prompt, params[0])
-    assert outs[0]["output_ids"] == greedy["output_ids"], "a greedy row changed because sampled rows share its batch"
+    assert outs[0]["output_ids"] == greedy["output_ids"], (
+        "a greedy row changed because sampled rows share its batch"
+    )
     for o in outs:
         assert o["meta_info"]["completion_tokens"] in range(1, 21)
         assert all(0 <= t < engine.server_info["vocab_size"] for t in o["output_ids"])
     # stop at the greedy run's 5th token, given as a stop token
     stop = greedy["output_ids"][4]
     first = greedy["output_ids"].index(stop)
-    out = engine.generate(prompt, {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop]})
+    out = engine.generate(
+        prompt, {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop]}
+    )
     assert out["output_ids"] == greedy["output_ids"][: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     # ignore_eos keeps going past the end-of-sequence token
@@ -162,7 +203,9 @@ def test_top_k_restricts_choices(engine):
     """With top_k=2 every sampled token is one of the two most likely at its position (checked on step 1)."""
     prompt = "My favourite animal is the"
     firsts = {
-        engine.generate(prompt, {"max_new_tokens": 1, "temperature": 1.5, "top_k": 2})["output_ids"][0]
+        engine.generate(prompt, {"max_new_tokens": 1, "temperature": 1.5, "top_k": 2})[
+            "output_ids"
+        ][0]
         for _ in range(12)
     }
     assert len(firsts) in (1, 2), f"top_k=2 sampled {len(firsts)} different first tokens"
@@ -173,9 +216,18 @@ def test_huge_top_k_means_the_whole_vocabulary_and_harms_no_neighbour(engine):
     tensors, which aborted every request admitted in that step."""
     prompt = "The capital of Italy is"
     greedy = engine.generate(prompt, {"max_new_tokens": 3, "temperature": 0})["output_ids"]
-    sampled = {"max_new_tokens": 3, "ignore_eos": True}  # a sampled token may be EOS; the test is about the abort
-    outs = engine.generate([prompt] * 3, [{**sampled, "top_k": 2**63}, {**sampled, "top_k": 10**30},
-                                          {"max_new_tokens": 3, "temperature": 0}])  # fmt: skip
+    sampled = {
+        "max_new_tokens": 3,
+        "ignore_eos": True,
+    }  # a sampled token may be EOS; the test is about the abort
+    outs = engine.generate(
+        [prompt] * 3,
+        [
+            {**sampled, "top_k": 2**63},
+            {**sampled, "top_k": 10**30},
+            {"max_new_tokens": 3, "temperature": 0},
+        ],
+    )
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3, outs
     assert outs[2]["output_ids"] == greedy
 
@@ -183,29 +235,42 @@ def test_huge_top_k_means_the_whole_vocabulary_and_harms_no_neighbour(engine):
 def test_n_copies_of_a_seed_near_the_top_of_its_range_run(engine):
     """Copy j of a seeded n > 1 request draws with seed + j, wrapped into [0, 2**63): the last copies of
     seed 2**63 - 1 were refused by the scheduler's arrival checks."""
-    outs = engine.generate("Once upon a time", {"max_new_tokens": 2, "n": 3, "seed": 2**63 - 1, "ignore_eos": True})
+    outs = engine.generate(
+        "Once upon a time", {"max_new_tokens": 2, "n": 3, "seed": 2**63 - 1, "ignore_eos": True}
+    )
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3, outs
-    again = engine.generate("Once upon a time", {"max_new_tokens": 2, "seed": 1, "ignore_eos": True})
-    assert outs[2]["output_ids"] == again["output_ids"]  # copy 2 drew with (2**63 - 1 + 2) mod 2**63 = 1
+    again = engine.generate(
+        "Once upon a time", {"max_new_tokens": 2, "seed": 1, "ignore_eos": True}
+    )
+    assert (
+        outs[2]["output_ids"] == again["output_ids"]
+    )  # copy 2 drew with (2**63 - 1 + 2) mod 2**63 = 1
 
 
 def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):
     """A temperature too small to divide by must not turn logits into NaN for the whole batch."""
     prompt = "The capital of Italy is"
     greedy = engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0})["output_ids"]
-    outs = engine.generate([prompt, prompt], [{"max_new_tokens": 12, "temperature": 1e-50},
-                                              {"max_new_tokens": 12, "temperature": 0.8}])
+    outs = engine.generate(
+        [prompt, prompt],
+        [{"max_new_tokens": 12, "temperature": 1e-50}, {"max_new_tokens": 12, "temperature": 0.8}],
+    )
     assert outs[0]["output_ids"] == greedy
     assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)
 
 
-@pytest.mark.parametrize("inputs,field", [
-    ({"prompt": "ok \ud800 then"}, "prompt"),
-    ({"prompt": ["fine", "lone \udfff surrogate"]}, r"prompt\[1\]"),
-    ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, r"messages\[0\]\['content'\]"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc80"}]}]},
-     r"messages\[0\]\['content'\]\[0\]\['text'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "inputs,field",
+    [
+        ({"prompt": "ok \ud800 then"}, "prompt"),
+        ({"prompt": ["fine", "lone \udfff surrogate"]}, r"prompt\[1\]"),
+        ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, r"messages\[0\]\['content'\]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc80"}]}]},
+            r"messages\[0\]\['content'\]\[0\]\['text'\]",
+        ),
+    ],
+)
 def test_text_that_is_not_unicode_is_refused_naming_it(engine, inputs, field):
     """A lone surrogate cannot be encoded as UTF-8: a ValueError naming where it is, before anything is
     queued (it was the tokenizer's TypeError; found trying it as a new user would)."""
@@ -215,11 +280,17 @@ def test_text_that_is_not_unicode_is_refused_naming_it(engine, inputs, field):
     assert engine.get_stats()["prompt_tokens"] == before["prompt_tokens"]
 
 
-@pytest.mark.parametrize("messages,field", [
-    ([{"role": 0, "content": None}], r"messages\[0\]\['role'\]"),
-    ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\]"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ["not a part"]}], r"messages\[1\]\['content'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "messages,field",
+    [
+        ([{"role": 0, "content": None}], r"messages\[0\]\['role'\]"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\]"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ["not a part"]}],
+            r"messages\[1\]\['content'\]",
+        ),
+    ],
+)
 def test_chat_messages_of_the_wrong_types_are_refused_naming_them(engine, messages, field):
     """Found by tests/stress/test_hostile_input.py: a role that is not a string reached the chat
     template, whose TypeError escaped."""
@@ -236,7 +307,12 @@ def test_values_that_cannot_be_sent_are_refused_and_leave_no_request_behind(engi
         engine.generate("Hi", {"max_new_tokens": 2, "stop": ["ok", "a\ud800"]})
     with pytest.raises(ValueError, match="cannot be sent"):
         engine.generate("Hi", {"max_new_tokens": 2, "n": 2}, rid="bad\udc80rid")
-    assert engine.get_stats()["tracked"]["user"] == {"states": 0, "groups": 0, "pending_stats": 0, "deferred_aborts": 0}
+    assert engine.get_stats()["tracked"]["user"] == {
+        "states": 0,
+        "groups": 0,
+        "pending_stats": 0,
+        "deferred_aborts": 0,
+    }
 
 
 @pytest.mark.parametrize("depth", [150, 5000])
@@ -282,7 +358,11 @@ def test_stop_token_ids_are_deduplicated_and_bounded():
     duplicates count once, and more than MAX_STOP_TOKEN_IDS are refused naming the field."""
     from engine.sampling_params import MAX_STOP_TOKEN_IDS, parse_sampling_params
 
-    assert parse_sampling_params({"stop_token_ids": [5, 2, 5, 5, 2, 7]}, 49152).stop_token_ids == (5, 2, 7)
+    assert parse_sampling_params({"stop_token_ids": [5, 2, 5, 5, 2, 7]}, 49152).stop_token_ids == (
+        5,
+        2,
+        7,
+    )
     assert parse_sampling_params({"stop_token_ids": 9}, 49152).stop_token_ids == (9,)
     bound = list(range(MAX_STOP_TOKEN_IDS))
     assert parse_sampling_params({"stop_token_ids": bound}, 49152).stop_token_ids == tuple(bound)

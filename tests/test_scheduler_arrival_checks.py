@@ -30,7 +30,9 @@ BAD = {
     "temperature": dict(sampling=msgspec.structs.replace(GOOD, temperature=float("nan"))),
     "top_logprobs_num": dict(return_logprob=True, top_logprobs_num=10**6),
     "logprob_start_len": dict(return_logprob=True, logprob_start_len=10**6),
-    "custom_logit_processor": dict(sampling=msgspec.structs.replace(GOOD, custom_logit_processor="no-such")),
+    "custom_logit_processor": dict(
+        sampling=msgspec.structs.replace(GOOD, custom_logit_processor="no-such")
+    ),
     # beam searches (issue 15)
     "beam_width": dict(beam=BeamParams(0)),
     "num_return_sequences": dict(beam=BeamParams(2, 3)),
@@ -88,12 +90,16 @@ def _lending_fails_for(run, rid: str):
 def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):
     """schedule() raising (here: the radix cache, on one prompt) is not fatal: that request aborts with
     the error, the running ones and later ones are served."""
-    run.submit(TokenizedRequest("runner", [1, 9, 9], msgspec.structs.replace(GOOD, max_new_tokens=8)))
+    run.submit(
+        TokenizedRequest("runner", [1, 9, 9], msgspec.structs.replace(GOOD, max_new_tokens=8))
+    )
     assert run.sched.run_once(block=False)  # prefilled: it decodes from now on
     with _lending_fails_for(run, "cursed"):
         run.submit(TokenizedRequest("cursed", [3, 3, 3], GOOD))
         finishes = dict(run.finish_all())
-    assert finishes["cursed"].type == "abort" and "injected in schedule" in finishes["cursed"].message
+    assert (
+        finishes["cursed"].type == "abort" and "injected in schedule" in finishes["cursed"].message
+    )
     assert finishes["runner"].type == "length"
     run.submit(TokenizedRequest("after", [1, 2], GOOD))
     assert dict(run.finish_all())["after"].type == "length"
@@ -115,7 +121,9 @@ def test_arrival_checks_do_not_parse_grammars_again(monkeypatch):
     two = msgspec.structs.replace(schema, regex="a+")  # what is cheap to check still is
     assert "at most one" in check_request(TokenizedRequest("g2", [1, 2, 3], two), VOCAB, 2048)
     with_ignore_eos = msgspec.structs.replace(schema, ignore_eos=True)
-    assert "ignore_eos" in check_request(TokenizedRequest("g3", [1, 2, 3], with_ignore_eos), VOCAB, 2048)
+    assert "ignore_eos" in check_request(
+        TokenizedRequest("g3", [1, 2, 3], with_ignore_eos), VOCAB, 2048
+    )
 
 
 def test_an_arrival_check_that_raises_fails_only_its_request(run, monkeypatch):
@@ -130,8 +138,11 @@ def test_an_arrival_check_that_raises_fails_only_its_request(run, monkeypatch):
 
     monkeypatch.setitem(_registry, "explodes_on_validate", Explodes)
     odd = msgspec.structs.replace(GOOD, custom_logit_processor="explodes_on_validate")
-    run.submit(TokenizedRequest("first", [1, 2, 3], GOOD), TokenizedRequest("odd", [1, 2, 3], odd),
-               TokenizedRequest("last", [1, 4, 5], GOOD))  # fmt: skip
+    run.submit(
+        TokenizedRequest("first", [1, 2, 3], GOOD),
+        TokenizedRequest("odd", [1, 2, 3], odd),
+        TokenizedRequest("last", [1, 4, 5], GOOD),
+    )
     finishes = dict(run.finish_all())
     assert finishes["odd"].type == "abort" and "blew up" in finishes["odd"].message, finishes
     assert finishes["first"].type == "length" and finishes["last"].type == "length", finishes
@@ -149,22 +160,32 @@ def test_a_refused_request_reusing_a_running_rid_ends_the_old_one(run):
     bad = msgspec.structs.replace(GOOD, stop_token_ids=(VOCAB,))
     run.submit(TokenizedRequest("reused", [1, 2, 3], bad, seq=2))
     finishes = run.finish_all()
-    assert [(rid, f.type) for rid, f in finishes] == [("reused", "abort"), ("reused", "abort")], finishes
+    assert [(rid, f.type) for rid, f in finishes] == [("reused", "abort"), ("reused", "abort")], (
+        finishes
+    )
     assert "superseded" in finishes[0][1].message and "stop_token_ids" in finishes[1][1].message
     stats = run.sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 
 
-def test_a_request_already_failed_in_admission_is_not_failed_again_when_admission_raises(run, monkeypatch):
+def test_a_request_already_failed_in_admission_is_not_failed_again_when_admission_raises(
+    run, monkeypatch
+):
     """Admission fails a request that can never run (here: never_fits, as for a grammar that does not fit)
     and goes on; when a later request then makes it raise, the queue it fails no longer holds the first:
     one finish per request (a second would reach a later request reusing the rid)."""
     import engine.scheduler.prefill as prefill
 
     real_fits = prefill.never_fits
-    monkeypatch.setattr(prefill, "never_fits", lambda sched, req: "doomed here" if req.rid == "doomed" else real_fits(sched, req))
+    monkeypatch.setattr(
+        prefill,
+        "never_fits",
+        lambda sched, req: "doomed here" if req.rid == "doomed" else real_fits(sched, req),
+    )
     with _lending_fails_for(run, "cursed"):
-        run.submit(TokenizedRequest("doomed", [3, 4, 5], GOOD), TokenizedRequest("cursed", [3, 3, 3], GOOD))
+        run.submit(
+            TokenizedRequest("doomed", [3, 4, 5], GOOD), TokenizedRequest("cursed", [3, 3, 3], GOOD)
+        )
         finishes = run.finish_all()
     assert sorted(rid for rid, _ in finishes) == ["cursed", "doomed"], finishes
     assert "doomed here" in dict(finishes)["doomed"].message

@@ -8,8 +8,17 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.ipc.channels import Endpoints, pull_socket, push_socket
-from engine.ipc.messages import (NO_TOKEN, BatchTokenOut, BeamSearchOut, Codec, FinishReason, GenerateBatch, ToDetokenizer,
-                                 ToScheduler, TokenizedRequest)
+from engine.ipc.messages import (
+    NO_TOKEN,
+    BatchTokenOut,
+    BeamSearchOut,
+    Codec,
+    FinishReason,
+    GenerateBatch,
+    ToDetokenizer,
+    ToScheduler,
+    TokenizedRequest,
+)
 from engine.sampling_params import SamplingParams
 from engine.model.forward_batch import ForwardMode
 
@@ -39,7 +48,9 @@ def test_failed_step_aborts_only_its_requests(tiny_llama_dir):
         assert sched.recv_sock.poll(5000)
         assert not sched.run_once(block=False)
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-        requests.send(send.encode(GenerateBatch([TokenizedRequest("doomed", [1, 5, 9, 13], params)])))
+        requests.send(
+            send.encode(GenerateBatch([TokenizedRequest("doomed", [1, 5, 9, 13], params)]))
+        )
         assert sched.recv_sock.poll(5000)  # arrived
         assert sched.run_once(block=False)  # prefill "doomed"; it joins the running batch
 
@@ -54,15 +65,22 @@ def test_failed_step_aborts_only_its_requests(tiny_llama_dir):
 
         sched.forward = failing_forward
         assert sched.run_once(block=False)  # its decode step fails
-        requests.send(send.encode(GenerateBatch([TokenizedRequest("survivor", [1, 7, 7, 7, 2], params)])))
+        requests.send(
+            send.encode(GenerateBatch([TokenizedRequest("survivor", [1, 7, 7, 7, 2], params)]))
+        )
         assert sched.recv_sock.poll(5000)
         while sched.run_once(block=False):
             pass
         messages = _drain(outputs, Codec(ToDetokenizer))
         finishes = {
-            rid: reason for m in messages for rid, reason in zip(m.rids, m.finished) if reason is not None
+            rid: reason
+            for m in messages
+            for rid, reason in zip(m.rids, m.finished)
+            if reason is not None
         }
-        assert finishes["doomed"].type == "abort" and "injected failure" in finishes["doomed"].message
+        assert (
+            finishes["doomed"].type == "abort" and "injected failure" in finishes["doomed"].message
+        )
         assert finishes["survivor"].type == "length" and finishes["survivor"].length == 6
         tokens = [t for m in messages for rid, t in zip(m.rids, m.token_ids) if rid == "survivor"]
         assert len(tokens) == 6
@@ -101,7 +119,9 @@ class InProcess:
         self.ctx = zmq.Context()
         self.outputs = pull_socket(self.ctx, self.endpoints.detokenizer)
         self.requests = push_socket(self.ctx, self.endpoints.scheduler)
-        self.sched = Scheduler(EngineConfig(dtype=dtype, **options), model_dir, self.endpoints.to_dict())
+        self.sched = Scheduler(
+            EngineConfig(dtype=dtype, **options), model_dir, self.endpoints.to_dict()
+        )
         self.sched.send_sock = _Counted(self.sched.send_sock)
         self.received = 0
         self.codec = Codec(ToScheduler)
@@ -114,7 +134,9 @@ class InProcess:
         """Every message the scheduler sent since the last call (counted: no quiet period to guess)."""
         codec, out = Codec(ToDetokenizer), []
         while self.received < self.sched.send_sock.sent:
-            assert self.outputs.poll(60_000), f"{self.sched.send_sock.sent - self.received} messages never came"
+            assert self.outputs.poll(60_000), (
+                f"{self.sched.send_sock.sent - self.received} messages never came"
+            )
             out.append(codec.decode(self.outputs.recv()))
             self.received += 1
         return out
@@ -125,8 +147,17 @@ class InProcess:
             pass
         out = []
         for m in self.messages():
-            if isinstance(m, BeamSearchOut):  # a beam search's one message: its best hypothesis's ending
-                out.append((m.rid, m.hypotheses[0].finish if m.hypotheses else FinishReason("length", length=0)))
+            if isinstance(
+                m, BeamSearchOut
+            ):  # a beam search's one message: its best hypothesis's ending
+                out.append(
+                    (
+                        m.rid,
+                        m.hypotheses[0].finish
+                        if m.hypotheses
+                        else FinishReason("length", length=0),
+                    )
+                )
             else:
                 out += [(rid, f) for rid, f in zip(m.rids, m.finished) if f is not None]
         return out
@@ -141,10 +172,17 @@ def test_long_prompt_is_chunked_between_decode_steps(model_dir):
     """A 1,024-token prompt arriving while 16 requests decode does not stall them for its whole prefill:
     decode steps alternate with its chunks. (Eight chunks of 128: the same steps as 4,000 tokens in
     chunks of 512, at a quarter of the compute or less.)"""
-    run = InProcess(model_dir, max_total_tokens=12000, max_running_requests=32, chunked_prefill_size=128)
+    run = InProcess(
+        model_dir, max_total_tokens=12000, max_running_requests=32, chunked_prefill_size=128
+    )
     try:
         params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
-        run.submit(*(TokenizedRequest(f"short{i}", [1, 100 + i, 200 + i, 300 + i], params) for i in range(16)))
+        run.submit(
+            *(
+                TokenizedRequest(f"short{i}", [1, 100 + i, 200 + i, 300 + i], params)
+                for i in range(16)
+            )
+        )
         while run.sched.waiting or run.sched.last_mode is not ForwardMode.DECODE:
             run.sched.run_once(block=False)
         steps: list[tuple[str, int]] = []
@@ -156,14 +194,24 @@ def test_long_prompt_is_chunked_between_decode_steps(model_dir):
 
         run.sched.forward = recording_forward
         long_ids = [(i * 37) % 5000 + 10 for i in range(1024)]
-        run.submit(TokenizedRequest("long", long_ids, SamplingParams(max_new_tokens=2, temperature=0.0)))
-        while run.sched.chunked_req is not None or any(r.rid == "long" for r in run.sched.waiting) or not steps:
+        run.submit(
+            TokenizedRequest("long", long_ids, SamplingParams(max_new_tokens=2, temperature=0.0))
+        )
+        while (
+            run.sched.chunked_req is not None
+            or any(r.rid == "long" for r in run.sched.waiting)
+            or not steps
+        ):
             run.sched.run_once(block=False)
         chunks = [n for mode, n in steps if mode == "extend"]
         assert sum(chunks) == 1024 and max(chunks) <= 128 and len(chunks) == 8, steps
         modes = [mode for mode, _ in steps]
-        assert all(a != b for a, b in zip(modes, modes[1:])), modes  # never two prefill chunks in a row
-        assert all(n == 16 for mode, n in steps if mode == "decode"), steps  # every short request kept decoding
+        assert all(a != b for a, b in zip(modes, modes[1:])), (
+            modes
+        )  # never two prefill chunks in a row
+        assert all(n == 16 for mode, n in steps if mode == "decode"), (
+            steps
+        )  # every short request kept decoding
         while run.sched.run_once(block=False):
             pass
         outs = run.messages()
@@ -188,7 +236,10 @@ def test_request_that_can_never_fit_fails_alone(tiny_llama_dir):
             pass
         outs = run.messages()
         finishes = {rid: f for m in outs for rid, f in zip(m.rids, m.finished) if f is not None}
-        assert finishes["too-long"].type == "abort" and "max_total_tokens=64" in finishes["too-long"].message
+        assert (
+            finishes["too-long"].type == "abort"
+            and "max_total_tokens=64" in finishes["too-long"].message
+        )
         assert finishes["fine"].type == "length"
     finally:
         run.close()
@@ -200,8 +251,12 @@ def test_failure_after_some_requests_finished_reports_each_once(tiny_llama_dir):
     run = InProcess(tiny_llama_dir, max_total_tokens=256, max_running_requests=4)
     try:
         run.submit(
-            TokenizedRequest("one-token", [1, 2, 3], SamplingParams(max_new_tokens=1, temperature=0.0)),
-            TokenizedRequest("continues", [4, 5, 6], SamplingParams(max_new_tokens=5, temperature=0.0)),
+            TokenizedRequest(
+                "one-token", [1, 2, 3], SamplingParams(max_new_tokens=1, temperature=0.0)
+            ),
+            TokenizedRequest(
+                "continues", [4, 5, 6], SamplingParams(max_new_tokens=5, temperature=0.0)
+            ),
         )
         real = run.sched.kv.cache_prompt
         calls = []
@@ -215,12 +270,22 @@ def test_failure_after_some_requests_finished_reports_each_once(tiny_llama_dir):
         run.sched.kv.cache_prompt = failing
         while run.sched.run_once(block=False):
             pass
-        run.submit(TokenizedRequest("later", [7, 8], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+        run.submit(
+            TokenizedRequest(
+                "later", [7, 8], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+            )
+        )
         while run.sched.run_once(block=False):
             pass
         outs = run.messages()
-        finishes = [(rid, f.type) for m in outs for rid, f in zip(m.rids, m.finished) if f is not None]
-        assert sorted(finishes) == [("continues", "abort"), ("later", "length"), ("one-token", "length")]
+        finishes = [
+            (rid, f.type) for m in outs for rid, f in zip(m.rids, m.finished) if f is not None
+        ]
+        assert sorted(finishes) == [
+            ("continues", "abort"),
+            ("later", "length"),
+            ("one-token", "length"),
+        ]
         stats = run.sched.stats("s")
         assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens
         assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
@@ -239,8 +304,16 @@ def test_failing_custom_processor_fails_only_its_requests(tiny_llama_dir):
     run = InProcess(tiny_llama_dir, max_total_tokens=256, max_running_requests=4)
     try:
         run.submit(
-            TokenizedRequest("bad", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_logit_processor="test_exploding")),
-            TokenizedRequest("good", [4, 5, 6], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)),
+            TokenizedRequest(
+                "bad",
+                [1, 2, 3],
+                SamplingParams(max_new_tokens=4, custom_logit_processor="test_exploding"),
+            ),
+            TokenizedRequest(
+                "good",
+                [4, 5, 6],
+                SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+            ),
         )
         while run.sched.run_once(block=False):
             pass
@@ -249,7 +322,9 @@ def test_failing_custom_processor_fails_only_its_requests(tiny_llama_dir):
         assert finishes["bad"].type == "abort" and "test_exploding" in finishes["bad"].message
         assert "boom" in finishes["bad"].message
         assert finishes["good"].type == "length"
-        assert [t for m in outs for rid, t in zip(m.rids, m.token_ids) if rid == "bad"] == [NO_TOKEN]
+        assert [t for m in outs for rid, t in zip(m.rids, m.token_ids) if rid == "bad"] == [
+            NO_TOKEN
+        ]
         stats = run.sched.stats("s")
         assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
     finally:
@@ -290,14 +365,22 @@ def test_requests_finished_in_a_step_that_then_fails_are_still_answered(tiny_lla
 
         sched.kv.free_request = flaky
         short = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
-        run.submit(TokenizedRequest("a", [1, 2, 3], short), TokenizedRequest("b", [1, 4, 5], short),
-                   TokenizedRequest("c", [1, 6, 7], SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)))
+        run.submit(
+            TokenizedRequest("a", [1, 2, 3], short),
+            TokenizedRequest("b", [1, 4, 5], short),
+            TokenizedRequest(
+                "c", [1, 6, 7], SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
+            ),
+        )
         finishes: dict[str, list] = {}
         for rid, reason in run.finish_all():
             finishes.setdefault(rid, []).append(reason)
         assert failed == ["b"]
         assert {rid: [f.type for f in reasons] for rid, reasons in finishes.items()} == {
-            "a": ["length"], "b": ["length"], "c": ["abort"]}, finishes  # c: the failed step's other request
+            "a": ["length"],
+            "b": ["length"],
+            "c": ["abort"],
+        }, finishes  # c: the failed step's other request
     finally:
         run.close()
 
@@ -321,7 +404,9 @@ def test_requests_retracted_before_a_retraction_fails_are_not_lost(tiny_llama_di
         sched.kv.free_request = flaky
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
         rids = [f"r{i}" for i in range(4)]
-        run.submit(*(TokenizedRequest(rid, [1, 10 + i, 20 + i], params) for i, rid in enumerate(rids)))
+        run.submit(
+            *(TokenizedRequest(rid, [1, 10 + i, 20 + i], params) for i, rid in enumerate(rids))
+        )
         finishes: dict[str, list] = {}
         for rid, reason in run.finish_all():
             finishes.setdefault(rid, []).append(reason.type)
@@ -338,7 +423,9 @@ def test_a_free_that_raises_leaks_no_slot_lock_or_kv(tiny_llama_dir, when):
     raised (a CUDA out-of-memory in its clone would), the slot, the lock and the K/V all stayed taken:
     a retracted request was even admitted again holding its old slot and lock. Each such event leaked
     for good; now the request's own K/V goes back to the pool and its slot and lock are released."""
-    run = InProcess(tiny_llama_dir, max_total_tokens=64 if when == "retraction" else 512, max_running_requests=4)
+    run = InProcess(
+        tiny_llama_dir, max_total_tokens=64 if when == "retraction" else 512, max_running_requests=4
+    )
     try:
         sched, cache = run.sched, run.sched.kv.cache
         real_insert, real_free, leaving, failed = cache.insert, sched.kv.free_request, [], []
@@ -357,16 +444,23 @@ def test_a_free_that_raises_leaks_no_slot_lock_or_kv(tiny_llama_dir, when):
             return real_insert(key, value)
 
         sched.kv.free_request, cache.insert = freeing, flaky
-        params = SamplingParams(max_new_tokens=3 if when == "finish" else 40, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_new_tokens=3 if when == "finish" else 40, temperature=0.0, ignore_eos=True
+        )
         rids = [f"r{i}" for i in range(4)]
-        run.submit(*(TokenizedRequest(rid, [1, 10 + i, 20 + i], params) for i, rid in enumerate(rids)))
+        run.submit(
+            *(TokenizedRequest(rid, [1, 10 + i, 20 + i], params) for i, rid in enumerate(rids))
+        )
         finishes = {rid: f for rid, f in run.finish_all()}
         assert failed and sorted(finishes) == rids, (failed, finishes)
         sched.kv.cache.flush()
         stats = sched.stats("s")
         assert stats.cache_lock_refs == 0
         assert stats.free_slots == stats.max_running_requests
-        assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens, (stats.free_tokens, stats.cache_tokens)
+        assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens, (
+            stats.free_tokens,
+            stats.cache_tokens,
+        )
     finally:
         run.close()
 
@@ -378,7 +472,9 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     calls = _counting_order_waiting(monkeypatch)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     run.submit(*(TokenizedRequest(f"slot{i}", [1, 10 + i, 20 + i], params) for i in range(4)))
-    assert sched.run_once(block=False) and len(sched.running) == 4 and not sched.req_to_token.available
+    assert (
+        sched.run_once(block=False) and len(sched.running) == 4 and not sched.req_to_token.available
+    )
     run.submit(TokenizedRequest("waits-for-a-slot", [1, 2, 3], params))
     calls.clear()
     for _ in range(3):
@@ -392,7 +488,9 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     assert sched.run_once(block=False) and len(sched.running) == 3 and sched.req_to_token.available
     run.submit(TokenizedRequest("waits-for-memory", [1, 2, 3], params))
     calls.clear()
-    monkeypatch.setattr(sched, "new_token_ratio", 1.0)  # the module's scheduler: back as it was for the next test
+    monkeypatch.setattr(
+        sched, "new_token_ratio", 1.0
+    )  # the module's scheduler: back as it was for the next test
     assert sched.run_once(block=False)
     assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-memory"]
     assert {rid: f.type for rid, f in run.finish_all()}["waits-for-memory"] == "length"
@@ -403,7 +501,13 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     assert sched.run_once(block=False) and len(sched.running) == 3
     gap = sched.kv.headroom - int(0.5 * sched.running.remaining_new_tokens(4096))
     assert 1 <= gap < 1 + int(0.5 * 480), gap
-    run.submit(TokenizedRequest("needs-more", [1, 2, 3], SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True)))
+    run.submit(
+        TokenizedRequest(
+            "needs-more",
+            [1, 2, 3],
+            SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True),
+        )
+    )
     calls.clear()
     assert sched.run_once(block=False)
     assert calls == [] and [r.rid for r in sched.waiting] == ["needs-more"]
@@ -458,11 +562,17 @@ def test_a_matcher_that_fails_at_admission_fails_its_request_alone(tiny_schedule
 
     monkeypatch.setattr(sched.grammars, "matcher", matcher)
     plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
-    run.submit(TokenizedRequest("before", [1, 2, 3], plain),
-               TokenizedRequest("grammar", [1, 5, 6], SamplingParams(max_new_tokens=3, temperature=0.0, regex="[0-9]+")),
-               TokenizedRequest("after", [1, 7, 8], plain))  # fmt: skip
+    run.submit(
+        TokenizedRequest("before", [1, 2, 3], plain),
+        TokenizedRequest(
+            "grammar", [1, 5, 6], SamplingParams(max_new_tokens=3, temperature=0.0, regex="[0-9]+")
+        ),
+        TokenizedRequest("after", [1, 7, 8], plain),
+    )
     finishes = dict(run.finish_all())
-    assert finishes["grammar"].type == "abort" and "matcher broke" in finishes["grammar"].message, finishes
+    assert finishes["grammar"].type == "abort" and "matcher broke" in finishes["grammar"].message, (
+        finishes
+    )
     assert finishes["before"].type == "length" and finishes["after"].type == "length", finishes
     assert not sched.waiting
     stats = sched.stats("s")
@@ -484,9 +594,13 @@ def test_sampling_tensors_that_fail_to_build_fail_only_their_request(tiny_schedu
 
     monkeypatch.setattr(batch_params.SamplingTensors, "build", classmethod(build))
     plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
-    run.submit(TokenizedRequest("first", [1, 2, 3], plain),
-               TokenizedRequest("cursed", [1, 5, 6], SamplingParams(max_new_tokens=3, seed=666, ignore_eos=True)),
-               TokenizedRequest("last", [1, 7, 8], plain))  # fmt: skip
+    run.submit(
+        TokenizedRequest("first", [1, 2, 3], plain),
+        TokenizedRequest(
+            "cursed", [1, 5, 6], SamplingParams(max_new_tokens=3, seed=666, ignore_eos=True)
+        ),
+        TokenizedRequest("last", [1, 7, 8], plain),
+    )
     finishes = dict(run.finish_all())
     assert finishes["cursed"].type == "abort" and "Overflow" in finishes["cursed"].message, finishes
     assert finishes["first"].type == "length" and finishes["last"].type == "length", finishes
@@ -504,10 +618,18 @@ def test_a_beam_selection_that_fails_fails_its_search_alone(tiny_scheduler, monk
     from engine.ipc.messages import BeamParams
 
     run, sched = tiny_scheduler, tiny_scheduler.sched
-    plain = TokenizedRequest("plain", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
-    other = TokenizedRequest("other", [1, 9, 4], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
-                             beam=BeamParams(1))  # fmt: skip
-    doomed = TokenizedRequest("doomed", [1, 7, 5], SamplingParams(max_new_tokens=7, temperature=0.0), beam=BeamParams(2))
+    plain = TokenizedRequest(
+        "plain", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    other = TokenizedRequest(
+        "other",
+        [1, 9, 4],
+        SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+        beam=BeamParams(1),
+    )
+    doomed = TokenizedRequest(
+        "doomed", [1, 7, 5], SamplingParams(max_new_tokens=7, temperature=0.0), beam=BeamParams(2)
+    )
     run.submit(other)
     while sched.run_once(block=False):
         pass
@@ -524,8 +646,17 @@ def test_a_beam_selection_that_fails_fails_its_search_alone(tiny_scheduler, monk
     while sched.run_once(block=False):
         pass
     messages = run.messages()
-    finishes = {rid: f for m in messages if isinstance(m, BatchTokenOut) for rid, f in zip(m.rids, m.finished) if f}
-    assert finishes["doomed"].type == "abort" and "injected selection failure" in finishes["doomed"].message, finishes
+    finishes = {
+        rid: f
+        for m in messages
+        if isinstance(m, BatchTokenOut)
+        for rid, f in zip(m.rids, m.finished)
+        if f
+    }
+    assert (
+        finishes["doomed"].type == "abort"
+        and "injected selection failure" in finishes["doomed"].message
+    ), finishes
     assert finishes["plain"] == FinishReason("length", length=8), finishes
     searches = [m for m in messages if isinstance(m, BeamSearchOut)]
     assert [m.rid for m in searches] == ["other"] and searches[0].hypotheses == alone[0].hypotheses

@@ -30,7 +30,10 @@ def _same_model(model_dir: str) -> None:
     plain, auto = plain_config(model_dir), _auto(model_dir)
     assert plain is not None
     assert model_config_from_hf(plain, model_dir) == model_config_from_hf(auto, model_dir)
-    for a, b in zip(rotary_tables(plain, 64, 512, torch.float32, "cpu"), rotary_tables(auto, 64, 512, torch.float32, "cpu")):
+    for a, b in zip(
+        rotary_tables(plain, 64, 512, torch.float32, "cpu"),
+        rotary_tables(auto, 64, 512, torch.float32, "cpu"),
+    ):
         assert torch.equal(a, b)
 
 
@@ -38,14 +41,25 @@ def test_plain_config_equals_autoconfig_on_the_embedded_model(model_dir):
     _same_model(model_dir)
 
 
-def test_plain_config_equals_autoconfig_on_qwen2_and_defers_scaled_rope(tmp_path, model_dir, tiny_llama_dir):
+def test_plain_config_equals_autoconfig_on_qwen2_and_defers_scaled_rope(
+    tmp_path, model_dir, tiny_llama_dir
+):
     save_tiny_model("qwen2", tmp_path, model_dir)
     _same_model(str(tmp_path))
     assert plain_config(tiny_llama_dir) is None  # llama3 rope scaling: AutoConfig's business
 
 
-TEXTS = [*PROMPTS, "", " ", "  two  spaces\tand\ttabs\n\nnewlines\r\n", "<|im_start|>user\nhi<|im_end|>",
-         "émoji 🙂 ünïcödé ∑ 中文 日本語", "x" * 3000, "def f(x):\n    return {'a': [1, 2.5e-3]}\n", "\u200b\ufeffzero width"]  # fmt: skip
+TEXTS = [
+    *PROMPTS,
+    "",
+    " ",
+    "  two  spaces\tand\ttabs\n\nnewlines\r\n",
+    "<|im_start|>user\nhi<|im_end|>",
+    "émoji 🙂 ünïcödé ∑ 中文 日本語",
+    "x" * 3000,
+    "def f(x):\n    return {'a': [1, 2.5e-3]}\n",
+    "\u200b\ufeffzero width",
+]
 
 
 @pytest.mark.parametrize("special", [True, False])
@@ -53,18 +67,26 @@ def test_prompt_tokenizer_encodes_as_transformers_does(model_dir, tokenizer, spe
     light = PromptTokenizer(model_dir)
     assert light._fast is not None  # the light path is the one under test
     for text in TEXTS:
-        assert light.encode(text, add_special_tokens=special) == tokenizer.encode(text, add_special_tokens=special), text
+        assert light.encode(text, add_special_tokens=special) == tokenizer.encode(
+            text, add_special_tokens=special
+        ), text
     assert len(light) == len(tokenizer)
 
 
-def test_prompt_tokenizer_defers_to_transformers_where_the_config_rewrites_specials(tmp_path, model_dir):
+def test_prompt_tokenizer_defers_to_transformers_where_the_config_rewrites_specials(
+    tmp_path, model_dir
+):
     import json
     import shutil
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(Path(model_dir) / name, tmp_path / name)
     original = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    for change in ({"add_bos_token": True}, {"add_prefix_space": True}, {"tokenizer_class": "LlamaTokenizer"}):
+    for change in (
+        {"add_bos_token": True},
+        {"add_prefix_space": True},
+        {"tokenizer_class": "LlamaTokenizer"},
+    ):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**original, **change}))
         assert PromptTokenizer(str(tmp_path))._fast is None, change
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(original))
@@ -87,7 +109,9 @@ if __name__ == "__main__":
 def test_user_process_imports_neither_torch_nor_transformers_for_text(tmp_path):
     script = tmp_path / "user.py"
     script.write_text(USER_PROCESS)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["False", "False", "True", "True"], res.stdout
 
@@ -97,11 +121,17 @@ def test_preload_tokenizer_loads_transformers_tokenizer_during_start(tiny_llama_
     it at once), loaded while the children start instead of after them."""
     from engine import Engine
 
-    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=256, preload_tokenizer=True) as eng:
+    with Engine(
+        model_path=tiny_llama_dir, dtype="float32", max_total_tokens=256, preload_tokenizer=True
+    ) as eng:
         assert eng._prompt_tokenizer._hf is not None
         messages = [{"role": "user", "content": "hi"}]
         out = eng.generate(messages=messages, sampling_params={"max_new_tokens": 2})
-        text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert out["meta_info"]["prompt_tokens"] == len(eng.tokenizer.encode(text, add_special_tokens=False))
+        text = eng.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        assert out["meta_info"]["prompt_tokens"] == len(
+            eng.tokenizer.encode(text, add_special_tokens=False)
+        )
     with pytest.raises(ValueError, match="preload_tokenizer must be True or False, got 'yes'"):
         Engine(preload_tokenizer="yes")

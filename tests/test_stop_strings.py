@@ -46,10 +46,21 @@ def streamed(pieces: list[str], stops: tuple[str, ...], min_new: int) -> tuple[s
 def _random_case(rng: random.Random):
     alphabet = rng.choice(["ab", "ab\n", "abc", "\n."])
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24)))
-    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))})
-    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) if len(text) > 1 else []
+    stops = tuple(
+        {
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+            for _ in range(rng.randint(1, 3))
+        }
+    )
+    cuts = (
+        sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1)))
+        if len(text) > 1
+        else []
+    )
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    if rng.random() < 0.2:  # tokens with no text (a partial UTF-8 character, a skipped special token)
+    if (
+        rng.random() < 0.2
+    ):  # tokens with no text (a partial UTF-8 character, a skipped special token)
         pieces.insert(rng.randrange(len(pieces) + 1), "")
     return pieces, stops, rng.randint(0, len(pieces) + 2)
 
@@ -58,14 +69,27 @@ def test_matcher_agrees_with_the_reference_over_random_splits():
     rng = random.Random(13)
     for case in range(20000):
         pieces, stops, min_new = _random_case(rng)
-        assert streamed(pieces, stops, min_new) == reference(pieces, stops, min_new), (case, pieces, stops, min_new)
+        assert streamed(pieces, stops, min_new) == reference(pieces, stops, min_new), (
+            case,
+            pieces,
+            stops,
+            min_new,
+        )
 
 
 @pytest.mark.parametrize(
     "pieces, min_new, expected",
     [
-        (["a", "\n", "x", "y"], 3, ("a\nxy", None)),  # "\n" came before min_new_tokens: it does not stop
-        (["a", "\n", "\n", "y"], 3, ("a", "\n\n")),  # "\n\n" ends after the boundary: it stops, whole
+        (
+            ["a", "\n", "x", "y"],
+            3,
+            ("a\nxy", None),
+        ),  # "\n" came before min_new_tokens: it does not stop
+        (
+            ["a", "\n", "\n", "y"],
+            3,
+            ("a", "\n\n"),
+        ),  # "\n\n" ends after the boundary: it stops, whole
         (["a", "\n", "x", "\n"], 3, ("a\nx", "\n")),
     ],
 )
@@ -98,7 +122,9 @@ def detokenizer(model_dir):
 
 
 @pytest.mark.parametrize("reason", ["length", "abort"])
-def test_detokenizer_flushes_held_text_when_a_request_ends_before_min_new_tokens(detokenizer, tokenizer, reason):
+def test_detokenizer_flushes_held_text_when_a_request_ends_before_min_new_tokens(
+    detokenizer, tokenizer, reason
+):
     from engine.ipc.messages import BatchTokenOut, FinishReason, RequestHeader, RequestMeta
 
     ids = tokenizer.encode("Hello world.\n")
@@ -107,8 +133,22 @@ def test_detokenizer_flushes_held_text_when_a_request_ends_before_min_new_tokens
     text = ""
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
-        finish = (FinishReason("length", length=len(ids)) if reason == "length" else FinishReason("abort", message="x")) if last else None
-        out = BatchTokenOut(["r"], [token], [finish], [RequestMeta(3, i + 1) if last else None], [header if i == 0 else None])
+        finish = (
+            (
+                FinishReason("length", length=len(ids))
+                if reason == "length"
+                else FinishReason("abort", message="x")
+            )
+            if last
+            else None
+        )
+        out = BatchTokenOut(
+            ["r"],
+            [token],
+            [finish],
+            [RequestMeta(3, i + 1) if last else None],
+            [header if i == 0 else None],
+        )
         text += detokenizer.detokenize(out).text_deltas[0]
     assert text == "Hello world.\n"
     assert not detokenizer.stop_states
@@ -133,8 +173,11 @@ def test_held_text_reaches_the_caller_when_a_batch_fails(detokenizer, tokenizer,
         raise HookError("a_plugin", "engine_detokenize", RuntimeError("boom"))
 
     monkeypatch.setattr(detokenizer, "_decode", fail)
-    last = detokenizer.detokenize(BatchTokenOut(["r"], [tokenizer.encode("!", add_special_tokens=False)[0]], [None],
-                                                [None], [None]))  # fmt: skip
+    last = detokenizer.detokenize(
+        BatchTokenOut(
+            ["r"], [tokenizer.encode("!", add_special_tokens=False)[0]], [None], [None], [None]
+        )
+    )
     assert last.finished[0].type == "abort" and text + last.text_deltas[0] == "Hello wor"
     assert not detokenizer.stop_states
 
@@ -153,11 +196,15 @@ def test_min_new_tokens_is_clipped_with_max_new_tokens(tiny_engine):
     assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     last = tiny_engine.tokenizer.decode(plain["output_ids"][-1:])
     assert last, "the last token has no text of its own; pick another prompt"
-    out = tiny_engine.generate(input_ids=prompt, sampling_params={**params, "stop": [last + "\x00never"]})
+    out = tiny_engine.generate(
+        input_ids=prompt, sampling_params={**params, "stop": [last + "\x00never"]}
+    )
     assert out["text"] == plain["text"] and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(detokenizer, tokenizer):
+def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(
+    detokenizer, tokenizer
+):
     """A token ending in half a character (" \\xc3", a space and the first byte of "ä") used to hold its
     complete characters back with the half: the space came out with the next token's text, after
     min_new_tokens, where the stop string " " matched though it ended inside the early tokens' text.
@@ -166,7 +213,12 @@ def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(de
     from engine.ipc.messages import BatchTokenOut, FinishReason, RequestHeader, RequestMeta
 
     vocab = tokenizer.get_vocab()
-    ids = [vocab["x"], vocab["Ġ\u00c3"], vocab["\u00a4"], vocab["y"]]  # byte-level pieces of "x ä" + "y"
+    ids = [
+        vocab["x"],
+        vocab["Ġ\u00c3"],
+        vocab["\u00a4"],
+        vocab["y"],
+    ]  # byte-level pieces of "x ä" + "y"
     assert tokenizer.decode(ids) == "x \u00e4y"
 
     def run(stop: tuple[str, ...], rid: str) -> tuple[str, list[str], FinishReason | None]:
@@ -174,8 +226,13 @@ def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(de
         text, deltas, finish = "", [], None
         for i, token in enumerate(ids):
             last = i == len(ids) - 1
-            out = BatchTokenOut([rid], [token], [FinishReason("length", length=4) if last else None],
-                                [RequestMeta(3, i + 1) if last else None], [header if i == 0 else None])  # fmt: skip
+            out = BatchTokenOut(
+                [rid],
+                [token],
+                [FinishReason("length", length=4) if last else None],
+                [RequestMeta(3, i + 1) if last else None],
+                [header if i == 0 else None],
+            )
             got = detokenizer.detokenize(out)
             if got is None:
                 break
@@ -186,7 +243,9 @@ def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(de
                 break
         return text, deltas, finish
 
-    text, deltas, finish = run((" ",), "space")  # the space is the second token's: before the boundary
+    text, deltas, finish = run(
+        (" ",), "space"
+    )  # the space is the second token's: before the boundary
     assert (text, finish.type if finish else None) == ("x \u00e4y", "length"), (text, finish)
     assert deltas[:2] == ["x", " "]  # released with its own token, the half character held
     text, _, finish = run(("\u00e4",), "umlaut")  # "ä" ends in the third token: after it

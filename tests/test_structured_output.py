@@ -25,7 +25,10 @@ PERSON = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city"],
             "additionalProperties": False,
         },
@@ -34,9 +37,20 @@ PERSON = {
     "required": ["name", "age", "colour", "address"],
     "additionalProperties": False,
 }
-ITEMS = {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
-                                    "required": ["id", "ok"], "additionalProperties": False},
-         "minItems": 1, "maxItems": 3}  # fmt: skip
+ITEMS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "ok"],
+        "additionalProperties": False,
+    },
+    "minItems": 1,
+    "maxItems": 3,
+}
 SCHEMAS = [PERSON, ITEMS]
 REGEXES = [r"(yes|no), because [a-z ]{1,30}\.", r"[0-9]{3}-[0-9]{4}", r"\d{4}-\d{2}-\d{2}"]
 EBNF = 'root ::= num " + " num (" + " num)? " = " num\nnum ::= [1-9] [0-9]?\n'
@@ -57,7 +71,9 @@ def _valid(kind: str, spec, text: str) -> bool:
     return re.fullmatch(EBNF_CHECK, text) is not None
 
 
-CONSTRAINTS = [("json_schema", s) for s in SCHEMAS] + [("regex", r) for r in REGEXES] + [("ebnf", EBNF)]
+CONSTRAINTS = (
+    [("json_schema", s) for s in SCHEMAS] + [("regex", r) for r in REGEXES] + [("ebnf", EBNF)]
+)
 IDS = ["schema-person", "schema-items", "regex-yesno", "regex-phone", "regex-date", "ebnf-sum"]
 
 
@@ -65,12 +81,20 @@ IDS = ["schema-person", "schema-items", "regex-yesno", "regex-phone", "regex-dat
 def test_every_output_is_valid_greedy_sampled_n4_and_beams(engine, kind, spec):
     c = {kind: spec}
     greedy = engine.generate(PROMPT, {"max_new_tokens": NEW, "temperature": 0, **c})
-    sampled = engine.generate([PROMPT] * 2, [{"max_new_tokens": NEW, "temperature": 1.0, "seed": s, **c} for s in (1, 2)])
-    n4 = engine.generate(PROMPT, {"max_new_tokens": NEW, "temperature": 1.0, "seed": 7, "n": 4, **c})
-    beams = engine.beam_search(PROMPT, beam_width=4, max_new_tokens=NEW, num_return_sequences=4, **c)
+    sampled = engine.generate(
+        [PROMPT] * 2, [{"max_new_tokens": NEW, "temperature": 1.0, "seed": s, **c} for s in (1, 2)]
+    )
+    n4 = engine.generate(
+        PROMPT, {"max_new_tokens": NEW, "temperature": 1.0, "seed": 7, "n": 4, **c}
+    )
+    beams = engine.beam_search(
+        PROMPT, beam_width=4, max_new_tokens=NEW, num_return_sequences=4, **c
+    )
     outs = [greedy, *sampled, *n4]
     for o in outs:
-        assert o["meta_info"]["finish_reason"]["type"] == "stop", o  # the grammar completed, then EOS
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", (
+            o
+        )  # the grammar completed, then EOS
         assert _valid(kind, spec, o["text"]), o["text"]
     assert len(beams["hypotheses"]) == 4
     for h in beams["hypotheses"]:
@@ -80,24 +104,38 @@ def test_every_output_is_valid_greedy_sampled_n4_and_beams(engine, kind, spec):
 def test_a_grammar_with_fewer_answers_than_asked_returns_only_those(engine):
     """Regex "a" has one token path, so a search of 2 beams finds one hypothesis; the second result was
     an empty placeholder with finish reason "length" and score -1e9."""
-    out = engine.beam_search(PROMPT, beam_width=2, max_new_tokens=4, num_return_sequences=2, regex="a")
-    assert [(h["text"], h["finish_reason"]["type"]) for h in out["hypotheses"]] == [("a", "stop")], out["hypotheses"]
+    out = engine.beam_search(
+        PROMPT, beam_width=2, max_new_tokens=4, num_return_sequences=2, regex="a"
+    )
+    assert [(h["text"], h["finish_reason"]["type"]) for h in out["hypotheses"]] == [
+        ("a", "stop")
+    ], out["hypotheses"]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_unconstrained_neighbours_are_unchanged(engine):
     plain = {"max_new_tokens": 24, "temperature": 0}
     alone = engine.generate(["The quick brown fox", "def add(a, b):"], plain)
-    mixed = engine.generate(["The quick brown fox", PROMPT, "def add(a, b):", PROMPT],
-                            [plain, {"max_new_tokens": NEW, "temperature": 0, "json_schema": PERSON}, plain,
-                             {"max_new_tokens": 20, "temperature": 0, "regex": REGEXES[1]}])  # fmt: skip
+    mixed = engine.generate(
+        ["The quick brown fox", PROMPT, "def add(a, b):", PROMPT],
+        [
+            plain,
+            {"max_new_tokens": NEW, "temperature": 0, "json_schema": PERSON},
+            plain,
+            {"max_new_tokens": 20, "temperature": 0, "regex": REGEXES[1]},
+        ],
+    )
     assert [mixed[0]["output_ids"], mixed[2]["output_ids"]] == [a["output_ids"] for a in alone]
-    assert _valid("json_schema", PERSON, mixed[1]["text"]) and _valid("regex", REGEXES[1], mixed[3]["text"])
+    assert _valid("json_schema", PERSON, mixed[1]["text"]) and _valid(
+        "regex", REGEXES[1], mixed[3]["text"]
+    )
 
 
 def test_streamed_prefixes_of_a_json_output(engine):
     text, prefixes = "", []
-    for chunk in engine.generate(PROMPT, {"max_new_tokens": NEW, "temperature": 0, "json_schema": PERSON}, stream=True):
+    for chunk in engine.generate(
+        PROMPT, {"max_new_tokens": NEW, "temperature": 0, "json_schema": PERSON}, stream=True
+    ):
         text += chunk["text"]
         prefixes.append(text)
     assert _valid("json_schema", PERSON, text)
@@ -108,7 +146,9 @@ def test_grammar_compiles_once_per_constraint(engine):
     before = engine.get_stats()["grammar_compile_seconds"]
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     for _ in range(2):
-        out = engine.generate(PROMPT, {"max_new_tokens": 16, "temperature": 0, "json_schema": schema})
+        out = engine.generate(
+            PROMPT, {"max_new_tokens": 16, "temperature": 0, "json_schema": schema}
+        )
         assert _valid("json_schema", schema, out["text"])
     stats = engine.get_stats()
     assert len(stats["grammar_compile_seconds"]) == len(before) + 1
@@ -118,25 +158,38 @@ def test_grammar_compiles_once_per_constraint(engine):
 def test_a_complete_grammar_is_not_held_open_by_min_new_tokens(engine):
     """A boolean is complete after a token or two; min_new_tokens=6 then masked the only token left
     (EOS), and the complete output ended as an abort. The grammar's completion wins over min_new_tokens."""
-    outs = engine.generate([PROMPT] * 2, [{"json_schema": {"type": "boolean"}, "min_new_tokens": 6, "max_new_tokens": 12,
-                                           "temperature": t} for t in (0, 1.0)])  # fmt: skip
+    outs = engine.generate(
+        [PROMPT] * 2,
+        [
+            {
+                "json_schema": {"type": "boolean"},
+                "min_new_tokens": 6,
+                "max_new_tokens": 12,
+                "temperature": t,
+            }
+            for t in (0, 1.0)
+        ],
+    )
     for out in outs:
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         assert json.loads(out["text"]) in (True, False)
         assert out["meta_info"]["completion_tokens"] < 6
 
 
-@pytest.mark.parametrize("params,field", [
-    ({"json_schema": PERSON, "regex": "a+"}, "at most one"),
-    ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": {"type": "objekt"}}, "json_schema"),
-    ({"json_schema": 5}, "json_schema"),
-    ({"regex": "(unclosed"}, "regex"),
-    ({"regex": ""}, "regex"),
-    ({"ebnf": "root ::= missing_rule"}, "ebnf"),
-    ({"ebnf": "root = 'no'"}, "ebnf"),
-    ({"regex": "a+", "ignore_eos": True}, "ignore_eos"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        ({"json_schema": PERSON, "regex": "a+"}, "at most one"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": {"type": "objekt"}}, "json_schema"),
+        ({"json_schema": 5}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"regex": ""}, "regex"),
+        ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+        ({"ebnf": "root = 'no'"}, "ebnf"),
+        ({"regex": "a+", "ignore_eos": True}, "ignore_eos"),
+    ],
+)
 def test_bad_constraints_are_refused_naming_the_field(params, field):
     with pytest.raises(ValueError, match=field):
         parse_sampling_params(params, VOCAB)
@@ -145,9 +198,14 @@ def test_bad_constraints_are_refused_naming_the_field(params, field):
 def test_bad_constraint_is_refused_before_anything_is_queued(engine):
     before = engine.get_stats()
     with pytest.raises(ValueError, match="regex"):
-        engine.generate(["Hi", "Hello"], [{"max_new_tokens": 4}, {"max_new_tokens": 4, "regex": "(("}])
+        engine.generate(
+            ["Hi", "Hello"], [{"max_new_tokens": 4}, {"max_new_tokens": 4, "regex": "(("}]
+        )
     after = engine.get_stats()
-    assert after["prompt_tokens"] == before["prompt_tokens"] and after["aborted_requests"] == before["aborted_requests"]
+    assert (
+        after["prompt_tokens"] == before["prompt_tokens"]
+        and after["aborted_requests"] == before["aborted_requests"]
+    )
 
 
 def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_scheduler):
@@ -165,8 +223,14 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_sc
     sched.grammars.request = lambda kind, text: pending  # a compile that has not finished
     try:
         plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
-        run.submit(TokenizedRequest("constrained", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, regex="[0-9]{3}")),
-                   TokenizedRequest("plain", [1, 4, 5], plain))  # fmt: skip
+        run.submit(
+            TokenizedRequest(
+                "constrained",
+                [1, 2, 3],
+                SamplingParams(max_new_tokens=8, temperature=0.0, regex="[0-9]{3}"),
+            ),
+            TokenizedRequest("plain", [1, 4, 5], plain),
+        )
         finished = dict(run.finish_all())
         assert finished == {"plain": finished["plain"]} and finished["plain"].type == "length"
         assert [r.rid for r in sched.waiting] == ["constrained"]  # still waiting, not failed
@@ -187,17 +251,27 @@ def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(stage, "MAX_COMPILED", 3)
     grammars = stage.Grammars("unused", 10, [0])
     grammars.compile_seconds = stage.collections.deque(maxlen=3)
-    monkeypatch.setattr(grammars, "_compile", lambda kind, text: grammars.compile_seconds.append(0.0) or (kind, text))
+    monkeypatch.setattr(
+        grammars,
+        "_compile",
+        lambda kind, text: grammars.compile_seconds.append(0.0) or (kind, text),
+    )
     held = [grammars.request("regex", f"a{i}") for i in range(10)]
     assert [f.result() for f in held] == [("regex", f"a{i}") for i in range(10)]
     assert list(grammars._compiled) == [("regex", "a7"), ("regex", "a8"), ("regex", "a9")]
     assert grammars.request("regex", "a8") is held[8]  # a hit keeps it and makes it the most recent
     grammars.request("regex", "new")
-    assert list(grammars._compiled) == [("regex", "a9"), ("regex", "a8"), ("regex", "new")]  # a7 went first
+    assert list(grammars._compiled) == [
+        ("regex", "a9"),
+        ("regex", "a8"),
+        ("regex", "new"),
+    ]  # a7 went first
     assert len(grammars.compile_seconds) == 3
 
 
-def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_scheduler, monkeypatch):
+def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(
+    tiny_scheduler, monkeypatch
+):
     """One compile thread, a queue without end: compiles of requests aborted while they waited (or
     dropped from the cache) still ran, each before every constraint sent after them (2,000 distinct
     schemas at 2 ms each kept a new one waiting 4.35 s). A new constraint's arrival now cancels the
@@ -236,7 +310,10 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(tiny_sch
         future.exception(timeout=30)
     dict(run.finish_all())
     assert compiled == ["first", "new"]
-    assert ("regex", "a1") not in grammars._compiled  # a cancelled compile is not served to a later request
+    assert (
+        "regex",
+        "a1",
+    ) not in grammars._compiled  # a cancelled compile is not served to a later request
 
 
 def _wait_for_compiles(sched) -> None:
@@ -279,7 +356,10 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     from engine.sampling_params import SamplingParams
 
     run, sched = tiny_scheduler, tiny_scheduler.sched
-    real, bad = sched.grammars.backend(), []  # the matchers themselves: an id() alone is reused once one is freed
+    real, bad = (
+        sched.grammars.backend(),
+        [],
+    )  # the matchers themselves: an id() alone is reused once one is freed
 
     class Flaky(_Passing):
         def matcher(self, compiled):
@@ -294,22 +374,37 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
             real.fill_masks(matchers, bitmask, rows)
 
     monkeypatch.setattr(sched.grammars, "_backend", Flaky(real))
-    monkeypatch.setattr(sched.grammars, "_compiled", type(sched.grammars._compiled)())  # compiled by Flaky
+    monkeypatch.setattr(
+        sched.grammars, "_compiled", type(sched.grammars._compiled)()
+    )  # compiled by Flaky
     greedy = dict(temperature=0.0, max_new_tokens=6)
-    run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy)),
-               TokenizedRequest("good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy)),
-               TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)))  # fmt: skip
+    run.submit(
+        TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy)),
+        TokenizedRequest("good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy)),
+        TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)),
+    )
     _wait_for_compiles(sched)
     finished = dict(run.finish_all())
-    assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
+    assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, (
+        finished["bad"]
+    )
     assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
     # a beam search whose rows the backend fails on ends too (beside other requests: the next test)
     from engine.ipc.messages import BeamParams
 
-    run.submit(TokenizedRequest("beams", [1, 2, 3], SamplingParams(regex="b+", max_new_tokens=4, temperature=0.0), beam=BeamParams(2)))
+    run.submit(
+        TokenizedRequest(
+            "beams",
+            [1, 2, 3],
+            SamplingParams(regex="b+", max_new_tokens=4, temperature=0.0),
+            beam=BeamParams(2),
+        )
+    )
     _wait_for_compiles(sched)
     finished = dict(run.finish_all())
-    assert finished["beams"].type == "abort" and "the plugin's bug" in finished["beams"].message, finished
+    assert finished["beams"].type == "abort" and "the plugin's bug" in finished["beams"].message, (
+        finished
+    )
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 
@@ -318,7 +413,10 @@ class _Marked:
     """A matcher of a constraint the flaky backend below fails on; its forks (beams) stay marked."""
 
     def __init__(self, real, accepts: list) -> None:
-        self.real, self.accepts = real, accepts  # accepts: [calls so far, the call that raises (0: none)]
+        self.real, self.accepts = (
+            real,
+            accepts,
+        )  # accepts: [calls so far, the call that raises (0: none)]
 
     def accept_token(self, token_id: int) -> bool:
         self.accepts[0] += 1
@@ -334,7 +432,9 @@ class _Marked:
 
 
 @pytest.mark.parametrize("fail_at", ["start", "decode", "first accept", "later accept"])
-def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(tiny_scheduler, monkeypatch, fail_at):
+def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(
+    tiny_scheduler, monkeypatch, fail_at
+):
     """A plugin's backend failing on one beam's row (its fill_masks, or a matcher's accept_token, raised)
     failed the whole step: every other request in it, plain rows and other searches, ended in abort with
     the plugin's error. The failing search ends alone, at its first selection or a later one."""
@@ -355,18 +455,30 @@ def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(tiny_sc
                 calls["bad"] += 1
                 if fail_at == "start" or (fail_at == "decode" and calls["bad"] > 2):
                     raise RuntimeError("the plugin's bug")
-            real.fill_masks([m.real if isinstance(m, _Marked) else m for m in matchers], bitmask, rows)
+            real.fill_masks(
+                [m.real if isinstance(m, _Marked) else m for m in matchers], bitmask, rows
+            )
 
     monkeypatch.setattr(sched.grammars, "_backend", Flaky(real))
-    monkeypatch.setattr(sched.grammars, "_compiled", type(sched.grammars._compiled)())  # compiled by Flaky
+    monkeypatch.setattr(
+        sched.grammars, "_compiled", type(sched.grammars._compiled)()
+    )  # compiled by Flaky
     greedy = dict(temperature=0.0, max_new_tokens=6)
-    run.submit(TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy), beam=BeamParams(2)),
-               TokenizedRequest("good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy), beam=BeamParams(2)),
-               TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)),
-               TokenizedRequest("row", [1, 4, 6], SamplingParams(regex="[0-9]{3}", **greedy)))  # fmt: skip
+    run.submit(
+        TokenizedRequest(
+            "bad", [1, 2, 3], SamplingParams(regex="b+", **greedy), beam=BeamParams(2)
+        ),
+        TokenizedRequest(
+            "good", [1, 2, 3], SamplingParams(regex="[0-9]{2}", **greedy), beam=BeamParams(2)
+        ),
+        TokenizedRequest("plain", [1, 4, 5], SamplingParams(ignore_eos=True, **greedy)),
+        TokenizedRequest("row", [1, 4, 6], SamplingParams(regex="[0-9]{3}", **greedy)),
+    )
     _wait_for_compiles(sched)
     finished = dict(run.finish_all())
-    assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, finished["bad"]
+    assert finished["bad"].type == "abort" and "the plugin's bug" in finished["bad"].message, (
+        finished["bad"]
+    )
     assert finished["good"].type == "stop" and finished["plain"].type == "length", finished
     assert finished["row"].type == "stop", finished
     if fail_at == "decode":
@@ -393,12 +505,22 @@ def test_a_processor_banning_all_the_grammar_allows_fails_naming_the_processor(e
     the row all -inf, sampled as token 0, and the request ended blaming the grammar for refusing it."""
     a = engine.tokenizer.encode("a", add_special_tokens=False)
     assert len(a) == 1
-    out = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a",
-                                   "custom_logit_processor": "disallowed_tokens", "custom_params": {"token_ids": a}})  # fmt: skip
+    out = engine.generate(
+        PROMPT,
+        {
+            "max_new_tokens": 4,
+            "temperature": 0,
+            "regex": "a",
+            "custom_logit_processor": "disallowed_tokens",
+            "custom_params": {"token_ids": a},
+        },
+    )
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "disallowed_tokens" in reason["message"], reason
     assert out["output_ids"] == []
-    ok = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a"})  # the engine serves on
+    ok = engine.generate(
+        PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a"}
+    )  # the engine serves on
     assert ok["text"] == "a"
 
 
@@ -441,7 +563,9 @@ def test_a_beam_whose_token_its_grammar_refuses_never_wins(model_dir):
         grammars.close()
 
 
-def test_a_stop_token_a_hook_puts_back_ends_no_beam_whose_grammar_is_unfinished(tiny_scheduler, tiny_llama_dir):
+def test_a_stop_token_a_hook_puts_back_ends_no_beam_whose_grammar_is_unfinished(
+    tiny_scheduler, tiny_llama_dir
+):
     """engine_process_logits runs after the grammar's mask and can put a stop token back: a beam that
     took it became a finished hypothesis at once (a stop token ends a beam in the selection, before any
     matcher sees it), so the search returned text its grammar does not accept. Here the hook gives the
@@ -481,4 +605,6 @@ def test_a_stop_token_a_hook_puts_back_ends_no_beam_whose_grammar_is_unfinished(
         refresh()
     assert len(out) == 1, messages
     hyps = out[0].hypotheses
-    assert hyps and all(h.output_ids[-1] == stop and tok.decode(h.output_ids[:-1]) == "ab" for h in hyps), hyps
+    assert hyps and all(
+        h.output_ids[-1] == stop and tok.decode(h.output_ids[:-1]) == "ab" for h in hyps
+    ), hyps

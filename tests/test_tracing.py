@@ -43,23 +43,39 @@ def test_otlp_json_lines_round_trip_and_http_json_body():
     from engine.tracing.otlp_json import records_from_lines, spans_to_line
 
     memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"engine.process.role": "user", "process.pid": 7}))
+    provider = TracerProvider(
+        resource=Resource.create({"engine.process.role": "user", "process.pid": 7})
+    )
     provider.add_span_processor(SimpleSpanProcessor(memory))
     tracer = provider.get_tracer("t")
-    with tracer.start_as_current_span("parent", attributes={"n": 3, "f": 0.5, "s": "x", "l": ["a", "b"]}) as parent:
+    with tracer.start_as_current_span(
+        "parent", attributes={"n": 3, "f": 0.5, "s": "x", "l": ["a", "b"]}
+    ) as parent:
         with tracer.start_as_current_span("child", links=[]):
             pass
     line = spans_to_line(memory.get_finished_spans())
     records = {r.name: r for r in records_from_lines([line])}
     ctx = parent.get_span_context()
-    assert records["parent"].trace_id == f"{ctx.trace_id:032x}" and records["parent"].span_id == f"{ctx.span_id:016x}"
+    assert (
+        records["parent"].trace_id == f"{ctx.trace_id:032x}"
+        and records["parent"].span_id == f"{ctx.span_id:016x}"
+    )
     assert records["child"].parent_span_id == records["parent"].span_id
     assert records["parent"].attributes == {"n": 3, "f": 0.5, "s": "x", "l": ["a", "b"]}
     assert records["parent"].role == "user" and records["parent"].pid == 7
-    assert records["parent"].start_ns < records["child"].start_ns <= records["child"].end_ns < records["parent"].end_ns
+    assert (
+        records["parent"].start_ns
+        < records["child"].start_ns
+        <= records["child"].end_ns
+        < records["parent"].end_ns
+    )
     with OTLPReceiver() as rx:
-        post = urllib.request.Request(rx.http_endpoint + "/v1/traces", data=line.encode(), method="POST",
-                                      headers={"Content-Type": "application/json"})  # fmt: skip
+        post = urllib.request.Request(
+            rx.http_endpoint + "/v1/traces",
+            data=line.encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(post, timeout=10) as reply:
             assert reply.status == 200
             # OTLP/HTTP: the response is encoded as the request was (before: a protobuf body for JSON)
@@ -92,7 +108,9 @@ def test_the_receiver_reads_chunked_bodies_and_refuses_bodies_without_a_length()
     provider.get_tracer("t").start_span("chunked").end()
     body = spans_to_line(memory.get_finished_spans()).encode()
 
-    def post(rx, headers: dict, chunks: list[bytes] | None = None, data: bytes | None = None) -> int:
+    def post(
+        rx, headers: dict, chunks: list[bytes] | None = None, data: bytes | None = None
+    ) -> int:
         url = urlparse(rx.http_endpoint)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
         conn.putrequest("POST", "/v1/traces")
@@ -114,7 +132,9 @@ def test_the_receiver_reads_chunked_bodies_and_refuses_bodies_without_a_length()
         assert [r.name for r in rx.spans()] == ["chunked"]
         assert post(rx, {}, data=b"") == 411
         assert post(rx, {"Content-Length": "ten"}, data=b"") == 400
-        assert post(rx, {"Transfer-Encoding": "chunked"}, data=b"zz\r\n{}\r\n0\r\n\r\n") == 400  # a chunk size not in hex
+        assert (
+            post(rx, {"Transfer-Encoding": "chunked"}, data=b"zz\r\n{}\r\n0\r\n\r\n") == 400
+        )  # a chunk size not in hex
     with OTLPReceiver(keep=False) as rx:
         assert post(rx, {"Content-Length": str(len(body))}, data=body) == 200
         assert rx.export_count == 1 and rx.span_count == 1 and rx.requests == []
@@ -133,7 +153,10 @@ def test_receive_on_a_port_in_use_is_one_line_naming_it(capsys):
         port = taken.getsockname()[1]
         assert main(["receive", "--grpc-port", str(port), "--http-port", "0"]) == 2
     err = capsys.readouterr().err
-    assert f"engine trace receive: cannot listen for OTLP/gRPC on 127.0.0.1:{port}" in err and "Traceback" not in err
+    assert (
+        f"engine trace receive: cannot listen for OTLP/gRPC on 127.0.0.1:{port}" in err
+        and "Traceback" not in err
+    )
 
 
 def test_trace_steps_keeps_one_step_in_n_and_every_failed_step(monkeypatch):
@@ -162,14 +185,19 @@ def test_trace_steps_keeps_one_step_in_n_and_every_failed_step(monkeypatch):
     steps = [s for s in memory.get_finished_spans() if s.name == "decode step"]
     assert len(steps) == 2 + 1  # steps 3 and 6, and the failed one
     assert steps[-1].status.status_code.name == "ERROR" and "boom" in steps[-1].status.description
-    assert [s.name for s in memory.get_finished_spans() if s.parent and s.parent.span_id == steps[-1].context.span_id] == [
-        "schedule", "forward"]  # the failed step: forward raised, no sample
+    assert [
+        s.name
+        for s in memory.get_finished_spans()
+        if s.parent and s.parent.span_id == steps[-1].context.span_id
+    ] == ["schedule", "forward"]  # the failed step: forward raised, no sample
     plugin.step_every = 0  # no step traces, but still every failed one
     memory.clear()
     plugin.engine_step_end(step=ok)
     assert memory.get_finished_spans() == ()
     plugin.engine_step_end(step=failed)
-    assert [s.name for s in memory.get_finished_spans() if s.name.endswith(" step")] == ["decode step"]
+    assert [s.name for s in memory.get_finished_spans() if s.name.endswith(" step")] == [
+        "decode step"
+    ]
 
 
 def test_no_step_spans_after_the_stop_hook_flushed():
@@ -266,7 +294,9 @@ def test_spans_a_hook_is_making_when_the_stop_hook_runs_are_in_its_flush(hook):
     worker = threading.Thread(target=call)
     worker.start()
     assert inside.wait(10)
-    stopper = threading.Thread(target=plugin.engine_process_stop, kwargs={"role": plugin.role, "pid": os.getpid()})
+    stopper = threading.Thread(
+        target=plugin.engine_process_stop, kwargs={"role": plugin.role, "pid": os.getpid()}
+    )
     stopper.start()
     stopper.join(0.3)  # in the race, the stop hook flushes now, before the spans exist
     go.set()
@@ -276,11 +306,17 @@ def test_spans_a_hook_is_making_when_the_stop_hook_runs_are_in_its_flush(hook):
 
 
 # first: these load and unload the plugin themselves, before the module's traced engine exists
-@pytest.mark.parametrize("env, message", [
-    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"),
-    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin' is not supported"),
-    ({"ENGINE_TRACE_FILE": "/no/such/folder/spans.jsonl"}, "does not exist"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported",
+        ),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin' is not supported"),
+        ({"ENGINE_TRACE_FILE": "/no/such/folder/spans.jsonl"}, "does not exist"),
+    ],
+)
 def test_bad_tracing_settings_stop_the_engine_with_a_clear_error(monkeypatch, env, message):
     from engine import Engine
     from engine.errors import EngineStartError
@@ -292,7 +328,9 @@ def test_bad_tracing_settings_stop_the_engine_with_a_clear_error(monkeypatch, en
         monkeypatch.setenv(key, value)
     try:
         # HookError from the user process; EngineStartError if it was configured before (a child fails)
-        with pytest.raises((HookError, EngineStartError), match="tracing.*engine_process_start") as info:
+        with pytest.raises(
+            (HookError, EngineStartError), match="tracing.*engine_process_start"
+        ) as info:
             Engine(dtype="float32", max_total_tokens=2048)
         assert message in str(info.value)
     finally:
@@ -307,7 +345,16 @@ def test_tracing_switch_values(monkeypatch):
         assert tracing_enabled() is on
     monkeypatch.delenv("ENGINE_TRACING")
     assert tracing_enabled() is False
-    for value in ("maybe", "yes", "true", "on", "off", "no", "false", "2"):  # docs/tracing.md: only 1 and 0
+    for value in (
+        "maybe",
+        "yes",
+        "true",
+        "on",
+        "off",
+        "no",
+        "false",
+        "2",
+    ):  # docs/tracing.md: only 1 and 0
         monkeypatch.setenv("ENGINE_TRACING", value)
         with pytest.raises(ValueError, match=f"ENGINE_TRACING='{value}'"):
             tracing_enabled()
@@ -327,9 +374,15 @@ def traced(receiver):
     from engine.hooks.loader import loaded_plugins, unload_plugins
 
     assert "tracing" not in loaded_plugins()
-    env = {"ENGINE_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
-           "OTEL_SERVICE_NAME": "engine-test"}  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:  # the children take the variables at spawn; then they go
+    env = {
+        "ENGINE_TRACING": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_SERVICE_NAME": "engine-test",
+    }
+    with (
+        pytest.MonkeyPatch.context() as mp
+    ):  # the children take the variables at spawn; then they go
         for key, value in env.items():
             mp.setenv(key, value)
         eng = Engine(dtype="float32", max_total_tokens=4096)
@@ -344,8 +397,13 @@ def traced(receiver):
 
 
 def _root(spans: list[SpanRecord], rid: str) -> SpanRecord:
-    found = [s for s in spans if s.role == "user" and "gen_ai.operation.name" in s.attributes
-             and s.attributes.get("engine.request_id") == rid]  # fmt: skip
+    found = [
+        s
+        for s in spans
+        if s.role == "user"
+        and "gen_ai.operation.name" in s.attributes
+        and s.attributes.get("engine.request_id") == rid
+    ]
     assert len(found) == 1, f"{len(found)} root spans for {rid}"
     return found[0]
 
@@ -365,7 +423,11 @@ def _complete(rids: list[str], names: set[str]):
     def check(spans: list[SpanRecord]) -> bool:
         for rid in rids:
             have = {s.name for s in spans if s.attributes.get("engine.request_id") == rid}
-            if not names <= have or not any("gen_ai.operation.name" in s.attributes and s.attributes.get("engine.request_id") == rid for s in spans):
+            if not names <= have or not any(
+                "gen_ai.operation.name" in s.attributes
+                and s.attributes.get("engine.request_id") == rid
+                for s in spans
+            ):
                 return False
         return True
 
@@ -378,7 +440,9 @@ STAGES = {"tokenize", "queue", "prefill", "decode", "detokenize"}
 @pytest.fixture(scope="module")
 def batch(traced, receiver):
     """Three greedy requests in one call; their spans once all have arrived."""
-    params = [{"max_new_tokens": n, "temperature": 0, "top_p": 0.9, "ignore_eos": True} for n in (6, 9, 4)]
+    params = [
+        {"max_new_tokens": n, "temperature": 0, "top_p": 0.9, "ignore_eos": True} for n in (6, 9, 4)
+    ]
     results = traced.generate(PROMPTS, params)
     rids = [r["meta_info"]["id"] for r in results]
     assert receiver.wait_for(_complete(rids, STAGES), SPAN_WAIT), "spans did not all arrive"
@@ -442,7 +506,9 @@ def test_spans_are_in_true_order_and_nested_in_time(batch):
         assert s["queue"].end_ns == s["prefill"].start_ns  # admitted
         assert s["prefill"].end_ns == s["decode"].start_ns  # first token
         assert s["prefill"].start_ns <= s["detokenize"].start_ns  # first output after the prefill
-        assert s["decode"].end_ns <= s["detokenize"].end_ns  # the last output leaves the scheduler first
+        assert (
+            s["decode"].end_ns <= s["detokenize"].end_ns
+        )  # the last output leaves the scheduler first
 
 
 def test_genai_attributes_equal_meta_info(traced, batch):
@@ -458,7 +524,12 @@ def test_genai_attributes_equal_meta_info(traced, batch):
         assert a["gen_ai.request.temperature"] == 0.0
         assert a["gen_ai.request.top_p"] == pytest.approx(0.9)
         assert a["gen_ai.usage.input_tokens"] == meta["prompt_tokens"]
-        assert a["gen_ai.usage.output_tokens"] == meta["completion_tokens"] == len(r["output_ids"]) == max_new
+        assert (
+            a["gen_ai.usage.output_tokens"]
+            == meta["completion_tokens"]
+            == len(r["output_ids"])
+            == max_new
+        )
         assert a["gen_ai.response.finish_reasons"] == [meta["finish_reason"]["type"]] == ["length"]
         assert a["engine.cached_tokens"] == meta["cached_tokens"]
         assert a["engine.request_id"] == a["gen_ai.response.id"] == meta["id"]
@@ -477,39 +548,66 @@ def test_step_spans_link_to_every_request_they_served(traced, batch):
     steps = [s for s in spans if "engine.step.mode" in s.attributes and not s.parent_span_id]
     assert steps and all(s.role == "scheduler" and s.pid == traced.pids["scheduler"] for s in steps)
     served: dict[str, dict[str, int]] = {rid: {"prefill": 0, "decode": 0} for rid in roots}
-    all_roots = {(s.trace_id, s.span_id): s.attributes["engine.request_id"] for s in spans
-                 if s.role == "user" and "gen_ai.operation.name" in s.attributes}  # fmt: skip
+    all_roots = {
+        (s.trace_id, s.span_id): s.attributes["engine.request_id"]
+        for s in spans
+        if s.role == "user" and "gen_ai.operation.name" in s.attributes
+    }
     for step in steps:
         links = step.links
         assert len(links) == step.attributes["engine.batch_size"]
         assert step.name == f"{step.attributes['engine.step.mode']} step"
-        linked = [all_roots.get((ln["trace_id"], ln["span_id"])) for ln in links]  # each link: a request's root
+        linked = [
+            all_roots.get((ln["trace_id"], ln["span_id"])) for ln in links
+        ]  # each link: a request's root
         assert linked == list(step.attributes["engine.request_ids"])
         for rid in linked:
             if rid in roots:
                 served[rid][step.attributes["engine.step.mode"]] += 1
-        children = [s for s in spans if s.trace_id == step.trace_id and s.parent_span_id == step.span_id]
-        assert [c.name for c in sorted(children, key=lambda c: c.start_ns)] == ["schedule", "forward", "sample", "process_results"]
+        children = [
+            s for s in spans if s.trace_id == step.trace_id and s.parent_span_id == step.span_id
+        ]
+        assert [c.name for c in sorted(children, key=lambda c: c.start_ns)] == [
+            "schedule",
+            "forward",
+            "sample",
+            "process_results",
+        ]
         for c in children:
             assert step.start_ns <= c.start_ns <= c.end_ns <= step.end_ns
-            assert c.links == (links if c.name != "process_results" else [])  # the batch spans carry the links
+            assert c.links == (
+                links if c.name != "process_results" else []
+            )  # the batch spans carry the links
             assert c.attributes["engine.batch_size"] == step.attributes["engine.batch_size"]
-    for r in results:  # one prefill (all three fit one step) and a decode step per token after the first
+    for r in (
+        results
+    ):  # one prefill (all three fit one step) and a decode step per token after the first
         rid = r["meta_info"]["id"]
         assert served[rid]["prefill"] == 1
         assert served[rid]["decode"] == r["meta_info"]["completion_tokens"] - 1
-    prefill = [s for s in steps if s.attributes["engine.step.mode"] == "prefill"
-               and set(s.attributes["engine.request_ids"]) & set(roots)]  # fmt: skip
+    prefill = [
+        s
+        for s in steps
+        if s.attributes["engine.step.mode"] == "prefill"
+        and set(s.attributes["engine.request_ids"]) & set(roots)
+    ]
     assert len(prefill) == 1 and prefill[0].attributes["engine.batch_size"] == 3
-    assert prefill[0].attributes["engine.step.tokens"] == sum(r["meta_info"]["prompt_tokens"] for r in results)
+    assert prefill[0].attributes["engine.step.tokens"] == sum(
+        r["meta_info"]["prompt_tokens"] for r in results
+    )
 
 
 def test_caller_traceparent_becomes_the_parent(traced, receiver):
     parent = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
-    out = traced.generate("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, trace_context=parent)
+    out = traced.generate(
+        "Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, trace_context=parent
+    )
     rid = out["meta_info"]["id"]
-    outs = traced.generate(["Hi", "Hey there"], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
-                           trace_context={"traceparent": parent, "tracestate": "vendor=abc"})  # fmt: skip
+    outs = traced.generate(
+        ["Hi", "Hey there"],
+        {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        trace_context={"traceparent": parent, "tracestate": "vendor=abc"},
+    )
     rid2, rid3 = (o["meta_info"]["id"] for o in outs)  # two requests at once in the caller's trace
     assert receiver.wait_for(_complete([rid, rid2, rid3], STAGES), SPAN_WAIT)
     spans = receiver.spans()
@@ -524,7 +622,9 @@ def test_caller_traceparent_becomes_the_parent(traced, receiver):
 def test_current_span_of_the_caller_becomes_the_parent(traced, receiver):
     from opentelemetry.sdk.trace import TracerProvider
 
-    caller = TracerProvider().get_tracer("caller")  # the user's own OpenTelemetry, not exported here
+    caller = TracerProvider().get_tracer(
+        "caller"
+    )  # the user's own OpenTelemetry, not exported here
     with caller.start_as_current_span("handle http request") as span:
         out = traced.generate("Hi", {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
         ctx = span.get_span_context()
@@ -534,10 +634,16 @@ def test_current_span_of_the_caller_becomes_the_parent(traced, receiver):
     assert root.trace_id == f"{ctx.trace_id:032x}" and root.parent_span_id == f"{ctx.span_id:016x}"
 
 
-@pytest.mark.parametrize("bad", [
-    "not-a-traceparent", "00-" + "0" * 32 + "-b7ad6b7169203331-01", {"tracestate": "a=b"}, 42,
-    f"00-{CALLER_TRACE.upper()}-{CALLER_SPAN}-01",  # W3C: lowercase hex only
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not-a-traceparent",
+        "00-" + "0" * 32 + "-b7ad6b7169203331-01",
+        {"tracestate": "a=b"},
+        42,
+        f"00-{CALLER_TRACE.upper()}-{CALLER_SPAN}-01",  # W3C: lowercase hex only
+    ],
+)
 def test_bad_trace_context_is_refused_before_queueing(traced, bad):
     before = traced.get_stats()["prompt_tokens"]
     with pytest.raises(ValueError, match="trace_context"):
@@ -546,13 +652,19 @@ def test_bad_trace_context_is_refused_before_queueing(traced, bad):
 
 
 def test_aborted_request_has_error_status(traced, receiver):
-    stream = traced.generate("Count: 1, 2, 3,", {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}, stream=True)
+    stream = traced.generate(
+        "Count: 1, 2, 3,",
+        {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+        stream=True,
+    )
     first = next(iter(stream))
     rid = first["meta_info"]["id"]
     traced.abort(rid)
     chunks = list(stream)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert receiver.wait_for(_complete([rid], {"queue", "prefill", "decode", "detokenize"}), SPAN_WAIT)
+    assert receiver.wait_for(
+        _complete([rid], {"queue", "prefill", "decode", "detokenize"}), SPAN_WAIT
+    )
     s = _request_spans(receiver.spans(), rid)
     for name in ("root", "decode", "detokenize"):
         assert s[name].status_code == 2, name  # ERROR
@@ -560,7 +672,10 @@ def test_aborted_request_has_error_status(traced, receiver):
         assert s[name].attributes["error.type"] == "abort"
     assert s["prefill"].status_code != 2
     assert s["root"].attributes["gen_ai.response.finish_reasons"] == ["abort"]
-    assert s["root"].attributes["gen_ai.usage.output_tokens"] == chunks[-1]["meta_info"]["completion_tokens"]
+    assert (
+        s["root"].attributes["gen_ai.usage.output_tokens"]
+        == chunks[-1]["meta_info"]["completion_tokens"]
+    )
 
 
 class _RefuseSubmit:
@@ -593,7 +708,10 @@ def test_a_call_failing_after_its_root_began_ends_that_root_with_an_error(traced
         root = _root(spans, rid)
         assert root.status_code == 2 and root.attributes["error.type"] == "not_sent"
         assert "refused on purpose" in root.status_message
-        assert {s.name for s in spans if s.trace_id == root.trace_id} == {root.name, "tokenize"}  # nothing was sent
+        assert {s.name for s in spans if s.trace_id == root.trace_id} == {
+            root.name,
+            "tokenize",
+        }  # nothing was sent
     assert ok["meta_info"]["completion_tokens"] == 2
 
 
@@ -601,7 +719,9 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
     from PIL import Image
 
     results, _ = batch
-    path = str(tmp_path / "spans.jsonl")  # a copy: spans of earlier tests' last steps may still arrive
+    path = str(
+        tmp_path / "spans.jsonl"
+    )  # a copy: spans of earlier tests' last steps may still arrive
     with receiver.lock:
         shutil.copy(receiver.out_path, path)
         count = receiver.span_count
@@ -609,11 +729,17 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
     assert len(spans) == count
     out = tmp_path / "trace.json"
     cli = [sys.executable, "-m", "engine.cli", "trace"]
-    run = subprocess.run(cli + ["perfetto", path, "-o", str(out)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        cli + ["perfetto", path, "-o", str(out)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     events = data["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     assert sorted(n.split(" ")[0] for n in names.values()) == sorted(ROLES)  # one track per process
     xs = [e for e in events if e["ph"] == "X"]
     assert len(xs) == len(spans)
@@ -630,18 +756,37 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
             stack.append(end)
     rid = results[1]["meta_info"]["id"]
     png = tmp_path / "request.png"
-    run = subprocess.run(cli + ["timeline", path, "--request", rid, "-o", str(png)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        cli + ["timeline", path, "--request", rid, "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert _root(spans, rid).trace_id in run.stdout
     with Image.open(png) as img:
         assert img.format == "PNG" and img.width == 1400 and img.height > 200
-    run = subprocess.run(cli + ["timeline", path, "--request", "no-such-request", "-o", str(png)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        cli + ["timeline", path, "--request", "no-such-request", "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "no-such-request" in run.stderr
     run = subprocess.run(cli + ["list", path], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     header, *rows = run.stdout.splitlines()
-    assert header.split() == ["trace", "id", "request", "id", "root", "span"]  # a column header first
-    assert rid in run.stdout and _root(spans, rid).trace_id in run.stdout and len(rows) >= len(results)
+    assert header.split() == [
+        "trace",
+        "id",
+        "request",
+        "id",
+        "root",
+        "span",
+    ]  # a column header first
+    assert (
+        rid in run.stdout and _root(spans, rid).trace_id in run.stdout and len(rows) >= len(results)
+    )
 
 
 SCRIPT = textwrap.dedent(
@@ -669,33 +814,63 @@ def test_http_export_file_exporter_and_spans_delivered_when_the_script_just_ends
     script.write_text(SCRIPT)
     trace_file = tmp_path / "spans.jsonl"
     with OTLPReceiver() as rx:
-        env = dict(os.environ, ENGINE_TRACING="1", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
-                   OTEL_EXPORTER_OTLP_ENDPOINT=rx.http_endpoint, OTEL_TRACES_EXPORTER="otlp",
-                   ENGINE_TRACE_FILE=str(trace_file))  # fmt: skip
-        env.pop("OTEL_BSP_SCHEDULE_DELAY", None)  # the default 5 s: spans can only arrive by the exit flush
-        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        env = dict(
+            os.environ,
+            ENGINE_TRACING="1",
+            OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+            OTEL_EXPORTER_OTLP_ENDPOINT=rx.http_endpoint,
+            OTEL_TRACES_EXPORTER="otlp",
+            ENGINE_TRACE_FILE=str(trace_file),
+        )
+        env.pop(
+            "OTEL_BSP_SCHEDULE_DELAY", None
+        )  # the default 5 s: spans can only arrive by the exit flush
+        run = subprocess.run(
+            [sys.executable, str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
         assert run.returncode == 0, run.stderr
-        result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+        result = json.loads(
+            next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:]
+        )
         assert not wait_gone(result["pids"].values(), 10)
         spans = rx.spans()
         assert rx.transports and set(rx.transports) == {"http"}
-    for rid in result["rids"]:  # every request's spans from all three processes, the stop string's too
+    for rid in result[
+        "rids"
+    ]:  # every request's spans from all three processes, the stop string's too
         found = _request_spans(spans, rid)
         assert set(found) == STAGES | {"root"}, (rid, set(found))
         assert {s.pid for s in found.values()} == set(result["pids"].values())
         assert all(found[name].parent_span_id == found["root"].span_id for name in STAGES)
     assert any("engine.step.mode" in s.attributes for s in spans)
-    in_file = read_spans(str(trace_file))  # the file exporter wrote the same spans, from all three processes
+    in_file = read_spans(
+        str(trace_file)
+    )  # the file exporter wrote the same spans, from all three processes
     assert sorted(s.span_id for s in in_file) == sorted(s.span_id for s in spans)
     assert {s.role for s in in_file} == ROLES
 
 
 def test_one_trace_per_beam_search_with_its_width_and_steps(traced, receiver):
-    out = traced.beam_search(PROMPTS[1], beam_width=3, max_new_tokens=6, num_return_sequences=2, ignore_eos=True)
+    out = traced.beam_search(
+        PROMPTS[1], beam_width=3, max_new_tokens=6, num_return_sequences=2, ignore_eos=True
+    )
     rid = out["meta_info"]["id"]
-    assert receiver.wait_for(_complete([rid], {"tokenize", "queue", "prefill", "beam_search"}), SPAN_WAIT)
+    assert receiver.wait_for(
+        _complete([rid], {"tokenize", "queue", "prefill", "beam_search"}), SPAN_WAIT
+    )
     s = _request_spans(receiver.spans(), rid)
-    assert set(s) == {"root", "tokenize", "queue", "prefill", "beam_search"}  # no per-token decode span
+    assert set(s) == {
+        "root",
+        "tokenize",
+        "queue",
+        "prefill",
+        "beam_search",
+    }  # no per-token decode span
     assert len({x.trace_id for x in s.values()}) == 1
     assert all(s[name].parent_span_id == s["root"].span_id for name in s if name != "root")
     for name in ("root", "beam_search"):
@@ -731,7 +906,9 @@ def test_two_calls_with_one_rid_at_once_leave_no_root_open(traced, receiver):
 
     def first() -> None:
         try:
-            results["first"] = traced.generate("One", {"max_new_tokens": 2, "temperature": 0}, rid="dup")
+            results["first"] = traced.generate(
+                "One", {"max_new_tokens": 2, "temperature": 0}, rid="dup"
+            )
         except Exception as exc:  # noqa: BLE001 - checked below
             results["first"] = exc
 
@@ -750,7 +927,9 @@ def test_two_calls_with_one_rid_at_once_leave_no_root_open(traced, receiver):
     assert results["first"]["meta_info"]["completion_tokens"] == 2, results
     assert receiver.wait_for(_complete(["dup"], STAGES), SPAN_WAIT)
     s = _request_spans(receiver.spans(), "dup")  # one root (and one of each stage), ended, no error
-    assert s["root"].status_code != 2 and s["root"].attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert s["root"].status_code != 2 and s["root"].attributes[
+        "gen_ai.response.finish_reasons"
+    ] == ["length"]
 
 
 class _FailOutput:
@@ -774,7 +953,11 @@ def test_a_result_a_failing_output_hook_aborts_shows_the_error_in_its_trace(trac
     assert receiver.wait_for(_complete(["output-fails"], STAGES | {"output"}), SPAN_WAIT)
     s = _request_spans(receiver.spans(), "output-fails")
     output = s["output"]
-    assert output.role == "user" and output.parent_span_id == s["root"].span_id and output.trace_id == s["root"].trace_id
+    assert (
+        output.role == "user"
+        and output.parent_span_id == s["root"].span_id
+        and output.trace_id == s["root"].trace_id
+    )
     assert output.status_code == 2 and output.attributes["error.type"] == "abort"
     assert "'failoutput' failed in hook engine_output" in output.status_message
     assert "output refused on purpose" in output.status_message
@@ -824,12 +1007,22 @@ def cut_run(tmp_path_factory) -> tuple[dict, list[SpanRecord]]:
     shutil.copytree(folder / "model-a", folder / "model-b")
     (folder / "run.py").write_text(CUT_SCRIPT)
     trace_file = folder / "spans.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "ENGINE_PLUGINS"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "ENGINE_PLUGINS"
+    }
     env.update(ENGINE_TRACING="1", ENGINE_TRACE_FILE=str(trace_file), ENGINE_TRACE_STEPS="0")
-    run = subprocess.run([sys.executable, "run.py", str(folder / "model-a"), str(folder / "model-b")], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=folder)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "run.py", str(folder / "model-a"), str(folder / "model-b")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=folder,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    pids = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    pids = json.loads(
+        next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:]
+    )
     return pids, read_spans(str(trace_file))
 
 
@@ -844,9 +1037,18 @@ def test_requests_cut_by_a_shutdown_get_their_scheduler_spans(cut_run):
     for s in (run, wait):
         assert s["root"].status_code == 2 and s["root"].attributes["error.type"] == "engine_stopped"
         assert all(x.parent_span_id == s["root"].span_id for name, x in s.items() if name != "root")
-    assert run["decode"].attributes["engine.cut_by_shutdown"] is True and run["decode"].pid == pids["scheduler"]
-    assert "engine.cut_by_shutdown" not in run["queue"].attributes and "engine.cut_by_shutdown" not in run["prefill"].attributes
-    assert wait["queue"].attributes["engine.cut_by_shutdown"] is True and wait["queue"].pid == pids["scheduler"]
+    assert (
+        run["decode"].attributes["engine.cut_by_shutdown"] is True
+        and run["decode"].pid == pids["scheduler"]
+    )
+    assert (
+        "engine.cut_by_shutdown" not in run["queue"].attributes
+        and "engine.cut_by_shutdown" not in run["prefill"].attributes
+    )
+    assert (
+        wait["queue"].attributes["engine.cut_by_shutdown"] is True
+        and wait["queue"].pid == pids["scheduler"]
+    )
     assert not any("engine.step.mode" in s.attributes for s in spans)  # ENGINE_TRACE_STEPS=0
 
 
@@ -855,21 +1057,34 @@ def test_root_spans_name_the_model_of_their_own_engine(cut_run):
     _, spans = cut_run
     for rid, model in (("on-a", "model-a"), ("on-b", "model-b"), ("running", "model-a")):
         root = _root(spans, rid)
-        assert root.name == f"text_completion {model}" and root.attributes["gen_ai.request.model"] == model, rid
+        assert (
+            root.name == f"text_completion {model}"
+            and root.attributes["gen_ai.request.model"] == model
+        ), rid
 
 
 def test_two_engines_running_one_rid_keep_their_root_spans_apart():
     """Roots were kept by rid: two engines in one process running one caller-given rid at once ended
     each other's root (the first to finish ended the other's, with its own counts; its own stayed open)."""
     plugin, memory = _one_rid_on_two_engines((11, 12))
-    plugin.engine_request_done(rid="same", meta_info={"completion_tokens": 2, "finish_reason": {"type": "length"}},
-                               error=None, seq=12)  # fmt: skip
+    plugin.engine_request_done(
+        rid="same",
+        meta_info={"completion_tokens": 2, "finish_reason": {"type": "length"}},
+        error=None,
+        seq=12,
+    )
     roots = [s for s in memory.get_finished_spans() if "gen_ai.operation.name" in s.attributes]
     assert len(roots) == 1 and roots[0].attributes["gen_ai.usage.output_tokens"] == 2
-    plugin.engine_request_done(rid="same", meta_info={"completion_tokens": 4, "finish_reason": {"type": "length"}},
-                               error=None, seq=11)  # fmt: skip
+    plugin.engine_request_done(
+        rid="same",
+        meta_info={"completion_tokens": 4, "finish_reason": {"type": "length"}},
+        error=None,
+        seq=11,
+    )
     roots = [s for s in memory.get_finished_spans() if "gen_ai.operation.name" in s.attributes]
-    assert [r.attributes["gen_ai.usage.output_tokens"] for r in roots] == [2, 4] and roots[0] is not roots[1]
+    assert [r.attributes["gen_ai.usage.output_tokens"] for r in roots] == [2, 4] and roots[
+        0
+    ] is not roots[1]
     assert roots[0].context.trace_id != roots[1].context.trace_id
 
 
@@ -882,8 +1097,12 @@ def test_a_failing_output_hook_puts_its_span_in_its_own_requests_trace():
     plugin, memory = _one_rid_on_two_engines((21, 22))
     roots = {}
     for seq in (21, 22):
-        plugin.engine_request_done(rid="same", meta_info={"id": "same", "finish_reason": {"type": "length"}},
-                                   error=None, seq=seq)  # fmt: skip
+        plugin.engine_request_done(
+            rid="same",
+            meta_info={"id": "same", "finish_reason": {"type": "length"}},
+            error=None,
+            seq=seq,
+        )
         roots[seq] = memory.get_finished_spans()[-1]
     for seq in (21, 22):
         wrapper = plugin.engine_output(result={"meta_info": {"id": "same"}}, seq=seq)
@@ -892,7 +1111,10 @@ def test_a_failing_output_hook_puts_its_span_in_its_own_requests_trace():
             wrapper.throw(HookError("bad", "engine_output", ValueError(f"failed for {seq}")))
         output = memory.get_finished_spans()[-1]
         assert output.name == "output" and f"failed for {seq}" in output.status.description
-        assert output.context.trace_id == roots[seq].context.trace_id and output.parent.span_id == roots[seq].context.span_id
+        assert (
+            output.context.trace_id == roots[seq].context.trace_id
+            and output.parent.span_id == roots[seq].context.span_id
+        )
 
 
 def _one_rid_on_two_engines(seqs: tuple[int, int]):
@@ -912,6 +1134,11 @@ def _one_rid_on_two_engines(seqs: tuple[int, int]):
     plugin.provider.add_span_processor(SimpleSpanProcessor(memory))
     plugin.tracer = plugin.provider.get_tracer("t")
     for seq in seqs:
-        plugin.engine_request_submitted(rid="same", request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
-                                        sampling=SamplingParams(max_new_tokens=4), trace_context={}, seq=seq)  # fmt: skip
+        plugin.engine_request_submitted(
+            rid="same",
+            request=PromptRequest(0, prompt="x", input_ids=[1, 2]),
+            sampling=SamplingParams(max_new_tokens=4),
+            trace_context={},
+            seq=seq,
+        )
     return plugin, memory

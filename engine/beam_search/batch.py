@@ -34,10 +34,18 @@ class BeamGroup:
     def __init__(self, req: Req, selection: BeamSelection, slots: torch.Tensor) -> None:
         self.req = req
         self.selection = selection
-        self.slots = slots  # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
-        self.owned: list[torch.Tensor] = []  # pool indices of generated tokens, all freed at the end
-        self.matchers: list = [None] * selection.width  # each beam's grammar matcher (structured output)
-        self.failed: str | None = None  # why its grammar backend failed advancing its matchers: it ends
+        self.slots = (
+            slots  # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
+        )
+        self.owned: list[
+            torch.Tensor
+        ] = []  # pool indices of generated tokens, all freed at the end
+        self.matchers: list = [
+            None
+        ] * selection.width  # each beam's grammar matcher (structured output)
+        self.failed: str | None = (
+            None  # why its grammar backend failed advancing its matchers: it ends
+        )
 
     @property
     def width(self) -> int:
@@ -54,10 +62,14 @@ def start_sampling(reqs: list[Req], copies: int, vocab_size: int, device) -> Sam
     params = [r.sampling for r in reqs for _ in range(copies)]
     prompts = [r.input_ids for r in reqs for _ in range(copies)]
     n = len(params)
-    return SamplingTensors.build(params, vocab_size, device, prompts, [[] for _ in range(n)], [(False, 0)] * n)
+    return SamplingTensors.build(
+        params, vocab_size, device, prompts, [[] for _ in range(n)], [(False, 0)] * n
+    )
 
 
-def advance_matchers(matchers: list, parents: list[int], tokens: list[int], selection: BeamSelection) -> list:
+def advance_matchers(
+    matchers: list, parents: list[int], tokens: list[int], selection: BeamSelection
+) -> list:
     """Each next beam's grammar matcher: its parent's, forked, advanced by its token. A beam that can
     never win keeps its parent's state: one at -inf (its token was never allowed, or the grammar refuses
     it: a hook after the mask put it back, and the beam drops out) and one pushed down
@@ -70,7 +82,9 @@ def advance_matchers(matchers: list, parents: list[int], tokens: list[int], sele
     for j, (parent, token, score) in enumerate(zip(parents, tokens, scores)):
         m = matchers[parent].fork()
         if score > PUSH_DOWN / 2 and not m.is_terminated():
-            if not m.accept_token(token):  # a hook after the mask put back a token the grammar refuses
+            if not m.accept_token(
+                token
+            ):  # a hook after the mask put back a token the grammar refuses
                 selection.scores[j] = float("-inf")
         elif score != float("-inf"):
             selection.scores[j] = float("-inf")
@@ -97,8 +111,15 @@ def selection_failed(exc: Exception) -> str:
 def beam_step_hook(g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> None:
     """engine_beam_step, after a selection (a HookError fails this search only)."""
     s = g.selection
-    hooks.call("engine_beam_step", rid=g.req.rid, step=s.steps, parents=parents.tolist(), tokens=tokens.tolist(),
-               scores=s.scores.tolist(), finished=int(s.is_fin.sum()))  # fmt: skip
+    hooks.call(
+        "engine_beam_step",
+        rid=g.req.rid,
+        step=s.steps,
+        parents=parents.tolist(),
+        tokens=tokens.tolist(),
+        scores=s.scores.tolist(),
+        finished=int(s.is_fin.sum()),
+    )
 
 
 class BeamBatch:
@@ -115,12 +136,20 @@ class BeamBatch:
         self.groups = groups
         self.reqs = [g.req for g in groups for _ in range(g.width)]  # per row, for hooks
         self.beam_index = [i for g in groups for i in range(g.width)]
-        self.matchers = [m for g in groups for m in g.matchers]  # structured output: each beam's own
+        self.matchers = [
+            m for g in groups for m in g.matchers
+        ]  # structured output: each beam's own
         self.any_grammar = any(m is not None for m in self.matchers)
         if tensors is None:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            tensors = dict(slots=empty, kv_lens=empty, last_ids=empty, out_lens=empty, stop_table=stop_table([], 1, self.device),
-                           sampling=start_sampling([], 1, self.vocab_size, self.device))  # fmt: skip
+            tensors = dict(
+                slots=empty,
+                kv_lens=empty,
+                last_ids=empty,
+                out_lens=empty,
+                stop_table=stop_table([], 1, self.device),
+                sampling=start_sampling([], 1, self.vocab_size, self.device),
+            )
         for name, value in tensors.items():
             setattr(self, name, value)
 
@@ -159,7 +188,11 @@ class BeamBatch:
         if not self.groups:
             self._set_rows([group], new)
             return group
-        tensors = {name: torch.cat([getattr(self, name), value]) for name, value in new.items() if name not in ("stop_table", "sampling")}
+        tensors = {
+            name: torch.cat([getattr(self, name), value])
+            for name, value in new.items()
+            if name not in ("stop_table", "sampling")
+        }
         tensors["stop_table"] = self.stop_table.cat(new["stop_table"])
         tensors["sampling"] = self.sampling.merge(sampling)
         self._set_rows(self.groups + [group], tensors)
@@ -190,16 +223,31 @@ class BeamBatch:
             out += s.tokens[:, : s.steps].tolist()
         return out
 
-    def process(self, logits: torch.Tensor, processors: ProcessorSet, failed: dict[int, str], grammars) -> torch.Tensor:
+    def process(
+        self, logits: torch.Tensor, processors: ProcessorSet, failed: dict[int, str], grammars
+    ) -> torch.Tensor:
         """Log-probabilities of every beam row, then the engine's processing on them (transformers'
         order for beam search: processors see log-probabilities), grammar masks last."""
         logprobs = torch.log_softmax(logits, dim=-1)
         ids = self.output_ids() if self.sampling.any_processor else []
-        grammar = (lambda lg: grammars.mask(lg, self.matchers, failed)) if self.any_grammar else None  # noqa: E731
-        return process_logits(logprobs, self.sampling, self.out_lens, self.stop_table, ids, processors, failed,
-                              self.beam_index, grammar)  # fmt: skip
+        grammar = (
+            (lambda lg: grammars.mask(lg, self.matchers, failed)) if self.any_grammar else None
+        )  # noqa: E731
+        return process_logits(
+            logprobs,
+            self.sampling,
+            self.out_lens,
+            self.stop_table,
+            ids,
+            processors,
+            failed,
+            self.beam_index,
+            grammar,
+        )
 
-    def select(self, scores: torch.Tensor, failed: dict[int, str]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    def select(
+        self, scores: torch.Tensor, failed: dict[int, str]
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """One selection per search: (parent beam, token) of each next beam; None for a search whose
         selection raised, which goes into `failed` (id of its request -> why) to fail alone."""
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -250,7 +298,9 @@ class BeamBatch:
             self._set_rows([])
             return
         keep = torch.tensor(keep_list, dtype=torch.bool, device=self.device)
-        tensors = {name: getattr(self, name)[keep] for name in ("slots", "kv_lens", "last_ids", "out_lens")}
+        tensors = {
+            name: getattr(self, name)[keep] for name in ("slots", "kv_lens", "last_ids", "out_lens")
+        }
         tensors["stop_table"] = self.stop_table.filter(keep, sum(keep_list))
         tensors["sampling"] = self.sampling.filter(keep, keep_list)
         self._set_rows(groups, tensors)

@@ -18,10 +18,23 @@ MAX_BEAM_WIDTH = 512
 EARLY_STOPPING = (False, True, "never")
 # sampling parameters that make sense for beams
 BEAM_SAMPLING_FIELDS = (
-    "max_new_tokens", "min_new_tokens", "logit_bias", "repetition_penalty", "frequency_penalty",
-    "presence_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "custom_logit_processor", "custom_params", "temperature", "json_schema", "regex", "ebnf",
-)  # fmt: skip
+    "max_new_tokens",
+    "min_new_tokens",
+    "logit_bias",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "custom_logit_processor",
+    "custom_params",
+    "temperature",
+    "json_schema",
+    "regex",
+    "ebnf",
+)
 REFUSED = {
     "temperature": "beam search is deterministic (only temperature=0 is accepted)",
     "top_p": "beams keep the K best continuations of the whole distribution",
@@ -52,13 +65,17 @@ def split_beam_kwargs(kwargs: dict) -> dict:
         raise ValueError(f"beam search does not take {refused} ({reasons})")
     unknown = sorted(set(kwargs) - set(BEAM_SAMPLING_FIELDS))
     if unknown:
-        raise ValueError(f"unknown beam search argument(s) {unknown}; sampling parameters taken: {sorted(BEAM_SAMPLING_FIELDS)}")
+        raise ValueError(
+            f"unknown beam search argument(s) {unknown}; sampling parameters taken: {sorted(BEAM_SAMPLING_FIELDS)}"
+        )
     params = dict(kwargs)
     params["temperature"] = 0.0
     return params
 
 
-def beam_params(beam_width: Any, num_return_sequences: Any, length_penalty: Any, early_stopping: Any) -> BeamParams:
+def beam_params(
+    beam_width: Any, num_return_sequences: Any, length_penalty: Any, early_stopping: Any
+) -> BeamParams:
     """BeamParams from Engine.beam_search's arguments; ValueError naming the one at fault."""
     params = BeamParams(beam_width, num_return_sequences, length_penalty, early_stopping)
     problem = check_beam(params, None, MAX_BEAM_WIDTH)
@@ -80,12 +97,25 @@ def check_beam(beam: BeamParams, sampling: SamplingParams | None, max_width: int
     if not _int(beam.num_return) or not 1 <= beam.num_return <= k:
         return f"num_return_sequences must be an integer in [1, beam_width={k}], got {beam.num_return!r}"
     lp = beam.length_penalty
-    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or abs(lp) > 100:
+    if (
+        isinstance(lp, bool)
+        or not isinstance(lp, (int, float))
+        or not math.isfinite(lp)
+        or abs(lp) > 100
+    ):
         return f"length_penalty must be a finite number in [-100, 100], got {lp!r}"
-    if not any(beam.early_stopping is e or (isinstance(e, str) and beam.early_stopping == e) for e in EARLY_STOPPING):
+    if not any(
+        beam.early_stopping is e or (isinstance(e, str) and beam.early_stopping == e)
+        for e in EARLY_STOPPING
+    ):
         return f"early_stopping must be False, True or 'never', got {beam.early_stopping!r}"
     if sampling is not None:
-        if not sampling.is_greedy or sampling.top_p < 1 or sampling.min_p > 0 or sampling.seed is not None:
+        if (
+            not sampling.is_greedy
+            or sampling.top_p < 1
+            or sampling.min_p > 0
+            or sampling.seed is not None
+        ):
             return "sampling: a beam search takes no temperature, top_p, top_k, min_p or seed"
         if sampling.n != 1:
             return f"sampling: n must be 1 for a beam search (use num_return_sequences), got {sampling.n}"
@@ -94,8 +124,13 @@ def check_beam(beam: BeamParams, sampling: SamplingParams | None, max_width: int
     return None
 
 
-def beam_problem(prompt_len: int, sampling: SamplingParams, beam: BeamParams, max_width: int,
-                 max_total_tokens: int) -> str | None:  # fmt: skip
+def beam_problem(
+    prompt_len: int,
+    sampling: SamplingParams,
+    beam: BeamParams,
+    max_width: int,
+    max_total_tokens: int,
+) -> str | None:
     """Why this beam search can never run on this engine (its checks, then its whole KV need against the
     pool), or None. The user process raises it; the scheduler refuses the request with it."""
     problem = check_beam(beam, sampling, max_width)
@@ -103,8 +138,10 @@ def beam_problem(prompt_len: int, sampling: SamplingParams, beam: BeamParams, ma
         return problem
     need = kv_tokens_needed(prompt_len, beam, sampling.max_new_tokens)
     if need > max_total_tokens:
-        return (f"the beam search needs up to {need} KV tokens (prompt {prompt_len} + beam_width {beam.width} x "
-                f"{sampling.max_new_tokens - 1} decode steps) but the pool holds max_total_tokens={max_total_tokens}")  # fmt: skip
+        return (
+            f"the beam search needs up to {need} KV tokens (prompt {prompt_len} + beam_width {beam.width} x "
+            f"{sampling.max_new_tokens - 1} decode steps) but the pool holds max_total_tokens={max_total_tokens}"
+        )
     return None
 
 

@@ -37,8 +37,15 @@ class Hypothesis:
 class BeamSelection:
     """The state of one beam search: live beams' scores and tokens, the finished hypotheses so far."""
 
-    def __init__(self, width: int, max_new_tokens: int, stop_ids: tuple[int, ...], length_penalty: float = 1.0,
-                 early_stopping: bool | str = False, device="cpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        width: int,
+        max_new_tokens: int,
+        stop_ids: tuple[int, ...],
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        device="cpu",
+    ) -> None:
         k = width
         self.width = k
         self.max_new = max_new_tokens
@@ -47,7 +54,9 @@ class BeamSelection:
         self.keep = max(2, 1 + len(stop_ids)) * k
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.int64, device=device)
         self.scores = torch.zeros(k, dtype=torch.float32, device=device)
-        self.scores[1:] = PUSH_DOWN  # at the start every beam is the prompt: only the first one counts
+        self.scores[1:] = (
+            PUSH_DOWN  # at the start every beam is the prompt: only the first one counts
+        )
         self.tokens = torch.full((k, max_new_tokens), -1, dtype=torch.int64, device=device)
         self.fin_scores = torch.full((k,), PUSH_DOWN, dtype=torch.float32, device=device)
         self.fin_logprobs = torch.zeros(k, dtype=torch.float32, device=device)
@@ -69,7 +78,11 @@ class BeamSelection:
         -> (parent beam [K], chosen token [K]) of the next live beams."""
         k, t = self.width, self.steps
         top_scores, parents, tokens = self._best_candidates(logprobs)
-        hits = torch.isin(tokens, self.stop_ids) if self.stop_ids.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        hits = (
+            torch.isin(tokens, self.stop_ids)
+            if self.stop_ids.numel()
+            else torch.zeros_like(tokens, dtype=torch.bool)
+        )
         if t + 1 >= self.max_new:
             hits = torch.ones_like(hits)
         # the next live beams: the best candidates that did not hit
@@ -88,7 +101,9 @@ class BeamSelection:
         kept = best < k  # a finished hypothesis kept, else candidate best - k
         cand = (best - k).clamp(min=0)
         new_rows = self._tokens_of(parents[cand], tokens[cand])
-        self.fin_tokens = torch.where(kept[:, None], self.fin_tokens[best.clamp(max=k - 1)], new_rows)
+        self.fin_tokens = torch.where(
+            kept[:, None], self.fin_tokens[best.clamp(max=k - 1)], new_rows
+        )
         self.tokens, self.scores = self._tokens_of(parents[nxt], tokens[nxt]), running[nxt]
         self.fin_scores = merged[best]
         self.fin_logprobs = torch.cat([self.fin_logprobs, top_scores])[best]
@@ -99,20 +114,30 @@ class BeamSelection:
         never_long = self.early_stopping == "never" and self.length_penalty > 0.0
         best_len = self.max_new if never_long else t
         best_possible = self.scores[0] / (best_len**self.length_penalty)
-        worst = torch.where(self.is_fin, self.fin_scores.min(), torch.tensor(PUSH_DOWN, device=merged.device))
+        worst = torch.where(
+            self.is_fin, self.fin_scores.min(), torch.tensor(PUSH_DOWN, device=merged.device)
+        )
         self.improvable = self.improvable and bool((best_possible > worst).any())
         all_finished = bool(self.is_fin.all()) and self.early_stopping is True
         self.done = not self.improvable or all_finished or bool(hits.all())
         return parents[nxt], tokens[nxt]
 
-    def _best_candidates(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _best_candidates(
+        self, logprobs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The `keep` best (cumulative score, parent beam, token) over all K x V continuations, best
         first. Two top-k's (per beam, then over the K x keep survivors) give the same candidates as
         one over K x V, several times faster for wide beams."""
         k, vocab = self.width, logprobs.shape[1]
-        keep = min(self.keep, k * vocab)  # a stop list as long as the vocabulary asks for more than there are
-        if logprobs.shape[0] == 1 and k > 1:  # the start: every beam is the prompt, beam 0 alone counts
-            if keep <= vocab:  # ...unless its keep-th best is below the other beams' pushed-down best
+        keep = min(
+            self.keep, k * vocab
+        )  # a stop list as long as the vocabulary asks for more than there are
+        if (
+            logprobs.shape[0] == 1 and k > 1
+        ):  # the start: every beam is the prompt, beam 0 alone counts
+            if (
+                keep <= vocab
+            ):  # ...unless its keep-th best is below the other beams' pushed-down best
                 top_scores, tokens = torch.topk(logprobs[0] + self.scores[0], keep)
                 if bool(top_scores[-1] > logprobs[0].max() + self.scores[1]):
                     return top_scores, torch.zeros_like(tokens), tokens
@@ -123,7 +148,9 @@ class BeamSelection:
             return top_scores, index // vocab, index % vocab
         row_scores, row_tokens = torch.topk(total, keep, dim=1)  # [K, keep]
         top_scores, index = torch.topk(row_scores.reshape(-1), keep)
-        if bool((row_scores[:, -1] == top_scores[-1]).any()):  # a tie at the cut: one top-k decides, as transformers'
+        if bool(
+            (row_scores[:, -1] == top_scores[-1]).any()
+        ):  # a tie at the cut: one top-k decides, as transformers'
             top_scores, index = torch.topk(total.reshape(-1), keep)
             return top_scores, index // vocab, index % vocab
         return top_scores, index // keep, row_tokens.reshape(-1)[index]
@@ -135,7 +162,10 @@ class BeamSelection:
         finished one from a pushed-down beam (the prompt's copies, at a start a grammar narrows to fewer
         tokens than beams) is no hypothesis either."""
         kept = self.is_fin[:count] & (self.fin_logprobs[:count] > PUSH_DOWN / 2)
-        scores, logprobs = self.fin_scores[:count][kept].tolist(), self.fin_logprobs[:count][kept].tolist()
+        scores, logprobs = (
+            self.fin_scores[:count][kept].tolist(),
+            self.fin_logprobs[:count][kept].tolist(),
+        )
         lens, tokens = self.fin_lens[:count][kept].tolist(), self.fin_tokens[:count][kept].tolist()
         stops = set(self.stop_ids.tolist())
         out = []

@@ -21,7 +21,14 @@ from engine.scheduler.batch import stop_table
 from engine.beam_search.params import beam_problem, check_beam
 from engine.beam_search.selection import BeamSelection
 from engine.hooks import HookError
-from engine.ipc.messages import BatchTokenOut, BeamHypothesis, BeamSearchOut, FinishReason, NO_TOKEN, RequestMeta
+from engine.ipc.messages import (
+    BatchTokenOut,
+    BeamHypothesis,
+    BeamSearchOut,
+    FinishReason,
+    NO_TOKEN,
+    RequestMeta,
+)
 from engine.sampling.sampler import process_logits
 
 if TYPE_CHECKING:
@@ -42,7 +49,9 @@ def arrival_problem(sched: Scheduler, r) -> str | None:
 
 
 def never_fits(sched: Scheduler, req: Req) -> str | None:
-    return beam_problem(req.prompt_len, req.sampling, req.beam, sched.req_to_token.size, sched.max_total_tokens)
+    return beam_problem(
+        req.prompt_len, req.sampling, req.beam, sched.req_to_token.size, sched.max_total_tokens
+    )
 
 
 def admission_need(req: Req, take: int) -> int:
@@ -58,26 +67,49 @@ def take_slots(sched: Scheduler, req: Req) -> None:
 # ------------------------------------------------------------------ sample
 
 
-def process_starts(sched: Scheduler, reqs: list[Req], logits: torch.Tensor, failed: dict[int, str]) -> torch.Tensor:
+def process_starts(
+    sched: Scheduler, reqs: list[Req], logits: torch.Tensor, failed: dict[int, str]
+) -> torch.Tensor:
     """The prompts' last log-probabilities, processed (one row per starting search)."""
     st = start_sampling(reqs, 1, sched.model_config.vocab_size, sched.device)
     out_lens = torch.zeros(len(reqs), dtype=torch.int64, device=sched.device)
     logprobs = torch.log_softmax(logits, dim=-1)
     ids = [[] for _ in reqs]
     matchers = [r.matcher for r in reqs]
-    grammar = (lambda lg: sched.grammars.mask(lg, matchers, failed)) if any(m is not None for m in matchers) else None  # noqa: E731
-    return process_logits(logprobs, st, out_lens, stop_table(reqs, 1, sched.device), ids, sched.processors, failed,
-                          [0] * len(reqs), grammar)  # fmt: skip
+    grammar = (
+        (lambda lg: sched.grammars.mask(lg, matchers, failed))
+        if any(m is not None for m in matchers)
+        else None
+    )  # noqa: E731
+    return process_logits(
+        logprobs,
+        st,
+        out_lens,
+        stop_table(reqs, 1, sched.device),
+        ids,
+        sched.processors,
+        failed,
+        [0] * len(reqs),
+        grammar,
+    )
 
 
-def select_starts(sched: Scheduler, reqs: list[Req], scores: torch.Tensor, failed: dict[int, str]) -> list:
+def select_starts(
+    sched: Scheduler, reqs: list[Req], scores: torch.Tensor, failed: dict[int, str]
+) -> list:
     """Each starting search's first selection; one that raises goes into `failed` and fails alone."""
     out = []
     for i, req in enumerate(reqs):
         b = req.beam
         try:
-            selection = BeamSelection(b.width, req.sampling.max_new_tokens, req.stop_ids, b.length_penalty,
-                                      b.early_stopping, sched.device)  # fmt: skip
+            selection = BeamSelection(
+                b.width,
+                req.sampling.max_new_tokens,
+                req.stop_ids,
+                b.length_penalty,
+                b.early_stopping,
+                sched.device,
+            )
             parents, tokens = selection.step(scores[i : i + 1])
         except Exception as exc:  # noqa: BLE001 - this search alone
             failed[id(req)] = selection_failed(exc)
@@ -116,13 +148,17 @@ def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
     """One selection per search (kept in the step for process results); a selection that raises fails
     its search alone, as a failing processor does."""
     if hooks.has("engine_process_logits"):
-        matchers = [r.matcher for r in step.beam_starts] if step.beam_starts else sched.beams.matchers
+        matchers = (
+            [r.matcher for r in step.beam_starts] if step.beam_starts else sched.beams.matchers
+        )
         if any(m is not None for m in matchers):
             refuse_stops(beam, matchers)
     if step.beam_starts:
         reqs = step.beam_starts
         ok = [i for i in range(len(reqs)) if id(reqs[i]) not in step.beam_failed]
-        step.beam_out = select_starts(sched, [reqs[i] for i in ok], beam.scores[ok], step.beam_failed)
+        step.beam_out = select_starts(
+            sched, [reqs[i] for i in ok], beam.scores[ok], step.beam_failed
+        )
     else:
         step.beam_out = sched.beams.select(beam.scores, step.beam_failed)
 
@@ -136,7 +172,9 @@ def refuse_stops(beam: BeamScores, matchers: list) -> None:
         if m is None or m.is_terminated():
             continue
         stops = torch.tensor(beam.reqs[row].stop_ids, dtype=torch.int64, device=beam.scores.device)
-        for stop in stops[~torch.isneginf(beam.scores[row, stops])].tolist():  # those the hook left open
+        for stop in stops[
+            ~torch.isneginf(beam.scores[row, stops])
+        ].tolist():  # those the hook left open
             if not m.fork().accept_token(stop):
                 beam.scores[row, stop] = float("-inf")
 
@@ -159,7 +197,9 @@ def _start(sched: Scheduler, step: Step) -> None:
             abort_reqs(sched, [r], [r.kv_len], step.beam_failed[id(r)], keep_kv=False)
     now = time.time_ns()
     for req, selection, parents, tokens in step.beam_out:
-        sched.kv.cache_prompt(req)  # shared by every beam, and by later requests with the same prompt
+        sched.kv.cache_prompt(
+            req
+        )  # shared by every beam, and by later requests with the same prompt
         req.first_token_ns = now
         group = sched.beams.start(req, selection, tokens)
         sched.counters["generated_tokens"] += group.width
@@ -223,15 +263,27 @@ def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
         req, sel = g.req, g.selection
         hyps = []
         for h in sel.results(req.beam.num_return):
-            reason = FinishReason("stop", matched=h.output_ids[-1]) if h.stopped else FinishReason("length", length=len(h.output_ids))
+            reason = (
+                FinishReason("stop", matched=h.output_ids[-1])
+                if h.stopped
+                else FinishReason("length", length=len(h.output_ids))
+            )
             hyps.append(BeamHypothesis(h.output_ids, h.logprob, h.score, reason))
         req.finished = hyps[0].finish if hyps else FinishReason("length", length=0)
         req.beam_steps = sel.steps
         _free(sched, g)
         sched.beams.remove([g])
         p = req.sampling
-        out = BeamSearchOut(req.rid, hyps, _meta(g, sum(len(h.output_ids) for h in hyps)), g.width, sel.steps,
-                            p.skip_special_tokens, p.spaces_between_special_tokens, req.trace_context)  # fmt: skip
+        out = BeamSearchOut(
+            req.rid,
+            hyps,
+            _meta(g, sum(len(h.output_ids) for h in hyps)),
+            g.width,
+            sel.steps,
+            p.skip_special_tokens,
+            p.spaces_between_special_tokens,
+            req.trace_context,
+        )
         sched.send_sock.send(sched.send_codec.encode(out))
         sched.counters["finished_requests"] += 1
         finished_hook(req)

@@ -23,15 +23,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.cores import usable_cores  # torch-free (the package imports nothing heavy): the baselines' children too
+from engine.cores import (
+    usable_cores,
+)  # torch-free (the package imports nothing heavy): the baselines' children too
 
-MARK = "CPU_BENCH_RESULT "  # the child's one result line on stdout; other lines are the backend's own
+MARK = (
+    "CPU_BENCH_RESULT "  # the child's one result line on stdout; other lines are the backend's own
+)
 LLAMA_MISSING = "not installed: run make bench"
 # The child times its backend's import first, then runs this file by path: importing the engine package
 # would add to llama.cpp's and transformers' memory. With -c, spawned engine children re-import no main file.
 CHILD = """import time; t0 = time.perf_counter(); {imports}; t_import = time.perf_counter() - t0
 import runpy; runpy.run_path({path!r})[{fn!r}]({cfg!r}, t_import)"""
-IMPORTS = {"engine": "from engine import Engine", "transformers": "import transformers", "llama.cpp": "import llama_cpp"}
+IMPORTS = {
+    "engine": "from engine import Engine",
+    "transformers": "import transformers",
+    "llama.cpp": "import llama_cpp",
+}
 
 
 def _field_mb(path: str, name: str) -> float | None:
@@ -44,20 +52,33 @@ def _field_mb(path: str, name: str) -> float | None:
 
 def memory(pids: dict[str, int]) -> dict:
     """VmRSS and PSS (Linux /proc) per process and summed, in MB; None where /proc does not say."""
-    per = {r: {"rss_mb": _field_mb(f"/proc/{p}/status", "VmRSS"), "pss_mb": _field_mb(f"/proc/{p}/smaps_rollup", "Pss")}
-           for r, p in pids.items()}  # fmt: skip
-    sums = {k: None if None in (v := [m[k] for m in per.values()]) else sum(v) for k in ("rss_mb", "pss_mb")}
+    per = {
+        r: {
+            "rss_mb": _field_mb(f"/proc/{p}/status", "VmRSS"),
+            "pss_mb": _field_mb(f"/proc/{p}/smaps_rollup", "Pss"),
+        }
+        for r, p in pids.items()
+    }
+    sums = {
+        k: None if None in (v := [m[k] for m in per.values()]) else sum(v)
+        for k in ("rss_mb", "pss_mb")
+    }
     return {"processes": per, **sums}
 
 
 def _stream(t0: float, marks: list[float], tokens: int) -> dict:
     """Figures of one stream from the times its chunks arrived (the first chunk: the first token)."""
     span = marks[-1] - marks[0] if len(marks) > 1 else 0.0
-    return {"new_tokens": tokens, "ttft_s": marks[0] - t0 if marks else None,
-            "decode_tokens_per_s": (tokens - 1) / span if span else None}  # fmt: skip
+    return {
+        "new_tokens": tokens,
+        "ttft_s": marks[0] - t0 if marks else None,
+        "decode_tokens_per_s": (tokens - 1) / span if span else None,
+    }
 
 
-def _emit(t_import: float, load: float, **figures) -> None:  # the children below each run in a fresh interpreter
+def _emit(
+    t_import: float, load: float, **figures
+) -> None:  # the children below each run in a fresh interpreter
     startup = {"import_s": t_import, "load_s": load, "total_s": t_import + load}
     print(MARK + json.dumps({"startup": startup, **figures}), flush=True)
 
@@ -69,25 +90,44 @@ def child_engine(cfg_path: str, t_import: float) -> None:
     cfg = json.loads(Path(cfg_path).read_text())
     t0 = time.perf_counter()
     mode, _, dtype = cfg["mode"].partition("@")  # "none@bfloat16": a dtype other than auto
-    eng = Engine(quantization=mode, dtype=dtype or "auto", device="cpu")  # the baselines run on the CPU
+    eng = Engine(
+        quantization=mode, dtype=dtype or "auto", device="cpu"
+    )  # the baselines run on the CPU
     ready = time.perf_counter() - t0
     greedy = {"temperature": 0, "ignore_eos": True}
     try:
         one, n = cfg["single"], cfg["new_tokens"]
-        eng.generate(input_ids=one[::-1], sampling_params={**greedy, "max_new_tokens": 8})  # warm-up, short request
+        eng.generate(
+            input_ids=one[::-1], sampling_params={**greedy, "max_new_tokens": 8}
+        )  # warm-up, short request
         mem, _, t0 = memory(eng.pids), eng.flush_cache(), time.perf_counter()
-        chunks = [(time.perf_counter(), len(c["output_ids"]))
-                  for c in eng.generate(input_ids=one, sampling_params={**greedy, "max_new_tokens": n}, stream=True)]
+        chunks = [
+            (time.perf_counter(), len(c["output_ids"]))
+            for c in eng.generate(
+                input_ids=one, sampling_params={**greedy, "max_new_tokens": n}, stream=True
+            )
+        ]
         single = _stream(t0, [t for t, _ in chunks], sum(k for _, k in chunks))
         prompts, params = cfg["prompts"], {**greedy, "max_new_tokens": cfg["max_new_tokens"]}
-        eng.generate(input_ids=[p[::-1][:32] for p in prompts[:2]], sampling_params={**params, "max_new_tokens": 4})
+        eng.generate(
+            input_ids=[p[::-1][:32] for p in prompts[:2]],
+            sampling_params={**params, "max_new_tokens": 4},
+        )
         _, t0 = eng.flush_cache(), time.perf_counter()
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - t0
-        generated, dtype = sum(o["meta_info"]["completion_tokens"] for o in outs), eng.server_info.get("dtype")
+        generated, dtype = (
+            sum(o["meta_info"]["completion_tokens"] for o in outs),
+            eng.server_info.get("dtype"),
+        )
     finally:
         eng.shutdown()
-    batch = {"generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall, "setting": "one call"}
+    batch = {
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "setting": "one call",
+    }
     _emit(t_import, ready, memory=mem, single=single, batch=batch, dtype=dtype)
 
 
@@ -99,7 +139,9 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg["hf_dtype"])
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg["model_dir"], dtype=dtype, attn_implementation="sdpa"
+    )
     load = time.perf_counter() - t0
     torch.set_num_threads(usable_cores())
     pad = model.generation_config.eos_token_id
@@ -112,8 +154,14 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                           pad_token_id=pad)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad,
+            )
         return time.perf_counter() - t0
 
     one, n = cfg["single"], cfg["new_tokens"]
@@ -125,12 +173,27 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
     prompts, m = sorted(cfg["prompts"], key=len), cfg["max_new_tokens"]
     runs = []
     for size in cfg["hf_batch_sizes"]:
-        generate([q[::-1][:32] for q in prompts[:size]], 2)  # warm-up at this size, untimed (the engine gets one too)
+        generate(
+            [q[::-1][:32] for q in prompts[:size]], 2
+        )  # warm-up at this size, untimed (the engine gets one too)
         wall = sum(generate(prompts[i : i + size], m) for i in range(0, len(prompts), size))
-        runs.append({"generated_tokens": len(prompts) * m, "wall_s": wall, "tokens_per_s": len(prompts) * m / wall,
-                     "setting": f"batch {size}"})  # fmt: skip
+        runs.append(
+            {
+                "generated_tokens": len(prompts) * m,
+                "wall_s": wall,
+                "tokens_per_s": len(prompts) * m / wall,
+                "setting": f"batch {size}",
+            }
+        )
     batch = max(runs, key=lambda r: r["tokens_per_s"])
-    _emit(t_import, load, memory=mem, single=single, batch={**batch, "all_batch_sizes": runs}, dtype=cfg["hf_dtype"])
+    _emit(
+        t_import,
+        load,
+        memory=mem,
+        single=single,
+        batch={**batch, "all_batch_sizes": runs},
+        dtype=cfg["hf_dtype"],
+    )
 
 
 def child_llama(cfg_path: str, t_import: float) -> None:
@@ -139,14 +202,20 @@ def child_llama(cfg_path: str, t_import: float) -> None:
 
     cfg = json.loads(Path(cfg_path).read_text())
     one, n, threads = cfg["single"], cfg["new_tokens"], usable_cores()
-    n_ctx = max(len(one) + n, max(map(len, cfg["prompts"])) + cfg["max_new_tokens"]) + 64  # single stream; the check
+    n_ctx = (
+        max(len(one) + n, max(map(len, cfg["prompts"])) + cfg["max_new_tokens"]) + 64
+    )  # single stream; the check
     if not cfg.get("llama_extra_bufts", True):
         _no_extra_buffer_types()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=cfg["gguf"], n_ctx=n_ctx, n_threads=threads, verbose=False)
     load = time.perf_counter() - t0
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    eog = [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    eog = [
+        t
+        for t in range(llama_cpp.llama_vocab_n_tokens(vocab))
+        if llama_cpp.llama_vocab_is_eog(vocab, t)
+    ]
     sampled: list[int] = []
 
     def no_eog(_ids, scores):
@@ -158,15 +227,18 @@ def child_llama(cfg_path: str, t_import: float) -> None:
     def complete(ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:
         sampled.clear()
         t0, ban = time.perf_counter(), llama_cpp.LogitsProcessorList([no_eog])
-        stream = llm.create_completion(prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
-                                       logits_processor=ban)
+        stream = llm.create_completion(
+            prompt=ids, max_tokens=max_tokens, temperature=0, stream=True, logits_processor=ban
+        )
         return t0, [time.perf_counter() for c in stream if c["choices"][0]["text"]], len(sampled)
 
     complete(one[::-1], 8)  # warm-up, short request
     mem = memory({"process": os.getpid()})
     single = _stream(*complete(one, n))
     batch = llama_parallel(llm, cfg["prompts"], cfg["max_new_tokens"], threads)
-    _emit(t_import, load, memory=mem, single=single, batch=batch, dtype="GGUF (embedded quantization)")
+    _emit(
+        t_import, load, memory=mem, single=single, batch=batch, dtype="GGUF (embedded quantization)"
+    )
 
 
 def _no_extra_buffer_types() -> None:
@@ -201,7 +273,11 @@ def llama_parallel(llm, prompts: list[list[int]], n: int, threads: int) -> dict:
         group = prompts[g : g + limit]
         p = lc.llama_context_default_params()
         # each sequence gets n_ctx / n_seq_max cells: room for the longest
-        p.n_ctx, p.n_seq_max, p.kv_unified = len(group) * (max(len(q) for q in group) + n + 8), len(group), False
+        p.n_ctx, p.n_seq_max, p.kv_unified = (
+            len(group) * (max(len(q) for q in group) + n + 8),
+            len(group),
+            False,
+        )
         p.n_batch = p.n_ubatch = max(512, len(group))
         p.n_threads = p.n_threads_batch = threads
         ctx = lc.llama_init_from_model(llm.model, p)
@@ -214,30 +290,64 @@ def llama_parallel(llm, prompts: list[list[int]], n: int, threads: int) -> dict:
                 chunk = entries[i : i + p.n_batch]
                 batch.n_tokens = len(chunk)
                 for j, (tok, pos, seq, want) in enumerate(chunk):
-                    batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = tok, pos, 1, want
+                    batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = (
+                        tok,
+                        pos,
+                        1,
+                        want,
+                    )
                     batch.seq_id[j][0] = seq
                 if lc.llama_decode(ctx, batch) != 0:
                     raise RuntimeError("llama_decode failed")
-                out += [int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).argmax())
-                        for j, e in enumerate(chunk) if e[3]]  # fmt: skip
+                out += [
+                    int(
+                        np.ctypeslib.as_array(
+                            lc.llama_get_logits_ith(ctx, j), shape=(n_vocab,)
+                        ).argmax()
+                    )
+                    for j, e in enumerate(chunk)
+                    if e[3]
+                ]
             return out
 
         try:
             t0 = time.perf_counter()
-            outs = [[t] for t in decode([(t, i, s, i == len(q) - 1) for s, q in enumerate(group)
-                                         for i, t in enumerate(q)])]  # fmt: skip
+            outs = [
+                [t]
+                for t in decode(
+                    [
+                        (t, i, s, i == len(q) - 1)
+                        for s, q in enumerate(group)
+                        for i, t in enumerate(q)
+                    ]
+                )
+            ]
             for _ in range(1, n):  # o[-1] sits at position len(q) + len(o) - 1 of its sequence
-                nxt = decode([(o[-1], len(q) + len(o) - 1, s, True) for s, (q, o) in enumerate(zip(group, outs))])
+                nxt = decode(
+                    [
+                        (o[-1], len(q) + len(o) - 1, s, True)
+                        for s, (q, o) in enumerate(zip(group, outs))
+                    ]
+                )
                 outs = [o + [t] for o, t in zip(outs, nxt)]
             wall, outputs = wall + time.perf_counter() - t0, outputs + outs
         finally:
             lc.llama_batch_free(batch)
             lc.llama_free(ctx)
-    gen = llm.generate(prompts[0], temp=0.0, reset=True)  # the check: the high-level greedy path, EOS ordinary too
-    agree = next((i for i, (a, b) in enumerate(zip([next(gen) for _ in range(n)], outputs[0])) if a != b), n)
+    gen = llm.generate(
+        prompts[0], temp=0.0, reset=True
+    )  # the check: the high-level greedy path, EOS ordinary too
+    agree = next(
+        (i for i, (a, b) in enumerate(zip([next(gen) for _ in range(n)], outputs[0])) if a != b), n
+    )
     tokens = sum(map(len, outputs))
-    return {"generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "setting": f"parallel {min(limit, len(prompts))}", "first_prompt_equal_to_generate": f"{agree}/{n}"}
+    return {
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "setting": f"parallel {min(limit, len(prompts))}",
+        "first_prompt_equal_to_generate": f"{agree}/{n}",
+    }
 
 
 def _child(backend: str, fn: str, cfg: dict) -> dict:
@@ -245,7 +355,9 @@ def _child(backend: str, fn: str, cfg: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
-        code = CHILD.format(imports=IMPORTS[backend], path=str(Path(__file__).resolve()), fn=fn, cfg=f.name)
+        code = CHILD.format(
+            imports=IMPORTS[backend], path=str(Path(__file__).resolve()), fn=fn, cfg=f.name
+        )
         proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     finally:
         os.unlink(f.name)
@@ -270,53 +382,110 @@ def run_cpu(args: argparse.Namespace) -> dict:
     from engine.tokenizer import load_hf_tokenizer
 
     model_dir = resolve_model_dir(None)
-    tok, modes = load_hf_tokenizer(model_dir), [q.strip() for q in args.cpu_quantizations.split(",") if q.strip()]
+    tok, modes = (
+        load_hf_tokenizer(model_dir),
+        [q.strip() for q in args.cpu_quantizations.split(",") if q.strip()],
+    )
     sizes = [int(b) for b in args.cpu_hf_batch_sizes.split(",")]
-    cfg = {"model_dir": model_dir, "gguf": str(embedded_gguf_path()), "new_tokens": args.cpu_new_tokens,
-           "single": build_prompts(tok, 1, args.cpu_prompt_len, args.cpu_prompt_len, args.seed + 1)[0],
-           "prompts": build_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed),
-           "max_new_tokens": args.max_new_tokens, "hf_batch_sizes": sizes}
+    cfg = {
+        "model_dir": model_dir,
+        "gguf": str(embedded_gguf_path()),
+        "new_tokens": args.cpu_new_tokens,
+        "single": build_prompts(tok, 1, args.cpu_prompt_len, args.cpu_prompt_len, args.seed + 1)[0],
+        "prompts": build_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed),
+        "max_new_tokens": args.max_new_tokens,
+        "hf_batch_sizes": sizes,
+    }
     backends: dict[str, dict] = {}
     for q in modes:
         print(f"[cpu] engine quantization={q} ...", flush=True)
         backends[f"engine {q}"] = _child("engine", "child_engine", {**cfg, "mode": q})
-    hf_runs = [(f"transformers {d}", "child_transformers", args.cpu_skip_hf and "--cpu-skip-hf", {"hf_dtype": d})
-               for d in hf_dtypes(modes)]  # fmt: skip
-    for name, fn, skip, extra in (*hf_runs, ("llama.cpp", "child_llama", args.cpu_skip_llama and "--cpu-skip-llama", {})):
+    hf_runs = [
+        (
+            f"transformers {d}",
+            "child_transformers",
+            args.cpu_skip_hf and "--cpu-skip-hf",
+            {"hf_dtype": d},
+        )
+        for d in hf_dtypes(modes)
+    ]
+    for name, fn, skip, extra in (
+        *hf_runs,
+        ("llama.cpp", "child_llama", args.cpu_skip_llama and "--cpu-skip-llama", {}),
+    ):
         if name == "llama.cpp" and not skip and importlib.util.find_spec("llama_cpp") is None:
             skip = LLAMA_MISSING
         print(f"[cpu] {name} ...", flush=True)
-        backends[name] = {"skipped": skip} if skip else _child(name.split()[0], fn, {**cfg, **extra})
-        if name == "llama.cpp" and "error" in backends[name]:  # its kindest setting failed: the plain one
-            print("[cpu] llama.cpp failed; again without its extra buffer types (AMX repack) ...", flush=True)
-            backends[name] = {**_child(name, fn, {**cfg, "llama_extra_bufts": False}),
-                              "setting": "use_extra_bufts=False (the default crashed: " + backends[name]["error"] + ")"}
-    baselines_ran = any("startup" in b for name, b in backends.items() if not name.startswith("engine"))
+        backends[name] = (
+            {"skipped": skip} if skip else _child(name.split()[0], fn, {**cfg, **extra})
+        )
+        if (
+            name == "llama.cpp" and "error" in backends[name]
+        ):  # its kindest setting failed: the plain one
+            print(
+                "[cpu] llama.cpp failed; again without its extra buffer types (AMX repack) ...",
+                flush=True,
+            )
+            backends[name] = {
+                **_child(name, fn, {**cfg, "llama_extra_bufts": False}),
+                "setting": "use_extra_bufts=False (the default crashed: "
+                + backends[name]["error"]
+                + ")",
+            }
+    baselines_ran = any(
+        "startup" in b for name, b in backends.items() if not name.startswith("engine")
+    )
     if getattr(args, "cpu_engine_again", False) and modes and baselines_ran:
         # A, B, A: a noisy machine's speed moves between runs a quarter of an hour apart (10-20% on a 2-core
         # cloud guest), and each ratio compares two of them; the engine's first run against its second says
         # how far, and each ratio is printed against both
         print(f"[cpu] engine quantization={modes[0]} again ...", flush=True)
-        backends[f"engine {modes[0]} again"] = _child("engine", "child_engine", {**cfg, "mode": modes[0]})
-    settings = {"prompt_len": args.cpu_prompt_len, "new_tokens": args.cpu_new_tokens, "hf_batch_sizes": sizes,
-                "prompt_tokens": sum(map(len, cfg["prompts"])), "greedy": True, "ignore_eos": True,
-                **{k: getattr(args, k) for k in ("num_prompts", "min_len", "max_len", "max_new_tokens", "seed")}}
-    return {"machine": machine_line(), "threads": usable_cores(), "quantizations": modes, "backends": backends,
-            "settings": settings}
+        backends[f"engine {modes[0]} again"] = _child(
+            "engine", "child_engine", {**cfg, "mode": modes[0]}
+        )
+    settings = {
+        "prompt_len": args.cpu_prompt_len,
+        "new_tokens": args.cpu_new_tokens,
+        "hf_batch_sizes": sizes,
+        "prompt_tokens": sum(map(len, cfg["prompts"])),
+        "greedy": True,
+        "ignore_eos": True,
+        **{
+            k: getattr(args, k)
+            for k in ("num_prompts", "min_len", "max_len", "max_new_tokens", "seed")
+        },
+    }
+    return {
+        "machine": machine_line(),
+        "threads": usable_cores(),
+        "quantizations": modes,
+        "backends": backends,
+        "settings": settings,
+    }
 
 
 TABLES = (  # title, then (column, dotted key, format); the ratio rows are engine / baseline per column
-    ("start-up and memory (fresh process; MB after one short request): lower is better",
-     ("import s", "startup.import_s", "{:.2f}"), ("load s", "startup.load_s", "{:.2f}"),
-     ("total s", "startup.total_s", "{:.2f}"), ("RSS MB", "memory.rss_mb", "{:.0f}"),
-     ("PSS MB", "memory.pss_mb", "{:.0f}")),
-    ("single stream (greedy, EOS ignored): decode tok/s higher is better",
-     ("TTFT s", "single.ttft_s", "{:.3f}"), ("decode tok/s", "single.decode_tokens_per_s", "{:.1f}"),
-     ("tokens", "single.new_tokens", "{:d}")),
-    ("batch (generated tokens / wall): higher is better",
-     ("tok/s", "batch.tokens_per_s", "{:.1f}"), ("wall s", "batch.wall_s", "{:.2f}"),
-     ("setting", "batch.setting", "{}")),
-)  # fmt: skip
+    (
+        "start-up and memory (fresh process; MB after one short request): lower is better",
+        ("import s", "startup.import_s", "{:.2f}"),
+        ("load s", "startup.load_s", "{:.2f}"),
+        ("total s", "startup.total_s", "{:.2f}"),
+        ("RSS MB", "memory.rss_mb", "{:.0f}"),
+        ("PSS MB", "memory.pss_mb", "{:.0f}"),
+    ),
+    (
+        "single stream (greedy, EOS ignored): decode tok/s higher is better",
+        ("TTFT s", "single.ttft_s", "{:.3f}"),
+        ("decode tok/s", "single.decode_tokens_per_s", "{:.1f}"),
+        ("tokens", "single.new_tokens", "{:d}"),
+    ),
+    (
+        "batch (generated tokens / wall): higher is better",
+        ("tok/s", "batch.tokens_per_s", "{:.1f}"),
+        ("wall s", "batch.wall_s", "{:.2f}"),
+        ("setting", "batch.setting", "{}"),
+    ),
+)
 
 
 def _get(r: dict, key: str):  # "a.b" -> r["a"]["b"], None where missing
@@ -327,8 +496,10 @@ def _get(r: dict, key: str):  # "a.b" -> r["a"]["b"], None where missing
 
 def print_cpu(r: dict) -> None:
     s, backends = r["settings"], r["backends"]
-    print(f"\ncpu: {r['machine']}\n  single stream: {s['prompt_len']} prompt tokens, {s['new_tokens']} new; "
-          f"batch: {s['num_prompts']} prompts of {s['min_len']}-{s['max_len']} tokens, {s['max_new_tokens']} new each")
+    print(
+        f"\ncpu: {r['machine']}\n  single stream: {s['prompt_len']} prompt tokens, {s['new_tokens']} new; "
+        f"batch: {s['num_prompts']} prompts of {s['min_len']}-{s['max_len']} tokens, {s['max_new_tokens']} new each"
+    )
     ran = [n for n, b in backends.items() if "startup" in b]
     baselines = [n for n in ran if n.startswith("transformers") or n == "llama.cpp"]
     pairs = [(e, b) for e in ran if e.startswith("engine") for b in baselines]
@@ -336,14 +507,28 @@ def print_cpu(r: dict) -> None:
         print(f"\n  {title}\n  {'':<42}" + "".join(f"{c:>14}" for c, _, _ in cols))
         for name, b in backends.items():
             cells = ["-" if _get(b, k) is None else f.format(_get(b, k)) for _, k, f in cols]
-            row = "".join(f"{c:>14}" for c in cells) if name in ran else b.get("skipped", b.get("error"))
+            row = (
+                "".join(f"{c:>14}" for c in cells)
+                if name in ran
+                else b.get("skipped", b.get("error"))
+            )
             print(f"  {name:<42}{row}")
         for e, o in pairs:
             ratios = [(_get(backends[e], k), _get(backends[o], k)) for _, k, _ in cols]
-            print(f"  {e + ' / ' + o:<42}" + "".join(f"{f'{a / b:.2f}x' if isinstance(a, float) and b else '':>14}"
-                                                     for a, b in ratios))  # fmt: skip
-    print("  RSS counts shared pages in every process, PSS splits them; engine rows sum its 3 processes", flush=True)
+            print(
+                f"  {e + ' / ' + o:<42}"
+                + "".join(
+                    f"{f'{a / b:.2f}x' if isinstance(a, float) and b else '':>14}"
+                    for a, b in ratios
+                )
+            )
+    print(
+        "  RSS counts shared pages in every process, PSS splits them; engine rows sum its 3 processes",
+        flush=True,
+    )
     if setting := backends.get("llama.cpp", {}).get("setting"):
         print(f"  llama.cpp ran with {setting}")
     if check := _get(backends.get("llama.cpp", {}), "batch.first_prompt_equal_to_generate"):
-        print(f"  llama.cpp batch: its first prompt agrees with a sequential greedy generate() for {check} tokens")
+        print(
+            f"  llama.cpp batch: its first prompt agrees with a sequential greedy generate() for {check} tokens"
+        )

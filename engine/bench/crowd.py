@@ -29,7 +29,9 @@ class Spec:
     stream: bool
     logprobs: bool
     early: str | None = None  # one of EARLY_ENDS
-    early_after: float = 0.0  # chunks to read (leave_stream) or seconds to wait (abort_rid, cancel_task)
+    early_after: float = (
+        0.0  # chunks to read (leave_stream) or seconds to wait (abort_rid, cancel_task)
+    )
 
     @property
     def greedy(self) -> bool:
@@ -49,8 +51,15 @@ class Outcome:
 PROMPT_LENGTHS = (1, 3, 8, 20, 40, 80, 160, 400)
 
 
-def make_crowd(n: int, seed: int, corpus_ids: list[int], vocab_size: int, abort_share: float = 0.1,
-               prefix: str = "crowd", max_prompt: int | None = None) -> list[Spec]:  # fmt: skip
+def make_crowd(
+    n: int,
+    seed: int,
+    corpus_ids: list[int],
+    vocab_size: int,
+    abort_share: float = 0.1,
+    prefix: str = "crowd",
+    max_prompt: int | None = None,
+) -> list[Spec]:
     """n requests drawn from the mix; rids are prefix-seed-index, so two crowds never share one.
     max_prompt caps the prompt lengths drawn (the prefill of the 160- and 400-token prompts is most of
     a crowd's time on a CPU): for runs that count requests, not tokens."""
@@ -83,10 +92,19 @@ def make_crowd(n: int, seed: int, corpus_ids: list[int], vocab_size: int, abort_
             params["stop"] = list(rng.choice(STOP_STRINGS))
         if rng.random() < 0.3:
             params["ignore_eos"] = True
-        spec = Spec(i, f"{prefix}-{seed}-{i}", ids, params, stream=rng.random() < 0.5, logprobs=rng.random() < 0.2)
+        spec = Spec(
+            i,
+            f"{prefix}-{seed}-{i}",
+            ids,
+            params,
+            stream=rng.random() < 0.5,
+            logprobs=rng.random() < 0.2,
+        )
         if rng.random() < abort_share:
             spec.early = rng.choice(EARLY_ENDS)
-            spec.early_after = rng.randrange(0, 4) if spec.early == "leave_stream" else rng.uniform(0.0, 1.5)
+            spec.early_after = (
+                rng.randrange(0, 4) if spec.early == "leave_stream" else rng.uniform(0.0, 1.5)
+            )
             if spec.early == "leave_stream":
                 spec.stream = True
         specs.append(spec)
@@ -94,7 +112,12 @@ def make_crowd(n: int, seed: int, corpus_ids: list[int], vocab_size: int, abort_
 
 
 def _call_kwargs(spec: Spec) -> dict:
-    kwargs = {"input_ids": spec.input_ids, "sampling_params": dict(spec.params), "rid": spec.rid, "stream": spec.stream}
+    kwargs = {
+        "input_ids": spec.input_ids,
+        "sampling_params": dict(spec.params),
+        "rid": spec.rid,
+        "stream": spec.stream,
+    }
     if spec.logprobs:
         kwargs.update(return_logprob=True, top_logprobs_num=2)
     return kwargs
@@ -117,6 +140,7 @@ async def _one(engine, spec: Spec) -> Outcome:
                 out.results = got if isinstance(got, list) else [got]
             return out
         if spec.early == "abort_rid":
+
             async def later() -> None:
                 await asyncio.sleep(spec.early_after)
                 engine.abort(spec.rid)  # a request of n > 1: the rid names all its samples
@@ -148,7 +172,9 @@ async def _consume(stream, out: Outcome) -> None:
     try:
         async for chunk in stream:
             out.chunks += 1
-            got = per_index.setdefault(chunk["index"], {"text": "", "output_ids": [], "meta_info": {}})
+            got = per_index.setdefault(
+                chunk["index"], {"text": "", "output_ids": [], "meta_info": {}}
+            )
             if got["meta_info"].get("finish_reason") is not None:
                 out.error = f"a chunk after the final one for index {chunk['index']}"
             got["text"] += chunk["text"]
@@ -199,7 +225,9 @@ def problems(outcomes: list[Outcome]) -> list[str]:
             elif reason["type"] == "abort" and s.early != "abort_rid":
                 found.append(f"{where}: aborted without asking: {reason}")
             elif len(r["output_ids"]) > s.params["max_new_tokens"]:
-                found.append(f"{where}: {len(r['output_ids'])} tokens for max_new_tokens={s.params['max_new_tokens']}")
+                found.append(
+                    f"{where}: {len(r['output_ids'])} tokens for max_new_tokens={s.params['max_new_tokens']}"
+                )
             elif reason["type"] == "length" and len(r["output_ids"]) != s.params["max_new_tokens"]:
                 found.append(f"{where}: finished by length after {len(r['output_ids'])} tokens")
     return found
@@ -211,13 +239,18 @@ def greedy_alone(engine, specs: list[Spec]) -> dict[str, list[int]]:
     for s in specs:
         if s.greedy and s.early is None:
             params = {k: v for k, v in s.params.items()}
-            alone[s.rid] = engine.generate(input_ids=s.input_ids, sampling_params=params)["output_ids"]
+            alone[s.rid] = engine.generate(input_ids=s.input_ids, sampling_params=params)[
+                "output_ids"
+            ]
     return alone
 
 
 def greedy_mismatches(outcomes: list[Outcome], alone: dict[str, list[int]]) -> list[str]:
-    return [f"{o.spec.rid}: crowd {o.results[0]['output_ids']} alone {alone[o.spec.rid]}"
-            for o in outcomes if o.spec.rid in alone and o.results and o.results[0]["output_ids"] != alone[o.spec.rid]]  # fmt: skip
+    return [
+        f"{o.spec.rid}: crowd {o.results[0]['output_ids']} alone {alone[o.spec.rid]}"
+        for o in outcomes
+        if o.spec.rid in alone and o.results and o.results[0]["output_ids"] != alone[o.spec.rid]
+    ]
 
 
 def wait_idle(engine, timeout: float = 30.0) -> dict:
@@ -233,15 +266,23 @@ def wait_idle(engine, timeout: float = 30.0) -> dict:
 
 def busy(stats: dict) -> list[str]:
     """Every per-request structure not back to its idle value, as 'role.name=value'."""
-    found = [f"{role}.{name}={value}" for role, names in stats.get("tracked", {}).items()
-             for name, value in names.items() if value]  # fmt: skip
+    found = [
+        f"{role}.{name}={value}"
+        for role, names in stats.get("tracked", {}).items()
+        for name, value in names.items()
+        if value
+    ]
     if stats["free_slots"] != stats["max_running_requests"]:
         found.append(f"free_slots={stats['free_slots']} of {stats['max_running_requests']}")
     if stats["running"] or stats["waiting"]:
         found.append(f"running={stats['running']} waiting={stats['waiting']}")
     if stats.get("cache_lock_refs", 0) or stats.get("cache_locked_tokens", 0):
-        found.append(f"cache_lock_refs={stats.get('cache_lock_refs')} locked={stats.get('cache_locked_tokens')}")
+        found.append(
+            f"cache_lock_refs={stats.get('cache_lock_refs')} locked={stats.get('cache_locked_tokens')}"
+        )
     if stats["free_tokens"] + stats.get("cache_tokens", 0) != stats["max_total_tokens"]:
-        found.append(f"free_tokens={stats['free_tokens']} + cache_tokens={stats.get('cache_tokens')} "
-                     f"!= max_total_tokens={stats['max_total_tokens']}")  # fmt: skip
+        found.append(
+            f"free_tokens={stats['free_tokens']} + cache_tokens={stats.get('cache_tokens')} "
+            f"!= max_total_tokens={stats['max_total_tokens']}"
+        )
     return found

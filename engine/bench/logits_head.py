@@ -46,7 +46,10 @@ def run_logits_head(args: argparse.Namespace) -> dict:
         xb = x.bfloat16()
         times: dict[str, list[float]] = {"bfloat16": [], "float32": []}
         for _ in range(args.head_rounds):
-            for name, call in (("bfloat16", lambda: before(xb).float()), ("float32", lambda: now(x))):
+            for name, call in (
+                ("bfloat16", lambda: before(xb).float()),
+                ("float32", lambda: now(x)),
+            ):
                 call()
                 t0 = time.perf_counter()
                 for _ in range(10):
@@ -54,13 +57,20 @@ def run_logits_head(args: argparse.Namespace) -> dict:
                 times[name].append((time.perf_counter() - t0) / 10 * 1e3)
         b, f = statistics.median(times["bfloat16"]), statistics.median(times["float32"])
         rows[m] = {"bfloat16_ms": b, "float32_ms": f, "ratio": f / b}
-    return {"machine": machine_line(), "bfloat16_layer": type(before).__name__, "float32_head": now.extra_repr(),
-            "rounds": args.head_rounds, "rows": rows}  # fmt: skip
+    return {
+        "machine": machine_line(),
+        "bfloat16_layer": type(before).__name__,
+        "float32_head": now.extra_repr(),
+        "rounds": args.head_rounds,
+        "rows": rows,
+    }
 
 
 def print_logits_head(r: dict) -> None:
-    print(f"\nlm_head {VOCAB} x {HIDDEN}: bfloat16 logits ({r['bfloat16_layer']}) against float32 ({r['float32_head']}), "
-          f"median of {r['rounds']} rounds of 10 calls\n  {r['machine']}")  # fmt: skip
+    print(
+        f"\nlm_head {VOCAB} x {HIDDEN}: bfloat16 logits ({r['bfloat16_layer']}) against float32 ({r['float32_head']}), "
+        f"median of {r['rounds']} rounds of 10 calls\n  {r['machine']}"
+    )
     print(f"  {'rows':>6}{'bfloat16 ms':>14}{'float32 ms':>13}{'ratio':>8}")
     for m, row in r["rows"].items():
         print(f"  {m:>6}{row['bfloat16_ms']:14.2f}{row['float32_ms']:13.2f}{row['ratio']:7.2f}x")

@@ -12,12 +12,41 @@ import inspect
 import random
 
 CORPUS_MODULES: tuple[str, ...] = (
-    "argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
-    "datetime", "decimal", "email.message", "functools", "http.client", "http.server", "inspect",
-    "itertools", "json", "logging", "multiprocessing", "pathlib", "pickle", "queue", "re",
-    "shutil", "socket", "sqlite3", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
-    "typing", "unittest", "urllib.request", "zipfile",
-)  # fmt: skip
+    "argparse",
+    "asyncio",
+    "collections",
+    "concurrent.futures",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email.message",
+    "functools",
+    "http.client",
+    "http.server",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "multiprocessing",
+    "pathlib",
+    "pickle",
+    "queue",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.request",
+    "zipfile",
+)
 
 
 # The parity prompts: greedy outputs on them are compared with transformers (tests) and across
@@ -44,13 +73,17 @@ def build_corpus(modules: tuple[str, ...] = CORPUS_MODULES) -> str:
             if attr.startswith("_"):
                 continue
             obj = getattr(module, attr, None)
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "").startswith(name):
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(
+                obj, "__module__", ""
+            ).startswith(name):
                 docs.append(inspect.getdoc(obj))
         parts.extend(d.strip() for d in docs if d and len(d.split()) >= 8)  # skip one-liners
     return "\n\n".join(parts)
 
 
-def build_prompts(tokenizer, num_prompts: int, min_len: int = 32, max_len: int = 512, seed: int = 0) -> list[list[int]]:
+def build_prompts(
+    tokenizer, num_prompts: int, min_len: int = 32, max_len: int = 512, seed: int = 0
+) -> list[list[int]]:
     """num_prompts windows of the tokenized corpus, lengths uniform in [min_len, max_len], seeded offsets."""
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")

@@ -17,8 +17,24 @@ import time
 
 from engine.bench.prompts import PARITY_PROMPTS, build_corpus
 
-HELD_OUT_MODULES = ("statistics", "heapq", "bisect", "fractions", "string", "enum", "abc", "calendar",
-                    "difflib", "gzip", "hashlib", "ipaddress", "operator", "pprint", "random", "secrets")  # fmt: skip
+HELD_OUT_MODULES = (
+    "statistics",
+    "heapq",
+    "bisect",
+    "fractions",
+    "string",
+    "enum",
+    "abc",
+    "calendar",
+    "difflib",
+    "gzip",
+    "hashlib",
+    "ipaddress",
+    "operator",
+    "pprint",
+    "random",
+    "secrets",
+)
 
 
 def parity_inputs(tokenizer) -> list[list[int]]:
@@ -28,7 +44,9 @@ def parity_inputs(tokenizer) -> list[list[int]]:
         if i % 2 == 0:
             ids.append(tokenizer.encode(p))
         else:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
             ids.append(tokenizer.encode(text, add_special_tokens=False))
     return ids
 
@@ -47,19 +65,32 @@ def measure(quantization: str, args: argparse.Namespace) -> dict:
     with Engine(dtype="float32", quantization=quantization, device="cpu") as eng:
         t0 = time.perf_counter()
         prompts = parity_inputs(eng.tokenizer)
-        greedy = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.quality_new_tokens, "temperature": 0})
+        greedy = eng.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": args.quality_new_tokens, "temperature": 0},
+        )
         windows = held_out_windows(eng.tokenizer, args.quality_windows, args.quality_window_len)
         perplexity, scored = prompt_perplexity(eng, windows)
         seconds = time.perf_counter() - t0
-    return {"greedy": [o["output_ids"] for o in greedy], "perplexity": perplexity, "scored_tokens": scored,
-            "seconds": seconds}  # fmt: skip
+    return {
+        "greedy": [o["output_ids"] for o in greedy],
+        "perplexity": perplexity,
+        "scored_tokens": scored,
+        "seconds": seconds,
+    }
 
 
 def prompt_perplexity(engine, windows: list[list[int]]) -> tuple[float, int]:
     """Perplexity of the windows from the prompt logprobs the engine returns, and how many tokens it scored."""
-    outs = engine.generate(input_ids=windows, sampling_params={"max_new_tokens": 1}, return_logprob=True,
-                           logprob_start_len=0)  # fmt: skip
-    logprobs = [lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"] if lp is not None]
+    outs = engine.generate(
+        input_ids=windows,
+        sampling_params={"max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    logprobs = [
+        lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"] if lp is not None
+    ]
     return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs)
 
 
@@ -81,15 +112,23 @@ def agreement(exact: list[list[int]], other: list[list[int]]) -> dict:
         total += n
         k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         prefixes.append(k)
-    return {"token_agreement": same / total if total else 1.0, "mean_identical_prefix": sum(prefixes) / len(prefixes),
-            "identical_outputs": sum(a == b for a, b in zip(exact, other)), "outputs": len(exact)}  # fmt: skip
+    return {
+        "token_agreement": same / total if total else 1.0,
+        "mean_identical_prefix": sum(prefixes) / len(prefixes),
+        "identical_outputs": sum(a == b for a, b in zip(exact, other)),
+        "outputs": len(exact),
+    }
 
 
 def run_quality(args: argparse.Namespace) -> dict:
     modes = [m.strip() for m in args.cpu_quantizations.split(",") if m.strip()]
     base = measure("none", args)
-    out: dict = {"new_tokens": args.quality_new_tokens, "windows": args.quality_windows,
-                 "window_len": args.quality_window_len, "modes": {"none": {"perplexity": base["perplexity"]}}}  # fmt: skip
+    out: dict = {
+        "new_tokens": args.quality_new_tokens,
+        "windows": args.quality_windows,
+        "window_len": args.quality_window_len,
+        "modes": {"none": {"perplexity": base["perplexity"]}},
+    }
     for mode in modes:
         if mode == "none":
             continue
@@ -104,12 +143,18 @@ def run_quality(args: argparse.Namespace) -> dict:
 
 
 def print_quality(r: dict) -> None:
-    print(f"\nquality against the exact weights ({r['scored_tokens']} held-out tokens; greedy {r['new_tokens']} tokens "
-          f"on the parity prompts)")  # fmt: skip
-    print(f"  {'mode':<8}{'perplexity':>12}{'change':>9}{'token agreement':>17}{'identical outputs':>19}")
+    print(
+        f"\nquality against the exact weights ({r['scored_tokens']} held-out tokens; greedy {r['new_tokens']} tokens "
+        f"on the parity prompts)"
+    )
+    print(
+        f"  {'mode':<8}{'perplexity':>12}{'change':>9}{'token agreement':>17}{'identical outputs':>19}"
+    )
     for mode, m in r["modes"].items():
         if mode == "none":
             print(f"  {mode:<8}{m['perplexity']:12.3f}{'-':>9}{'-':>17}{'-':>19}")
         else:
-            print(f"  {mode:<8}{m['perplexity']:12.3f}{m['perplexity_change_pct']:8.2f}%{100 * m['token_agreement']:16.1f}%"
-                  f"{m['identical_outputs']:>15}/{m['outputs']}")  # fmt: skip
+            print(
+                f"  {mode:<8}{m['perplexity']:12.3f}{m['perplexity_change_pct']:8.2f}%{100 * m['token_agreement']:16.1f}%"
+                f"{m['identical_outputs']:>15}/{m['outputs']}"
+            )

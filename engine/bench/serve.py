@@ -42,9 +42,15 @@ class _Timing:
 
     def summary(self) -> dict:
         seconds = time.perf_counter() - self.t0
-        return {"tokens": self.tokens, "seconds": seconds, "tokens_per_s": self.tokens / seconds,
-                "ttft_p50": _percentile(self.firsts, 50), "ttft_p99": _percentile(self.firsts, 99),
-                "itl_p50": _percentile(self.gaps, 50), "itl_p99": _percentile(self.gaps, 99)}  # fmt: skip
+        return {
+            "tokens": self.tokens,
+            "seconds": seconds,
+            "tokens_per_s": self.tokens / seconds,
+            "ttft_p50": _percentile(self.firsts, 50),
+            "ttft_p99": _percentile(self.firsts, 99),
+            "itl_p50": _percentile(self.gaps, 50),
+            "itl_p99": _percentile(self.gaps, 99),
+        }
 
 
 class _Stream:
@@ -53,11 +59,15 @@ class _Stream:
 
     def piece(self) -> None:
         now = time.perf_counter()
-        (self.timing.firsts if self.last is None else self.timing.gaps).append(now - (self.last or self.start))
+        (self.timing.firsts if self.last is None else self.timing.gaps).append(
+            now - (self.last or self.start)
+        )
         self.last = now
 
 
-async def _run_in_process(engine, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+async def _run_in_process(
+    engine, prompts: list[list[int]], new_tokens: int, concurrency: int
+) -> dict:
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     gate = asyncio.Semaphore(concurrency)
     timing = _Timing()
@@ -65,7 +75,9 @@ async def _run_in_process(engine, prompts: list[list[int]], new_tokens: int, con
     async def one(ids: list[int]) -> None:
         async with gate:
             stream = timing.stream()
-            async for chunk in await engine.async_generate(input_ids=ids, sampling_params=params, stream=True):
+            async for chunk in await engine.async_generate(
+                input_ids=ids, sampling_params=params, stream=True
+            ):
                 if chunk["output_ids"]:
                     stream.piece()
                     timing.tokens += len(chunk["output_ids"])
@@ -74,7 +86,9 @@ async def _run_in_process(engine, prompts: list[list[int]], new_tokens: int, con
     return timing.summary()
 
 
-async def _run_server(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+async def _run_server(
+    url: str, prompts: list[list[int]], new_tokens: int, concurrency: int
+) -> dict:
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
@@ -83,8 +97,14 @@ async def _run_server(url: str, prompts: list[list[int]], new_tokens: int, concu
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
 
         async def one(ids: list[int]) -> None:
-            body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "prompt": ids,
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             async with gate:
                 stream = timing.stream()
                 async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -94,7 +114,9 @@ async def _run_server(url: str, prompts: list[list[int]], new_tokens: int, concu
                             continue
                         event = json.loads(line[6:])
                         if event.get("usage") and not event["choices"]:
-                            timing.tokens += event["usage"]["completion_tokens"]  # the server's own count
+                            timing.tokens += event["usage"][
+                                "completion_tokens"
+                            ]  # the server's own count
                         else:
                             stream.piece()
 
@@ -108,8 +130,12 @@ def _start_server(dtype: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--port", str(port), "--dtype", dtype],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.serve", "--port", str(port), "--dtype", dtype],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in proc.stdout:
         if "engine serve: ready on" in line:
             return proc, f"http://127.0.0.1:{port}"
@@ -132,31 +158,65 @@ def run_serve(args: argparse.Namespace) -> dict:
                         from engine.tokenizer import load_hf_tokenizer
 
                         tok = load_hf_tokenizer(resolve_model_dir(None))
-                        prompts = build_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
+                        prompts = build_prompts(
+                            tok, args.num_prompts, args.min_len, args.max_len, args.seed
+                        )
                     asyncio.run(_run_server(url, [p[:8] for p in prompts[:2]], 4, 2))  # warm-up
-                    results[mode].append(asyncio.run(_run_server(url, prompts, args.max_new_tokens, args.serve_concurrency)))
+                    results[mode].append(
+                        asyncio.run(
+                            _run_server(url, prompts, args.max_new_tokens, args.serve_concurrency)
+                        )
+                    )
                 finally:
                     proc.terminate()
                     proc.wait(60)
             else:
                 with Engine(dtype=args.serve_dtype) as engine:
                     if prompts is None:
-                        prompts = build_prompts(engine.tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed)
+                        prompts = build_prompts(
+                            engine.tokenizer,
+                            args.num_prompts,
+                            args.min_len,
+                            args.max_len,
+                            args.seed,
+                        )
                     asyncio.run(_run_in_process(engine, [p[:8] for p in prompts[:2]], 4, 2))
-                    results[mode].append(asyncio.run(_run_in_process(engine, prompts, args.max_new_tokens,
-                                                                     args.serve_concurrency)))  # fmt: skip
-    med = {m: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for m, runs in results.items()}
-    return {"concurrency": args.serve_concurrency, "dtype": args.serve_dtype, "rounds": args.plugin_rounds,
-            "runs": results, "median": med,
-            "server_over_in_process": med["server"]["tokens_per_s"] / med["in_process"]["tokens_per_s"]}  # fmt: skip
+                    results[mode].append(
+                        asyncio.run(
+                            _run_in_process(
+                                engine, prompts, args.max_new_tokens, args.serve_concurrency
+                            )
+                        )
+                    )
+    med = {
+        m: {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        for m, runs in results.items()
+    }
+    return {
+        "concurrency": args.serve_concurrency,
+        "dtype": args.serve_dtype,
+        "rounds": args.plugin_rounds,
+        "runs": results,
+        "median": med,
+        "server_over_in_process": med["server"]["tokens_per_s"] / med["in_process"]["tokens_per_s"],
+    }
 
 
 def print_serve(r: dict) -> None:
-    print(f"\nserver against in-process, {r['concurrency']} concurrent streams, dtype {r['dtype']}, "
-          f"medians of {r['rounds']} runs each")  # fmt: skip
-    print(f"  {'':<12}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
+    print(
+        f"\nserver against in-process, {r['concurrency']} concurrent streams, dtype {r['dtype']}, "
+        f"medians of {r['rounds']} runs each"
+    )
+    print(
+        f"  {'':<12}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}"
+    )
     for mode in ("in_process", "server"):
         m = r["median"][mode]
-        print(f"  {mode:<12}{m['tokens_per_s']:10.1f}{m['ttft_p50']:10.3f}{m['ttft_p99']:10.3f}"
-              f"{m['itl_p50']:10.3f}{m['itl_p99']:10.3f}")  # fmt: skip
-    print(f"  server / in-process throughput: {r['server_over_in_process']:.3f} (target >= 0.90)", flush=True)
+        print(
+            f"  {mode:<12}{m['tokens_per_s']:10.1f}{m['ttft_p50']:10.3f}{m['ttft_p99']:10.3f}"
+            f"{m['itl_p50']:10.3f}{m['itl_p99']:10.3f}"
+        )
+    print(
+        f"  server / in-process throughput: {r['server_over_in_process']:.3f} (target >= 0.90)",
+        flush=True,
+    )

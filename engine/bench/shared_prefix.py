@@ -27,7 +27,10 @@ def run_one(cache: bool, dtype: str, prompts: list[list[int]], new_tokens: int) 
 
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     with Engine(dtype=dtype, enable_prefix_cache=cache) as eng:
-        eng.generate(input_ids=[p[::-1][:32] for p in prompts[:2]], sampling_params={**params, "max_new_tokens": 4})
+        eng.generate(
+            input_ids=[p[::-1][:32] for p in prompts[:2]],
+            sampling_params={**params, "max_new_tokens": 4},
+        )
         eng.flush_cache()
         before = eng.get_stats()
         t0 = time.perf_counter()
@@ -55,9 +58,14 @@ def run_one(cache: bool, dtype: str, prompts: list[list[int]], new_tokens: int) 
 def run_shared_prefix(args: argparse.Namespace, tokenizer) -> dict:
     prompts = build_shared_prefix_prompts(tokenizer, args)
     result: dict = {
-        "workload": {"requests": len(prompts), "prefix_len": args.prefix_len, "new_tokens": args.prefix_new_tokens,
-                     "prompt_tokens": sum(len(p) for p in prompts), "dtype": args.prefix_dtype},
-    }  # fmt: skip
+        "workload": {
+            "requests": len(prompts),
+            "prefix_len": args.prefix_len,
+            "new_tokens": args.prefix_new_tokens,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "dtype": args.prefix_dtype,
+        },
+    }
     for cache in (True, False):
         label = "cache_on" if cache else "cache_off"
         print(f"[shared prefix] {label} ...", flush=True)
@@ -70,8 +78,10 @@ def run_shared_prefix(args: argparse.Namespace, tokenizer) -> dict:
 
 def print_shared_prefix(r: dict) -> None:
     on, off, w = r["cache_on"], r["cache_off"], r["workload"]
-    print(f"\nshared prefix: {w['requests']} requests, {w['prefix_len']}-token shared prefix, "
-          f"{w['new_tokens']} new tokens each, {on['dtype']}")  # fmt: skip
+    print(
+        f"\nshared prefix: {w['requests']} requests, {w['prefix_len']}-token shared prefix, "
+        f"{w['new_tokens']} new tokens each, {on['dtype']}"
+    )
     rows = [
         ("", "cache on", "cache off"),
         ("tokens/s", f"{on['tokens_per_s']:.1f}", f"{off['tokens_per_s']:.1f}"),

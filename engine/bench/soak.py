@@ -64,8 +64,16 @@ def run_soak(args) -> dict:
     return result
 
 
-def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log: bool = True,
-         touch: bool = True, max_prompt: int | None = None) -> dict:  # fmt: skip
+def soak(
+    engine,
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    seed: int = 1000,
+    log: bool = True,
+    touch: bool = True,
+    max_prompt: int | None = None,
+) -> dict:
     """rounds crowds of per_round requests on engine; samples, failures and slopes after warmup rounds.
     touch=False skips touch_pool: for runs whose memory slope nobody reads (the suite's short form; the
     pool's prefill was 30-40 s of it on a 2-core AMD EPYC Zen 1). max_prompt caps the crowds' prompt
@@ -80,8 +88,14 @@ def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log
     failures: list[str] = []
     start = time.perf_counter()
     for r in range(rounds):
-        specs = make_crowd(per_round, seed=seed + r, corpus_ids=corpus, vocab_size=vocab, prefix="soak",
-                           max_prompt=max_prompt)  # fmt: skip
+        specs = make_crowd(
+            per_round,
+            seed=seed + r,
+            corpus_ids=corpus,
+            vocab_size=vocab,
+            prefix="soak",
+            max_prompt=max_prompt,
+        )
         outcomes, wall = asyncio.run(run_crowd(engine, specs))
         found = problems(outcomes)
         stats = wait_idle(engine)
@@ -89,17 +103,29 @@ def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log
         failures += [f"round {r}: {p}" for p in found + left]
         pids = engine.pids
         gc.collect()  # what is garbage already (an earlier test's sockets, in a suite) closes now, not mid-run
-        sample = {"round": r, "wall_s": wall, "requests": per_round, "problems": len(found), "not_idle": left,
-                  "cancelled": sum(o.cancelled for o in outcomes), "early": sum(o.spec.early is not None for o in outcomes),
-                  "generated_tokens": stats["generated_tokens"]}  # fmt: skip
+        sample = {
+            "round": r,
+            "wall_s": wall,
+            "requests": per_round,
+            "problems": len(found),
+            "not_idle": left,
+            "cancelled": sum(o.cancelled for o in outcomes),
+            "early": sum(o.spec.early is not None for o in outcomes),
+            "generated_tokens": stats["generated_tokens"],
+        }
         for role, pid in pids.items():
             sample[f"{role}_rss_mb"] = _rss_mb(pid)
             sample[f"{role}_fds"] = _fds(pid)
         samples.append(sample)
         if log:
-            print(f"[soak] round {r + 1}/{rounds}: {per_round} requests in {wall:.1f} s, problems {len(found)}, "
-                  f"rss MB " + ", ".join(f"{k}={sample[f'{k}_rss_mb']:.0f}" for k in pids)
-                  + ", fds " + ", ".join(f"{k}={sample[f'{k}_fds']}" for k in pids), flush=True)  # fmt: skip
+            print(
+                f"[soak] round {r + 1}/{rounds}: {per_round} requests in {wall:.1f} s, problems {len(found)}, "
+                f"rss MB "
+                + ", ".join(f"{k}={sample[f'{k}_rss_mb']:.0f}" for k in pids)
+                + ", fds "
+                + ", ".join(f"{k}={sample[f'{k}_fds']}" for k in pids),
+                flush=True,
+            )
     engine.flush_cache()
     final = engine.get_stats()
     roles = list(engine.pids)
@@ -111,27 +137,49 @@ def soak(engine, rounds: int, per_round: int, warmup: int, seed: int = 1000, log
             slopes[f"{role}_{what}_per_round"] = s
             slopes[f"{role}_{what}_per_1000_requests"] = s * 1000 / per_round
     return {
-        "rounds": rounds, "requests_per_round": per_round, "warmup_rounds": warmup, "dtype": None,
-        "total_requests": rounds * per_round, "seconds": time.perf_counter() - start,
-        "failures": failures[:50], "failure_count": len(failures), "samples": samples, "slopes": slopes,
-        "tracked_at_end": final.get("tracked", {}), "free_tokens_at_end": final["free_tokens"],
+        "rounds": rounds,
+        "requests_per_round": per_round,
+        "warmup_rounds": warmup,
+        "dtype": None,
+        "total_requests": rounds * per_round,
+        "seconds": time.perf_counter() - start,
+        "failures": failures[:50],
+        "failure_count": len(failures),
+        "samples": samples,
+        "slopes": slopes,
+        "tracked_at_end": final.get("tracked", {}),
+        "free_tokens_at_end": final["free_tokens"],
         "max_total_tokens": final["max_total_tokens"],
-        "structures_checked": sorted(f"{role}.{name}" for role, names in final.get("tracked", {}).items() for name in names)
-        + ["free_tokens + cache_tokens == max_total_tokens", "free_slots == max_running_requests", "cache_lock_refs == 0"],
-    }  # fmt: skip
+        "structures_checked": sorted(
+            f"{role}.{name}" for role, names in final.get("tracked", {}).items() for name in names
+        )
+        + [
+            "free_tokens + cache_tokens == max_total_tokens",
+            "free_slots == max_running_requests",
+            "cache_lock_refs == 0",
+        ],
+    }
 
 
 def print_soak(r: dict | None) -> None:
     if not r:
         return
-    print(f"\n  soak: {r['rounds']} rounds of {r['requests_per_round']} concurrent requests ({r['total_requests']} in all, "
-          f"{r['seconds']:.0f} s, {r['dtype']}); problems: {r['failure_count']}")  # fmt: skip
+    print(
+        f"\n  soak: {r['rounds']} rounds of {r['requests_per_round']} concurrent requests ({r['total_requests']} in all, "
+        f"{r['seconds']:.0f} s, {r['dtype']}); problems: {r['failure_count']}"
+    )
     for line in r["failures"][:10]:
         print(f"    {line}")
     first, last = r["samples"][r["warmup_rounds"]], r["samples"][-1]
-    print(f"  after {r['warmup_rounds']} warm-up rounds      first      last     slope/round   slope/1000 requests")
+    print(
+        f"  after {r['warmup_rounds']} warm-up rounds      first      last     slope/round   slope/1000 requests"
+    )
     for key in sorted(k for k in first if k.endswith(("_rss_mb", "_fds"))):
-        print(f"  {key:28s} {first[key]:9.1f} {last[key]:9.1f} {r['slopes'][key + '_per_round']:+14.3f} "
-              f"{r['slopes'][key + '_per_1000_requests']:+20.3f}")  # fmt: skip
-    print(f"  pool at the end: {r['free_tokens_at_end']} of {r['max_total_tokens']} tokens free (cache flushed)")
+        print(
+            f"  {key:28s} {first[key]:9.1f} {last[key]:9.1f} {r['slopes'][key + '_per_round']:+14.3f} "
+            f"{r['slopes'][key + '_per_1000_requests']:+20.3f}"
+        )
+    print(
+        f"  pool at the end: {r['free_tokens_at_end']} of {r['max_total_tokens']} tokens free (cache flushed)"
+    )
     print(f"  structures checked idle after every round: {', '.join(r['structures_checked'])}")

@@ -26,21 +26,46 @@ def _child(args: argparse.Namespace) -> None:
     from engine import Engine
 
     with Engine(dtype=args.plugin_dtype) as eng:
-        prompts = build_prompts(eng.tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed)
-        eng.generate(input_ids=[p[::-1][:32] for p in prompts[:2]], sampling_params={"max_new_tokens": 4})
+        prompts = build_prompts(
+            eng.tokenizer, args.num_prompts, args.min_len, args.max_len, args.seed
+        )
+        eng.generate(
+            input_ids=[p[::-1][:32] for p in prompts[:2]], sampling_params={"max_new_tokens": 4}
+        )
         rates = [_throughput(eng, prompts, args.plugin_new_tokens) for _ in range(TIMED_RUNS)]
         stats = eng.get_stats()
-    print("RESULT " + json.dumps({"rates": rates, "steps": stats["prefill_steps"] + stats["decode_steps"],
-                                  "requests": stats["finished_requests"]}), flush=True)  # fmt: skip
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "rates": rates,
+                "steps": stats["prefill_steps"] + stats["decode_steps"],
+                "requests": stats["finished_requests"],
+            }
+        ),
+        flush=True,
+    )
 
 
 def _start_receiver() -> tuple[subprocess.Popen, str]:
     """A receiver in its own process that only counts (as a collector elsewhere would cost the engine
     nothing; converting spans to JSON here would take CPU from the engine on this small machine)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "trace", "receive", "--grpc-port", "0", "--http-port", "0", "--quiet"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "trace",
+            "receive",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()  # "OTLP receiver: gRPC http://127.0.0.1:PORT, HTTP ..."
     endpoint = line.split("gRPC ", 1)[1].split(",", 1)[0]
     return proc, endpoint
@@ -48,9 +73,19 @@ def _start_receiver() -> tuple[subprocess.Popen, str]:
 
 def _child_args(args: argparse.Namespace) -> list[str]:
     return [
-        "--plugin-dtype", args.plugin_dtype, "--num-prompts", str(args.num_prompts), "--min-len", str(args.min_len),
-        "--max-len", str(args.max_len), "--seed", str(args.seed), "--plugin-new-tokens", str(args.plugin_new_tokens),
-    ]  # fmt: skip
+        "--plugin-dtype",
+        args.plugin_dtype,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--min-len",
+        str(args.min_len),
+        "--max-len",
+        str(args.max_len),
+        "--seed",
+        str(args.seed),
+        "--plugin-new-tokens",
+        str(args.plugin_new_tokens),
+    ]
 
 
 def run_tracing(args: argparse.Namespace) -> dict:
@@ -61,16 +96,24 @@ def run_tracing(args: argparse.Namespace) -> dict:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "ENGINE_TRACE"))}
         envs = {
             "off": dict(base, ENGINE_PLUGINS=""),
-            "on": dict(base, ENGINE_PLUGINS="", ENGINE_TRACING="1", OTEL_EXPORTER_OTLP_ENDPOINT=endpoint),
+            "on": dict(
+                base, ENGINE_PLUGINS="", ENGINE_TRACING="1", OTEL_EXPORTER_OTLP_ENDPOINT=endpoint
+            ),
         }
         for r in range(args.plugin_rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 print(f"[tracing] round {r + 1}: tracing {mode} ...", flush=True)
                 cmd = [sys.executable, "-m", "engine.bench.tracing", "--child", *_child_args(args)]
-                run = subprocess.run(cmd, env=envs[mode], capture_output=True, text=True, timeout=1800)
+                run = subprocess.run(
+                    cmd, env=envs[mode], capture_output=True, text=True, timeout=1800
+                )
                 if run.returncode != 0:
-                    raise RuntimeError(f"tracing benchmark child ({mode}) failed:\n{run.stderr[-3000:]}")
-                result = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
+                    raise RuntimeError(
+                        f"tracing benchmark child ({mode}) failed:\n{run.stderr[-3000:]}"
+                    )
+                result = json.loads(
+                    next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:]
+                )
                 rates[mode] += result["rates"]
                 info[mode] = result
     finally:
@@ -81,11 +124,16 @@ def run_tracing(args: argparse.Namespace) -> dict:
     print("[tracing] the plugin's CPU time per step, in process ...", flush=True)
     return {
         "plugin_cpu": plugin_cpu_cost(),
-        "rounds": args.plugin_rounds, "timed_runs_per_round": TIMED_RUNS, "tokens_per_s": rates,
-        "median_off": off, "median_on": on, "on_loss_pct": 100 * (1 - on / off),
-        "spans_received": received, "steps_per_engine": info.get("on", {}).get("steps"),
+        "rounds": args.plugin_rounds,
+        "timed_runs_per_round": TIMED_RUNS,
+        "tokens_per_s": rates,
+        "median_off": off,
+        "median_on": on,
+        "on_loss_pct": 100 * (1 - on / off),
+        "spans_received": received,
+        "steps_per_engine": info.get("on", {}).get("steps"),
         "requests_per_engine": info.get("on", {}).get("requests"),
-    }  # fmt: skip
+    }
 
 
 class _EncodeOnlyExporter:
@@ -122,13 +170,21 @@ def plugin_cpu_cost(batch: int = 64, steps: int = 300) -> dict:
 
     plugin = TracingPlugin()
     plugin.provider = TracerProvider(resource=Resource.create({}), shutdown_on_exit=False)
-    plugin.provider.add_span_processor(BatchSpanProcessor(_EncodeOnlyExporter(), max_queue_size=1 << 16))
+    plugin.provider.add_span_processor(
+        BatchSpanProcessor(_EncodeOnlyExporter(), max_queue_size=1 << 16)
+    )
     plugin.tracer = plugin.provider.get_tracer("bench")
     now = time.time_ns()
     reqs = []
     for i in range(batch):
-        req = Req(f"r{i}", [1] * 100, SamplingParams(), (2,), trace_context={"traceparent": format_traceparent(i + 1, i + 1, 1)},
-                  arrived_ns=now)  # fmt: skip
+        req = Req(
+            f"r{i}",
+            [1] * 100,
+            SamplingParams(),
+            (2,),
+            trace_context={"traceparent": format_traceparent(i + 1, i + 1, 1)},
+            arrived_ns=now,
+        )
         req.admitted_ns, req.first_token_ns, req.output_ids = now + 1000, now + 2000, [5] * 64
         reqs.append(req)
     record = StepRecord("decode", reqs, batch, now, now + 10, now + 20, now + 30, now + 40)
@@ -144,25 +200,43 @@ def plugin_cpu_cost(batch: int = 64, steps: int = 300) -> dict:
     plugin.provider.force_flush()
     per_request = (time.process_time() - cpu0) / ((steps // batch + 1) * batch)
     plugin.provider.shutdown()
-    return {"batch": batch, "cpu_us_per_step": per_step * 1e6, "cpu_us_per_finished_request": per_request * 1e6}
+    return {
+        "batch": batch,
+        "cpu_us_per_step": per_step * 1e6,
+        "cpu_us_per_finished_request": per_request * 1e6,
+    }
 
 
 def print_tracing(r: dict) -> None:
-    print("\ntracing: throughput workload, off against on (OTLP/gRPC, batch span processor), median of runs")
-    print(f"  tracing off                 {r['median_off']:10.1f} tok/s   runs {['%.1f' % x for x in r['tokens_per_s']['off']]}")
-    print(f"  tracing on                  {r['median_on']:10.1f} tok/s   runs {['%.1f' % x for x in r['tokens_per_s']['on']]}")
+    print(
+        "\ntracing: throughput workload, off against on (OTLP/gRPC, batch span processor), median of runs"
+    )
+    print(
+        f"  tracing off                 {r['median_off']:10.1f} tok/s   runs {['%.1f' % x for x in r['tokens_per_s']['off']]}"
+    )
+    print(
+        f"  tracing on                  {r['median_on']:10.1f} tok/s   runs {['%.1f' % x for x in r['tokens_per_s']['on']]}"
+    )
     print(f"  loss with tracing on        {r['on_loss_pct']:9.1f}%")
-    print(f"  spans received              {r['spans_received']:10d}   ({r['requests_per_engine']} requests, "
-          f"{r['steps_per_engine']} steps per engine)")  # fmt: skip
+    print(
+        f"  spans received              {r['spans_received']:10d}   ({r['requests_per_engine']} requests, "
+        f"{r['steps_per_engine']} steps per engine)"
+    )
     c = r["plugin_cpu"]
-    print(f"  plugin CPU per step         {c['cpu_us_per_step']:9.0f} us   (a decode step of {c['batch']} requests: "
-          "step trace, 5 spans, links; serialized)")
-    print(f"  plugin CPU per request      {c['cpu_us_per_finished_request']:9.0f} us   (queue, prefill, decode spans)",
-          flush=True)  # fmt: skip
+    print(
+        f"  plugin CPU per step         {c['cpu_us_per_step']:9.0f} us   (a decode step of {c['batch']} requests: "
+        "step trace, 5 spans, links; serialized)"
+    )
+    print(
+        f"  plugin CPU per request      {c['cpu_us_per_finished_request']:9.0f} us   (queue, prefill, decode spans)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="tracing benchmark child (run by python -m engine.bench --workload tracing)")
+    p = argparse.ArgumentParser(
+        description="tracing benchmark child (run by python -m engine.bench --workload tracing)"
+    )
     p.add_argument("--child", action="store_true", required=True)
     p.add_argument("--plugin-dtype", default="auto")
     p.add_argument("--num-prompts", type=int, default=32)

@@ -24,7 +24,9 @@ class DecodeState:
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
-    held_out: int = 0  # characters past the prefix text already emitted while the window ended in U+FFFD
+    held_out: int = (
+        0  # characters past the prefix text already emitted while the window ended in U+FFFD
+    )
     flags: tuple[bool, bool] = (True, True)  # skip_special_tokens, spaces_between_special_tokens
 
 
@@ -33,7 +35,9 @@ class IncrementalDetokenizer:
         self.decoder = decoder
         self.states: dict[str, DecodeState] = {}
 
-    def start(self, rid: str, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> None:
+    def start(
+        self, rid: str, skip_special_tokens: bool, spaces_between_special_tokens: bool
+    ) -> None:
         """Set a request's decode flags before its first ids (without this: the defaults)."""
         self.states[rid] = DecodeState(flags=(skip_special_tokens, spaces_between_special_tokens))
 
@@ -69,7 +73,11 @@ class IncrementalDetokenizer:
                 state.prefix_offset = state.read_offset
                 state.read_offset = len(state.ids)
                 state.held_out = 0
-            elif full_text == prefix_text and state.read_offset > state.prefix_offset and not finished[i]:
+            elif (
+                full_text == prefix_text
+                and state.read_offset > state.prefix_offset
+                and not finished[i]
+            ):
                 # tokens that add no text (skipped specials) after text: out of the window, or a run of them
                 # is decoded again every step (not before any text: a sentencepiece decoder strips the
                 # window's first space, so a lone "▁" there adds nothing yet counts before a "▁word")

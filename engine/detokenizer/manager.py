@@ -49,9 +49,15 @@ def _check_texts(hook: str, texts, n: int, allow_none: bool = False) -> None:
     """What a hook returned or left must be one str per request, or the batch's callers would hang."""
     if texts is None and allow_none:
         return
-    if not isinstance(texts, (list, tuple)) or len(texts) != n or not all(isinstance(t, str) for t in texts):
+    if (
+        not isinstance(texts, (list, tuple))
+        or len(texts) != n
+        or not all(isinstance(t, str) for t in texts)
+    ):
         plugins = ", ".join(hooks.implementers(hook))
-        raise HookError(plugins, hook, TypeError(f"texts must be a list of {n} strings, got {texts!r:.200}"))
+        raise HookError(
+            plugins, hook, TypeError(f"texts must be a list of {n} strings, got {texts!r:.200}")
+        )
 
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -85,7 +91,12 @@ def _pick(out: BatchTokenOut, keep: list[int]) -> BatchTokenOut | None:
         return [values[i] for i in keep] if values else values
 
     return BatchTokenOut(
-        pick(out.rids), pick(out.token_ids), pick(out.finished), pick(out.meta), pick(out.headers), pick(out.logprobs)
+        pick(out.rids),
+        pick(out.token_ids),
+        pick(out.finished),
+        pick(out.meta),
+        pick(out.headers),
+        pick(out.logprobs),
     )
 
 
@@ -100,7 +111,9 @@ class DetokenizerManager:
         self.send_codec = Codec(ToTokenizer)
         self.scheduler_codec = Codec(ToScheduler)
         self.stop_states: dict[str, StopState] = {}  # requests with stop strings
-        self.stopped: set[str] = set()  # finished here; the scheduler's remaining outputs are dropped
+        self.stopped: set[str] = (
+            set()
+        )  # finished here; the scheduler's remaining outputs are dropped
         self.seqs: dict[str, int] = {}  # running request -> its submission number (aborts name it)
         self.info: dict = {}
 
@@ -111,8 +124,12 @@ class DetokenizerManager:
                 try:
                     message = self.detokenize(message)
                 except Exception as exc:  # noqa: BLE001 - its requests fail with the reason; the others go on
-                    logger.error("engine::detokenizer: a batch failed (%s: %s)", type(exc).__name__, exc)
-                    message = self._fail_batch(message, f"the detokenizer failed ({type(exc).__name__}: {exc})")
+                    logger.error(
+                        "engine::detokenizer: a batch failed (%s: %s)", type(exc).__name__, exc
+                    )
+                    message = self._fail_batch(
+                        message, f"the detokenizer failed ({type(exc).__name__}: {exc})"
+                    )
                 if message is None:
                     continue
                 if hooks.has("engine_detokenize_output"):
@@ -124,37 +141,61 @@ class DetokenizerManager:
                 try:
                     message = self.detokenize_beams(message)
                 except Exception as exc:  # noqa: BLE001 - the search fails with the reason; the process goes on
-                    logger.error("engine::detokenizer: a beam search failed (%s: %s)", type(exc).__name__, exc)
-                    message = self._failed_beams(message, f"the detokenizer failed ({type(exc).__name__}: {exc})")
+                    logger.error(
+                        "engine::detokenizer: a beam search failed (%s: %s)",
+                        type(exc).__name__,
+                        exc,
+                    )
+                    message = self._failed_beams(
+                        message, f"the detokenizer failed ({type(exc).__name__}: {exc})"
+                    )
             else:  # Stats on its way to the user process: add this process's figures
                 message.tracked["detokenizer"] = self.tracked()
                 if hooks.has("engine_stats"):
                     try:
-                        message.plugins["detokenizer"] = hooks.call_named("engine_stats", role="detokenizer")
+                        message.plugins["detokenizer"] = hooks.call_named(
+                            "engine_stats", role="detokenizer"
+                        )
                     except HookError as exc:
                         message.plugins["detokenizer"] = {"error": str(exc)}
             self.send_sock.send(self.send_codec.encode(message))
 
     def tracked(self) -> dict[str, int]:
         """This process's per-request structures and their sizes: all 0 when nothing runs."""
-        return {"decode_states": len(self.incremental.states), "stop_states": len(self.stop_states),
-                "stopped": len(self.stopped), "seqs": len(self.seqs)}  # fmt: skip
+        return {
+            "decode_states": len(self.incremental.states),
+            "stop_states": len(self.stop_states),
+            "stopped": len(self.stopped),
+            "seqs": len(self.seqs),
+        }
 
     @staticmethod
     def _failed_beams(out: BeamSearchOut, message: str) -> BeamTextOut:
         """The search's answer when its text cannot be made: its best hypothesis ends in an abort naming why."""
         reason = FinishReason("abort", message=message)
         hypotheses = [msgspec.structs.replace(h, finish=reason) for h in out.hypotheses[:1]]
-        return BeamTextOut(out.rid, hypotheses, [""] * len(hypotheses), out.meta, out.width, out.steps, 0.0)
+        return BeamTextOut(
+            out.rid, hypotheses, [""] * len(hypotheses), out.meta, out.width, out.steps, 0.0
+        )
 
     def detokenize_beams(self, out: BeamSearchOut) -> BeamTextOut:
         """A finished beam search: one batch decode of its returned hypotheses, and nothing else (no
         per-step text for beams nobody reads)."""
         start = time.perf_counter()
         texts = self.incremental.decoder.decode_batch(
-            [h.output_ids for h in out.hypotheses], out.skip_special_tokens, out.spaces_between_special_tokens
+            [h.output_ids for h in out.hypotheses],
+            out.skip_special_tokens,
+            out.spaces_between_special_tokens,
         )
-        return BeamTextOut(out.rid, out.hypotheses, texts, out.meta, out.width, out.steps, time.perf_counter() - start)
+        return BeamTextOut(
+            out.rid,
+            out.hypotheses,
+            texts,
+            out.meta,
+            out.width,
+            out.steps,
+            time.perf_counter() - start,
+        )
 
     def detokenize(self, out: BatchTokenOut) -> BatchTextOut | None:
         """The detokenize stage: one batch decode for every request in the message, then stop strings."""
@@ -164,12 +205,17 @@ class DetokenizerManager:
                 return None
         for rid, header in zip(out.rids, out.headers):
             if header is not None:
-                self.incremental.start(rid, header.skip_special_tokens, header.spaces_between_special_tokens)
+                self.incremental.start(
+                    rid, header.skip_special_tokens, header.spaces_between_special_tokens
+                )
                 if header.seq:
                     self.seqs[rid] = header.seq
                 if header.stop:
                     self.stop_states[rid] = StopState(
-                        StopMatcher(header.stop), header.min_new_tokens, header.prompt_tokens, header.cached_tokens,
+                        StopMatcher(header.stop),
+                        header.min_new_tokens,
+                        header.prompt_tokens,
+                        header.cached_tokens,
                         seq=header.seq,
                     )
         out = self._drop_strays(out)
@@ -186,15 +232,21 @@ class DetokenizerManager:
             for rid, f in zip(out.rids, out.finished):
                 if f is not None:
                     self.seqs.pop(rid, None)
-        return BatchTextOut(out.rids, deltas, out.token_ids, out.finished, out.meta, out.headers, out.logprobs)
+        return BatchTextOut(
+            out.rids, deltas, out.token_ids, out.finished, out.meta, out.headers, out.logprobs
+        )
 
     def _decode(self, out: BatchTokenOut, finished: list[bool]) -> list[str]:
         deltas = None
         if hooks.has("engine_detokenize"):
-            deltas = hooks.call_first("engine_detokenize", rids=out.rids, token_ids=out.token_ids, finished=finished)
+            deltas = hooks.call_first(
+                "engine_detokenize", rids=out.rids, token_ids=out.token_ids, finished=finished
+            )
             _check_texts("engine_detokenize", deltas, len(out.rids), allow_none=True)
         if deltas is None:
-            deltas = self.incremental.step(out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished)
+            deltas = self.incremental.step(
+                out.rids, [[t] if t >= 0 else [] for t in out.token_ids], finished
+            )
         else:
             deltas = list(deltas)
             for rid, done in zip(out.rids, finished):
@@ -217,9 +269,13 @@ class DetokenizerManager:
             self.seqs.pop(rid, None)
         if running:
             self.stopped.update(running)
-            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(running, message, seqs)))
+            self.scheduler_sock.send(
+                self.scheduler_codec.encode(AbortRequest(running, message, seqs))
+            )
         n = len(out.rids)
-        return BatchTextOut(out.rids, held, out.token_ids, [reason] * n, out.meta, out.headers, out.logprobs)
+        return BatchTextOut(
+            out.rids, held, out.token_ids, [reason] * n, out.meta, out.headers, out.logprobs
+        )
 
     def _match_stop_strings(self, out: BatchTokenOut, deltas: list[str]) -> None:
         stopping: list[str] = []
@@ -231,7 +287,9 @@ class DetokenizerManager:
             if out.token_ids[i] >= 0:
                 state.tokens += 1
             final = out.finished[i] is not None
-            if state.tokens < state.min_new_tokens:  # too early to stop (a final output flushes what is held)
+            if (
+                state.tokens < state.min_new_tokens
+            ):  # too early to stop (a final output flushes what is held)
                 deltas[i] = state.matcher.release(deltas[i], final)
                 matched = None
             else:
@@ -239,7 +297,9 @@ class DetokenizerManager:
             if matched is not None:
                 out.finished[i] = FinishReason("stop", matched=matched)
                 out.meta[i] = RequestMeta(state.prompt_tokens, state.tokens, state.cached_tokens)
-                if not final:  # the scheduler has not finished it yet: stop it, drop what it still sends
+                if (
+                    not final
+                ):  # the scheduler has not finished it yet: stop it, drop what it still sends
                     stopping.append(rid)
                     seqs.append(state.seq)
                     self.stopped.add(rid)
@@ -248,7 +308,9 @@ class DetokenizerManager:
             if final:
                 del self.stop_states[rid]
         if stopping:
-            self.scheduler_sock.send(self.scheduler_codec.encode(AbortRequest(stopping, STOP_STRING_MATCHED, seqs)))
+            self.scheduler_sock.send(
+                self.scheduler_codec.encode(AbortRequest(stopping, STOP_STRING_MATCHED, seqs))
+            )
 
     def _drop_stopped(self, out: BatchTokenOut) -> BatchTokenOut | None:
         """Remove outputs of requests already finished by a stop string; their last one clears them."""
@@ -265,8 +327,14 @@ class DetokenizerManager:
         """Remove running outputs of requests that never started here (no header came first): the
         scheduler sends none, and each would leave a decode state no finish ever clears."""
         known = self.incremental.states
-        keep = [i for i, (rid, f) in enumerate(zip(out.rids, out.finished)) if f is not None or rid in known]
+        keep = [
+            i
+            for i, (rid, f) in enumerate(zip(out.rids, out.finished))
+            if f is not None or rid in known
+        ]
         if len(keep) < len(out.rids):
             dropped = len(out.rids) - len(keep)
-            logger.warning("engine::detokenizer: dropped outputs of %d request(s) it never started", dropped)
+            logger.warning(
+                "engine::detokenizer: dropped outputs of %d request(s) it never started", dropped
+            )
         return _pick(out, keep)

@@ -18,7 +18,9 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
         self.pending = ""  # held back: a suffix that is the start of some stop string
-        self.early = 0  # leading characters of pending from before min_new_tokens: no match may end in them
+        self.early = (
+            0  # leading characters of pending from before min_new_tokens: no match may end in them
+        )
 
     def feed(self, delta: str, final: bool) -> tuple[str, str | None]:
         """New text in; (text to release, the stop string matched or None) out. `final`: the request
@@ -26,7 +28,9 @@ class StopMatcher:
         buf = self.pending + delta
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.stops:
-            at = buf.find(stop, max(self.early - len(stop) + 1, 0))  # the first one ending after `early`
+            at = buf.find(
+                stop, max(self.early - len(stop) + 1, 0)
+            )  # the first one ending after `early`
             if at != -1:
                 candidate = (at + len(stop), at, stop)
                 if best is None or candidate < best:

@@ -54,10 +54,14 @@ class XGrammarBackend:
         from engine.grammar.constraints import xgrammar
 
         self._xgr = xgr = xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
+        )
         # its own cache of compiled grammars is unbounded by default: a client sending ever new schemas
         # would grow the scheduler without end (engine/grammar/stage.py bounds ours)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES
+        )
         self.vocab_size = vocab_size
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
@@ -79,4 +83,6 @@ class XGrammarBackend:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     def apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        self._xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=self.vocab_size, indices=rows
+        )

@@ -34,7 +34,9 @@ def normalize(params: dict) -> dict[str, str]:
             except (TypeError, ValueError) as exc:  # a set, an object, a circular reference
                 raise ValueError(f"json_schema is not JSON: {exc}") from None
         elif not isinstance(value, str):
-            raise ValueError(f"json_schema must be a JSON Schema as a dict or a string, got {type(value).__name__}")
+            raise ValueError(
+                f"json_schema must be a JSON Schema as a dict or a string, got {type(value).__name__}"
+            )
     elif not isinstance(value, str) or not value:
         raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
     return {kind: value}
@@ -45,7 +47,9 @@ def check(kind: str, text: str) -> None:
     if kind == "json_schema":
         try:
             _check_schema(text)
-        except RecursionError:  # a schema nested past json's or jsonschema's depth (a 1 KB body did it)
+        except (
+            RecursionError
+        ):  # a schema nested past json's or jsonschema's depth (a 1 KB body did it)
             raise ValueError(TOO_DEEP) from None
     grammar_of(kind, text)
 
@@ -71,8 +75,10 @@ def xgrammar() -> Any:
     try:
         import xgrammar as xgr
     except ImportError as exc:
-        raise ValueError(f"structured output (json_schema, regex, ebnf) needs xgrammar, which is not installed "
-                         f"({exc}): pip install --no-deps xgrammar==0.2.8 (make run does)") from None  # fmt: skip
+        raise ValueError(
+            f"structured output (json_schema, regex, ebnf) needs xgrammar, which is not installed "
+            f"({exc}): pip install --no-deps xgrammar==0.2.8 (make run does)"
+        ) from None
     return xgr
 
 
@@ -80,8 +86,14 @@ def grammar_of(kind: str, text: str) -> Any:
     """The grammar (xgrammar's, tokenizer-independent: cheap) of a constraint; ValueError naming it."""
     xgr = xgrammar()
 
-    build = {"json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf}
+    build = {
+        "json_schema": xgr.Grammar.from_json_schema,
+        "regex": xgr.Grammar.from_regex,
+        "ebnf": xgr.Grammar.from_ebnf,
+    }
     try:
         return build[kind](text)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises several types for a bad input
-        raise ValueError(f"{kind} could not be parsed: {type(exc).__name__}: {str(exc).strip()[:300]}") from None
+        raise ValueError(
+            f"{kind} could not be parsed: {type(exc).__name__}: {str(exc).strip()[:300]}"
+        ) from None

@@ -39,13 +39,23 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
         self._backend: GrammarBackend | None = None
-        self._backend_error: BaseException | None = None  # making the backend failed: kept, not retried
+        self._backend_error: BaseException | None = (
+            None  # making the backend failed: kept, not retried
+        )
         self._pool: ThreadPoolExecutor | None = None
-        self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()  # LRU
-        self._queued: list[tuple[tuple[str, str], Future]] = []  # compiles submitted, until done or cancelled
+        self._compiled: collections.OrderedDict[tuple[str, str], Future] = (
+            collections.OrderedDict()
+        )  # LRU
+        self._queued: list[
+            tuple[tuple[str, str], Future]
+        ] = []  # compiles submitted, until done or cancelled
         self._bitmask: torch.Tensor | None = None
-        self._broken: dict[int, str] = {}  # id(matcher) -> why the backend failed on its row in this step's mask
-        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=MAX_COMPILED)  # the last compiles
+        self._broken: dict[
+            int, str
+        ] = {}  # id(matcher) -> why the backend failed on its row in this step's mask
+        self.compile_seconds: collections.deque[float] = collections.deque(
+            maxlen=MAX_COMPILED
+        )  # the last compiles
         self.mask_seconds = 0.0  # fill + apply, since start
         self.mask_steps = 0
 
@@ -68,8 +78,16 @@ class Grammars:
         from engine.tokenizer import load_hf_tokenizer
 
         tokenizer = load_hf_tokenizer(self.model_dir)
-        found = hooks.call("engine_grammar_backend", tokenizer=tokenizer, vocab_size=self.vocab_size,
-                           stop_ids=list(self.stop_ids)) if hooks.has("engine_grammar_backend") else None  # fmt: skip
+        found = (
+            hooks.call(
+                "engine_grammar_backend",
+                tokenizer=tokenizer,
+                vocab_size=self.vocab_size,
+                stop_ids=list(self.stop_ids),
+            )
+            if hooks.has("engine_grammar_backend")
+            else None
+        )
         return found or XGrammarBackend(tokenizer, self.vocab_size, list(self.stop_ids))
 
     def _compile(self, kind: str, text: str) -> Any:
@@ -87,7 +105,9 @@ class Grammars:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-grammar")
             future = self._compiled[key] = self._pool.submit(self._compile, kind, text)
             self._queued.append((key, future))
-            if len(self._compiled) > MAX_COMPILED:  # a client sending ever new schemas must not grow memory
+            if (
+                len(self._compiled) > MAX_COMPILED
+            ):  # a client sending ever new schemas must not grow memory
                 self._compiled.popitem(last=False)  # requests holding its future keep it
         else:
             self._compiled.move_to_end(key)
@@ -103,7 +123,9 @@ class Grammars:
         for key, future in self._queued:
             if future.done():
                 continue
-            if id(future) not in held and future.cancel():  # False once it runs: it then ends as it will
+            if (
+                id(future) not in held and future.cancel()
+            ):  # False once it runs: it then ends as it will
                 if self._compiled.get(key) is future:
                     del self._compiled[key]
                 cancelled += 1
@@ -120,14 +142,20 @@ class Grammars:
         exc = future.exception()
         if isinstance(exc, FatalHookError):
             raise exc
-        return None if exc is None else f"{kind}: the grammar could not be compiled: {type(exc).__name__}: {exc}"
+        return (
+            None
+            if exc is None
+            else f"{kind}: the grammar could not be compiled: {type(exc).__name__}: {exc}"
+        )
 
     def matcher(self, future: Future) -> Matcher:
         return self.backend().matcher(future.result())
 
     # ------------------------------------------------------------------ each step
 
-    def mask(self, logits: torch.Tensor, matchers: list, failed: dict[int, str] | None = None) -> None:
+    def mask(
+        self, logits: torch.Tensor, matchers: list, failed: dict[int, str] | None = None
+    ) -> None:
         """Every constrained row's disallowed tokens to -inf, in place: one fill, one apply. Where the
         backend raises, the rows it fails on are found one by one and the others masked: an ordinary
         row then fails in accept(), which it passes through next; beam rows (accept() never sees them)

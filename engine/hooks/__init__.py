@@ -25,6 +25,16 @@ from engine.hooks.runtime import (
 )
 
 __all__ = [
-    "FatalHookError", "HookError", "PluginLoadError", "call", "call_first", "call_named", "current_role", "has", "hookimpl", "implementers", "plugin_manager",
+    "FatalHookError",
+    "HookError",
+    "PluginLoadError",
+    "call",
+    "call_first",
+    "call_named",
+    "current_role",
+    "has",
+    "hookimpl",
+    "implementers",
+    "plugin_manager",
     "set_role",
-]  # fmt: skip
+]

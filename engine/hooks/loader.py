@@ -17,7 +17,9 @@ from engine.hooks.runtime import PluginLoadError, registry_lock, plugin_manager,
 ENTRY_POINT_GROUP = "engine.plugins"
 ENV = "ENGINE_PLUGINS"
 _loaded: dict[str, object] = {}
-_targets: dict[str, object] = {}  # name -> what it names (a module, a class, an object), to spot two names for one
+_targets: dict[
+    str, object
+] = {}  # name -> what it names (a module, a class, an object), to spot two names for one
 
 
 def available_plugins() -> list[str]:
@@ -36,8 +38,12 @@ def _resolve(name: str) -> object:
             obj = importlib.import_module(module)
             for part in attr.split(".") if attr else []:
                 obj = getattr(obj, part)
-        except Exception as exc:  # not found, or its import raised (a SyntaxError, its own error): name it
-            raise PluginLoadError(f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
+        except (
+            Exception
+        ) as exc:  # not found, or its import raised (a SyntaxError, its own error): name it
+            raise PluginLoadError(
+                f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}"
+            ) from exc
     else:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
@@ -48,7 +54,9 @@ def _resolve(name: str) -> object:
         try:
             obj = found[0].load()
         except Exception as exc:  # its module or a dependency is missing or broken: name the plugin
-            raise PluginLoadError(f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
+            raise PluginLoadError(
+                f"plugin {name!r} cannot be imported: {type(exc).__name__}: {exc}"
+            ) from exc
     return obj
 
 
@@ -58,7 +66,9 @@ def _instantiate(name: str, target: object) -> object:
     try:
         return target()
     except Exception as exc:
-        raise PluginLoadError(f"plugin {name!r} cannot be created: {type(exc).__name__}: {exc}") from exc
+        raise PluginLoadError(
+            f"plugin {name!r} cannot be created: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def load_plugins(spec: str | None, strict: bool = True) -> list[str]:
@@ -101,7 +111,9 @@ def _load_one(name: str, strict: bool) -> bool:
             refresh()
             if not isinstance(exc, Exception):
                 raise
-            raise PluginLoadError(f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}") from exc
+            raise PluginLoadError(
+                f"plugin {name!r} failed in engine_logit_processors: {type(exc).__name__}: {exc}"
+            ) from exc
     _loaded[name], _targets[name] = obj, target
     return True
 
@@ -121,6 +133,10 @@ def unload_plugins(names: list[str]) -> None:
         for name in names:
             obj = _loaded.pop(name, None)
             _targets.pop(name, None)
-            if obj is not None and not any(other is obj for other in _loaded.values()) and pm.is_registered(obj):
+            if (
+                obj is not None
+                and not any(other is obj for other in _loaded.values())
+                and pm.is_registered(obj)
+            ):
                 pm.unregister(obj)
         refresh()

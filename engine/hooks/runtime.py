@@ -28,12 +28,20 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 PER_PLUGIN_HOOKS = ("engine_stats", "engine_logit_processors")
 # Hooks that report what already happened: nothing is left to fail, so a plain implementation's error
 # is logged where it happens and the plugins after it still get the event (pluggy would stop at it).
-AFTER_THE_FACT_HOOKS = ("engine_request_done", "engine_request_finished", "engine_step_end",
-                        "engine_detokenize_output", "engine_process_stop", "engine_shutdown_report")  # fmt: skip
+AFTER_THE_FACT_HOOKS = (
+    "engine_request_done",
+    "engine_request_finished",
+    "engine_step_end",
+    "engine_detokenize_output",
+    "engine_process_stop",
+    "engine_shutdown_report",
+)
 
 _pm: pluggy.PluginManager | None = None
 _callers: dict[str, Any] = {}  # hook name -> pluggy HookCaller, only for hooks with implementations
-registry_lock = threading.RLock()  # loading, unloading and rebuilding the table; calls never take it
+registry_lock = (
+    threading.RLock()
+)  # loading, unloading and rebuilding the table; calls never take it
 _ROLES = ("user", "scheduler", "detokenizer")
 
 
@@ -73,7 +81,9 @@ class _PluginManager(pluggy.PluginManager):
                 try:
                     self.check_pending()  # a hook no spec names: a misspelt one would never be called
                 except pluggy.PluginValidationError as exc:
-                    raise PluginLoadError(f"plugin {name or plugin!r} implements a hook the engine does not have: {exc}") from exc
+                    raise PluginLoadError(
+                        f"plugin {name or plugin!r} implements a hook the engine does not have: {exc}"
+                    ) from exc
                 _check(self)
             except PluginLoadError:
                 super().unregister(plugin)
@@ -106,7 +116,9 @@ def _passes(exc: BaseException) -> bool:
     a server's threads) and the children ignore SIGINT, so a KeyboardInterrupt there is a plugin's own
     raise, isolated like SystemExit and every other BaseException."""
     return isinstance(exc, FatalHookError) or (
-        isinstance(exc, KeyboardInterrupt) and _role == "user" and threading.current_thread() is threading.main_thread()
+        isinstance(exc, KeyboardInterrupt)
+        and _role == "user"
+        and threading.current_thread() is threading.main_thread()
     )
 
 
@@ -143,7 +155,9 @@ def _isolate_wrapper(plugin: str, hook: str, fn: Callable) -> Callable:
     implementation, already named, passes through unchanged)."""
 
     def misbehaved(what: str) -> BaseException:
-        return _named(plugin, hook, RuntimeError(f"a hook wrapper must yield exactly once; it {what}"))
+        return _named(
+            plugin, hook, RuntimeError(f"a hook wrapper must yield exactly once; it {what}")
+        )
 
     def name(exc: BaseException) -> BaseException:
         named = _named(plugin, hook, exc)
@@ -286,6 +300,6 @@ def set_role(role: str) -> None:
 
 
 def current_role() -> str:
-    """"user", "scheduler" or "detokenizer": the engine process this code runs in, right from the
+    """ "user", "scheduler" or "detokenizer": the engine process this code runs in, right from the
     moment a plugin is imported (children learn it at interpreter start)."""
     return _role

@@ -71,7 +71,12 @@ class EngineSpecs:
 
     @hookspec
     def engine_request_submitted(
-        self, rid: str, request: PromptRequest, sampling: SamplingParams, trace_context: dict[str, str], seq: int
+        self,
+        rid: str,
+        request: PromptRequest,
+        sampling: SamplingParams,
+        trace_context: dict[str, str],
+        seq: int,
     ) -> None:
         """A request is about to be sent to the scheduler. User process, in the caller's thread (an
         async call's: the engine's submit thread, in the caller's contextvars), once per request
@@ -84,7 +89,9 @@ class EngineSpecs:
         two requests given one rid by two engines in one process (engine_request_done gets it too)."""
 
     @hookspec
-    def engine_request_done(self, rid: str, meta_info: dict[str, Any], error: str | None, seq: int) -> None:
+    def engine_request_done(
+        self, rid: str, meta_info: dict[str, Any], error: str | None, seq: int
+    ) -> None:
         """A request ended in the user process: its last output arrived (any finish reason, streams
         and aborts included; `meta_info` as in the result), or the engine stopped first, or its call
         failed after engine_request_submitted saw it and nothing was sent (`error` says why;
@@ -133,7 +140,9 @@ class EngineSpecs:
         Read-only."""
 
     @hookspec
-    def engine_forward_after(self, batch: ForwardBatch, rids: list[str], logits: torch.Tensor) -> None:
+    def engine_forward_after(
+        self, batch: ForwardBatch, rids: list[str], logits: torch.Tensor
+    ) -> None:
         """After the forward pass. Scheduler, once per step. `logits` [rows, vocab] float32, in this
         order: one row per ordinary request that samples this step; then the beam searches' rows (a
         prefill: one per search whose prompt completes; a decode: one per live beam); then, in a
@@ -159,7 +168,13 @@ class EngineSpecs:
 
     @hookspec
     def engine_beam_step(
-        self, rid: str, step: int, parents: list[int], tokens: list[int], scores: list[float], finished: int
+        self,
+        rid: str,
+        step: int,
+        parents: list[int],
+        tokens: list[int],
+        scores: list[float],
+        finished: int,
     ) -> None:
         """A beam search chose its next beams. Scheduler, once per search per selection (the first
         from the prompt's logits, then one per decode step). Live beam i continues beam `parents[i]`
@@ -168,7 +183,9 @@ class EngineSpecs:
         many finished hypotheses the search holds. Read-only. If it raises, that search fails alone."""
 
     @hookspec
-    def engine_sample_after(self, rids: list[str], next_ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+    def engine_sample_after(
+        self, rids: list[str], next_ids: torch.Tensor, logprobs: torch.Tensor | None
+    ) -> None:
         """After sampling. Scheduler, once per step that samples. `next_ids` [rows] int64; `logprobs`
         [rows] float32 under the model's distribution, or None when no request asked for them.
         Read-only."""
@@ -183,7 +200,9 @@ class EngineSpecs:
     # ------------------------------------------------------------------ detokenize (detokenizer)
 
     @hookspec(firstresult=True)
-    def engine_detokenize(self, rids: list[str], token_ids: list[int], finished: list[bool]) -> list[str] | None:
+    def engine_detokenize(
+        self, rids: list[str], token_ids: list[int], finished: list[bool]
+    ) -> list[str] | None:
         """Replace the decoding of one batch of outputs. Detokenizer, once per scheduler step.
         `token_ids[i]` is request i's new token (-1: none). Return one text delta per request to use
         instead of the engine's incremental decoder, or None to decode as usual. firstresult: stops at
@@ -223,7 +242,9 @@ class EngineSpecs:
         which needs no ENGINE_PLUGINS (docs/plugins.md)."""
 
     @hookspec(firstresult=True)
-    def engine_grammar_backend(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any | None:
+    def engine_grammar_backend(
+        self, tokenizer: Any, vocab_size: int, stop_ids: list[int]
+    ) -> Any | None:
         """Provide the grammar backend for structured output (json_schema, regex, ebnf) instead of
         the built-in xgrammar one. Scheduler, once, when the first constrained request arrives (in
         the compile worker thread); if it raises it is not called again, and its error fails every

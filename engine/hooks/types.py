@@ -16,7 +16,9 @@ class PromptRequest:
     input_ids: list[int] | None = None
     tokenize_start_ns: int = 0  # wall-clock ns around the tokenize stage (for spans)
     tokenize_end_ns: int = 0
-    model: str = ""  # the name of the model of the engine it goes to (a process may run several engines)
+    model: str = (
+        ""  # the name of the model of the engine it goes to (a process may run several engines)
+    )
 
 
 @dataclass

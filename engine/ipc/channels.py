@@ -24,8 +24,12 @@ class Endpoints:
 
     @classmethod
     def create(cls) -> "Endpoints":
-        runtime_dir = tempfile.mkdtemp(prefix="engine-")  # mode 0700: only this user can reach the sockets
-        if len(os.fsencode(os.path.join(runtime_dir, "detokenizer"))) > SOCKET_PATH_MAX:  # a long TMPDIR
+        runtime_dir = tempfile.mkdtemp(
+            prefix="engine-"
+        )  # mode 0700: only this user can reach the sockets
+        if (
+            len(os.fsencode(os.path.join(runtime_dir, "detokenizer"))) > SOCKET_PATH_MAX
+        ):  # a long TMPDIR
             os.rmdir(runtime_dir)
             runtime_dir = tempfile.mkdtemp(prefix="engine-", dir="/tmp")
         os.chmod(runtime_dir, 0o700)
@@ -37,7 +41,9 @@ class Endpoints:
         )
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("runtime_dir", "scheduler", "detokenizer", "tokenizer")}
+        return {
+            k: getattr(self, k) for k in ("runtime_dir", "scheduler", "detokenizer", "tokenizer")
+        }
 
     def remove(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -21,7 +21,13 @@ _DROPPED = object()
 
 
 class Inbox:
-    def __init__(self, sock: zmq.Socket, codec: Codec, who: str, check: Callable[[Any], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        codec: Codec,
+        who: str,
+        check: Callable[[Any], str | None] | None = None,
+    ) -> None:
         """`who` starts each log line ("engine::scheduler"); `check` says what is wrong with a message
         that decoded (lists of unequal length, ...), or None."""
         self.sock = sock

@@ -26,9 +26,13 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
-    submitted_ns: int = 0  # wall-clock ns when the user process sent it: where its queue time starts
+    submitted_ns: int = (
+        0  # wall-clock ns when the user process sent it: where its queue time starts
+    )
     seq: int = 0  # the user process's submission number: with rid, names this request for aborts
-    beam: Union["BeamParams", None] = None  # set: a beam search (engine/beam_search), not a sampled request
+    beam: Union["BeamParams", None] = (
+        None  # set: a beam search (engine/beam_search), not a sampled request
+    )
 
 
 class BeamParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
@@ -110,7 +114,9 @@ class RequestHeader(msgspec.Struct, array_like=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     input_logprobs: list[Union[float, None]] = []  # prompt tokens from logprob_start_len on
     input_top: list[Union["TopLogprobs", None]] = []
-    trace_context: dict[str, str] = {}  # the request's W3C trace headers, for the detokenizer's spans
+    trace_context: dict[
+        str, str
+    ] = {}  # the request's W3C trace headers, for the detokenizer's spans
     seq: int = 0  # TokenizedRequest.seq: the detokenizer's aborts carry it
 
 
@@ -126,7 +132,9 @@ class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
     top: Union[TopLogprobs, None] = None
 
 
-NO_TOKEN = -1  # in token_ids: this output carries no new token (a request aborted before producing one)
+NO_TOKEN = (
+    -1
+)  # in token_ids: this output carries no new token (a request aborted before producing one)
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", array_like=True):
@@ -203,8 +211,12 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     generated_tokens: int
     finished_requests: int
     aborted_requests: int = 0
-    stage_seconds: dict[str, float] = {}  # scheduler wall time per stage (schedule, forward_extend, ...)
-    prefill_tokens: int = 0  # tokens computed by prefill steps (prompts less cache hits, chunks, resumptions)
+    stage_seconds: dict[
+        str, float
+    ] = {}  # scheduler wall time per stage (schedule, forward_extend, ...)
+    prefill_tokens: int = (
+        0  # tokens computed by prefill steps (prompts less cache hits, chunks, resumptions)
+    )
     chunked_prefill_steps: int = 0  # prefill steps that carried a partial prompt
     cache_hit_tokens: int = 0  # prefill tokens taken from the prefix cache instead of computed
     retracted_requests: int = 0  # times a running request went back to the queue for lack of KV
@@ -218,8 +230,12 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     beam_searches: int = 0  # beam searches decoding now (each also counts once in running)
     beam_kv_tokens: int = 0  # pool tokens their generated beams hold now (prompts are in the cache)
     beam_kv_peak_tokens: int = 0  # the most beam_kv_tokens has been since start
-    grammar_compile_seconds: list[float] = []  # structured output: each distinct constraint's compile
-    grammar_mask_seconds: float = 0.0  # bitmask fill + apply, summed over steps with constrained rows
+    grammar_compile_seconds: list[
+        float
+    ] = []  # structured output: each distinct constraint's compile
+    grammar_mask_seconds: float = (
+        0.0  # bitmask fill + apply, summed over steps with constrained rows
+    )
     grammar_mask_steps: int = 0
     plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
     # role (scheduler, detokenizer, user) -> per-request structure -> its size now: all 0 when idle
@@ -248,5 +264,7 @@ class Codec:
         """The message, or msgspec.DecodeError (engine.ipc.inbox drops it with a log line)."""
         try:
             return self._decoder.decode(data)
-        except RecursionError:  # msgspec's answer to nesting in a field of any value (custom_params, stats)
+        except (
+            RecursionError
+        ):  # msgspec's answer to nesting in a field of any value (custom_params, stats)
             raise msgspec.DecodeError("the message is nested too deeply") from None

@@ -47,7 +47,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)): a residual add and the norm after it. The native bfloat16 path adds
     into h in place (h is the running hidden state, which nothing else holds); without delta, only the norm."""
-    fits = weight.numel() == h.shape[-1] and (delta is None or delta.shape == h.shape)  # else torch broadcasts or raises
+    fits = weight.numel() == h.shape[-1] and (
+        delta is None or delta.shape == h.shape
+    )  # else torch broadcasts or raises
     lib, bf16 = _native(h, weight, *(() if delta is None else (delta,))) if fits else (None, False)
     if lib is None:
         if delta is not None:
@@ -56,12 +58,22 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return h, _native_add_rms_norm(lib, bf16, h, delta, weight, eps)
 
 
-def _native_add_rms_norm(lib, bf16: bool, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _native_add_rms_norm(
+    lib, bf16: bool, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+):
     """The native kernel: h += delta in place (when given), returns the normed rows."""
     out = torch.empty_like(h)
     kernel = lib.add_rms_norm_bf16 if bf16 else lib.add_rms_norm
-    kernel(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-           h.numel() // h.shape[-1], h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
+    kernel(
+        h.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        h.numel() // h.shape[-1],
+        h.shape[-1],
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -71,8 +83,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if lib is not None:
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        (lib.silu_mul_bf16 if bf16 else lib.silu_mul)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter,
-                          torch.get_num_threads())  # fmt: skip
+        (lib.silu_mul_bf16 if bf16 else lib.silu_mul)(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            gate_up.numel() // gate_up.shape[-1],
+            inter,
+            torch.get_num_threads(),
+        )
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -90,19 +107,45 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+def rotate_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+):
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] of fused qkv rows [T, (H + 2 Hkv) D], q and k rotated.
     The native path rotates in place in qkv and returns views of it."""
     t = qkv.shape[0]
-    fits = qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and cos.shape == sin.shape == (t, head_dim)
-    lib, bf16 = _native(qkv, cos, sin) if fits else (None, False)  # else torch's path: its broadcast or its error
+    fits = (
+        qkv.dim() == 2
+        and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+        and cos.shape == sin.shape == (t, head_dim)
+    )
+    lib, bf16 = (
+        _native(qkv, cos, sin) if fits else (None, False)
+    )  # else torch's path: its broadcast or its error
     if lib is not None:
         kernel = lib.rotary_qkv_bf16 if bf16 else lib.rotary_qkv
-        kernel(qkv.data_ptr(), t, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-               torch.get_num_threads())  # fmt: skip
+        kernel(
+            qkv.data_ptr(),
+            t,
+            qkv.stride(0),
+            heads,
+            kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            torch.get_num_threads(),
+        )
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q, k, v = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
+    q, k, v = (
+        q.view(t, heads, head_dim),
+        k.view(t, kv_heads, head_dim),
+        v.view(t, kv_heads, head_dim),
+    )
     if lib is None:
         q, k = apply_rotary(q, k, cos, sin)
     return q, k, v

@@ -28,7 +28,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch
 
 
 class TokenKVPool:
-    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device: str) -> None:
+    def __init__(
+        self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device: str
+    ) -> None:
         self.size = size
         self.device = device
         shape = (size + 1, num_kv_heads, head_dim)
@@ -45,7 +47,9 @@ class TokenKVPool:
         """n pool indices, or None when the pool has fewer free (the caller queues instead)."""
         if n > self._num_free:
             return None
-        out = self._free[:n].clone()  # not a view: held indices (a beam's, a step's) would keep a whole free list alive
+        out = (
+            self._free[:n].clone()
+        )  # not a view: held indices (a beam's, a step's) would keep a whole free list alive
         self._free = self._free[n:]
         self._num_free -= n
         return out
@@ -60,4 +64,6 @@ class TokenKVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )

@@ -16,7 +16,9 @@ from engine.memory.req_to_token import ReqToTokenPool
 
 
 class KVManager:
-    def __init__(self, kv_pool: TokenKVPool, req_to_token: ReqToTokenPool, enable_prefix_cache: bool, device) -> None:
+    def __init__(
+        self, kv_pool: TokenKVPool, req_to_token: ReqToTokenPool, enable_prefix_cache: bool, device
+    ) -> None:
         self.pool = kv_pool
         self.slots = req_to_token
         self.table = req_to_token.table
@@ -81,7 +83,9 @@ class KVManager:
         try:
             indices = self.table[req.slot, :kv_len]
             if keep:
-                self.cache.cache_finished(req.all_ids()[:kv_len], indices, req.cache_node, req.cache_prefix_len)
+                self.cache.cache_finished(
+                    req.all_ids()[:kv_len], indices, req.cache_node, req.cache_prefix_len
+                )
             else:
                 self.cache.release(indices, req.cache_node, req.cache_prefix_len)
         finally:

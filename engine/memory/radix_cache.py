@@ -49,7 +49,9 @@ def _common_len(edge: list[int], key: list[int], pos: int) -> int:
 
 class RadixCache:
     enabled = True
-    HEAP_SLACK = 1024  # stale eviction candidates allowed past twice the nodes before the heap is rebuilt
+    HEAP_SLACK = (
+        1024  # stale eviction candidates allowed past twice the nodes before the heap is rebuilt
+    )
 
     def __init__(self, free_fn: Callable[[torch.Tensor], None], device="cpu") -> None:
         self.free_fn = free_fn  # returns pool indices to the KV pool
@@ -92,7 +94,10 @@ class RadixCache:
                 child = self._split(child, n)
             child.last_access = now
             values.append(child.value)
-            node, pos = child, pos + n  # after a mid-edge match the next lookup misses and ends the walk
+            node, pos = (
+                child,
+                pos + n,
+            )  # after a mid-edge match the next lookup misses and ends the walk
         if not values:
             return self.root.value, node
         return (values[0] if len(values) == 1 else torch.cat(values)), node
@@ -151,7 +156,9 @@ class RadixCache:
 
     # ------------------------------------------------------------------ a request's K/V in and out
 
-    def cache_finished(self, key: list[int], indices: torch.Tensor, node: TreeNode, prefix_len: int) -> None:
+    def cache_finished(
+        self, key: list[int], indices: torch.Tensor, node: TreeNode, prefix_len: int
+    ) -> None:
         """A request leaves (finished or retracted): its K/V joins the tree, its duplicates are freed,
         its lock is released. `prefix_len` tokens of `indices` came from the tree at `node`. The lock is
         released whatever raises; if the insert raises, the tree took none of the indices (it adds its new
@@ -195,7 +202,9 @@ class RadixCache:
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
         freed, values = 0, []
-        while freed < num_tokens and self._heap:  # self._heap, not a name for it: _offer may rebuild it
+        while (
+            freed < num_tokens and self._heap
+        ):  # self._heap, not a name for it: _offer may rebuild it
             stamp, _, leaf = heapq.heappop(self._heap)
             if leaf.parent is None or leaf.children or leaf.lock_ref:
                 continue  # evicted already, no longer a leaf, or in use: offered again when that changes
@@ -222,7 +231,9 @@ class RadixCache:
         heap starts again from the unlocked leaves (amortized: that many offers between two rebuilds)."""
         heapq.heappush(self._heap, (node.last_access, next(self._order), node))
         if len(self._heap) > 2 * self._nodes + self.HEAP_SLACK:
-            self._heap = [(n.last_access, next(self._order), n) for n in self._leaves() if n.lock_ref == 0]
+            self._heap = [
+                (n.last_access, next(self._order), n) for n in self._leaves() if n.lock_ref == 0
+            ]
             heapq.heapify(self._heap)
 
     def flush(self) -> int:

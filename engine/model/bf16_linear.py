@@ -37,8 +37,12 @@ def runs_here(lib) -> bool:
 def fits(linear: nn.Linear) -> bool:
     """Whether the layer's shape is one the kernel takes: bfloat16, no bias, an even input width, an output
     width of a multiple of 16 (every SmolLM2 and Llama layer)."""
-    return (linear.weight.dtype == torch.bfloat16 and linear.bias is None and linear.in_features % 2 == 0
-            and panel_columns(linear.out_features) > 0)  # fmt: skip
+    return (
+        linear.weight.dtype == torch.bfloat16
+        and linear.bias is None
+        and linear.in_features % 2 == 0
+        and panel_columns(linear.out_features) > 0
+    )
 
 
 class Bf16Linear(nn.Module):
@@ -50,8 +54,12 @@ class Bf16Linear(nn.Module):
         self.nr = panel_columns(self.out_features)
         weight = linear.weight.detach().contiguous()
         self.packed = torch.empty(self.out_features * self.in_features // 2, dtype=torch.int32)
-        if lib.bf16_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.nr, self.packed.data_ptr()):
-            raise ValueError(f"bf16_linear cannot pack a {self.out_features} x {self.in_features} weight")
+        if lib.bf16_linear_pack(
+            weight.data_ptr(), self.out_features, self.in_features, self.nr, self.packed.data_ptr()
+        ):
+            raise ValueError(
+                f"bf16_linear cannot pack a {self.out_features} x {self.in_features} weight"
+            )
         self._lib = lib
         self._bound: Callable[[int, int, int], None] | None = None
 
@@ -68,7 +76,13 @@ class Bf16Linear(nn.Module):
         address bound (engine/model/fused_decode.py calls it directly, as QuantizedLinear.kernel_call). The
         packed tensor is made once, here, and never replaced."""
         if self._bound is None:
-            lib, k, packed, n, nr = self._lib, self.in_features, self.packed.data_ptr(), self.out_features, self.nr
+            lib, k, packed, n, nr = (
+                self._lib,
+                self.in_features,
+                self.packed.data_ptr(),
+                self.out_features,
+                self.nr,
+            )
 
             def call(x: int, y: int, m: int) -> None:
                 if lib.bf16_linear(x, m, k, packed, n, nr, y, torch.get_num_threads()):

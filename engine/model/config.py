@@ -42,8 +42,18 @@ def _eos_ids(*values) -> tuple[int, ...]:
 
 # Keys read straight from config.json; where one is missing, transformers' class default would apply,
 # so such a config goes through AutoConfig instead.
-_PLAIN_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "num_key_value_heads")  # fmt: skip
+_PLAIN_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "eos_token_id",
+    "num_key_value_heads",
+)
 
 
 class PlainConfig(SimpleNamespace):
@@ -54,9 +64,13 @@ def plain_config(model_dir: str) -> PlainConfig | None:
     """config.json read as it is, or None where transformers' own parsing would add something:
     a model type other than the three supported, a missing key (its class default), rope scaling."""
     data = json.loads((Path(model_dir) / "config.json").read_text())
-    if data.get("model_type") not in ("llama", "qwen2", "mistral") or any(k not in data for k in _PLAIN_KEYS):
+    if data.get("model_type") not in ("llama", "qwen2", "mistral") or any(
+        k not in data for k in _PLAIN_KEYS
+    ):
         return None
-    if data["model_type"] == "mistral" and "sliding_window" not in data:  # MistralConfig's default is 4096
+    if (
+        data["model_type"] == "mistral" and "sliding_window" not in data
+    ):  # MistralConfig's default is 4096
         return None
     rope = data.get("rope_parameters") or {}
     if data.get("rope_scaling") or rope.get("rope_type", "default") != "default":
@@ -79,7 +93,11 @@ def load_hf_config(model_dir: str):
 
 def model_config_from_hf(hf_config, model_dir: str | None = None) -> ModelConfig:
     archs = getattr(hf_config, "architectures", None) or []
-    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    by_type = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }
     arch = archs[0] if archs else by_type.get(getattr(hf_config, "model_type", ""), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")

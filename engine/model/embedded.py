@@ -18,7 +18,9 @@ from engine import envvars
 
 CONVERSION_FORMAT = 2  # bump when the cached layout changes
 DIGEST = 16  # hex digits of a converted directory's key
-_NAMED = re.compile(rf"[^.].*-[0-9a-f]{{{DIGEST}}}")  # converted_dir_for's names: the only folders pruning looks at
+_NAMED = re.compile(
+    rf"[^.].*-[0-9a-f]{{{DIGEST}}}"
+)  # converted_dir_for's names: the only folders pruning looks at
 
 
 def embedded_gguf_path() -> Path:
@@ -83,8 +85,10 @@ def convert_here(gguf: Path, out: Path) -> bool:
         if convert_llama_gguf(gguf, out):
             return True
     except Exception as exc:  # noqa: BLE001 - transformers' conversion below is the reference; it raises its own error
-        print(f"engine: converting {gguf.name} through transformers instead ({type(exc).__name__}: {exc})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"engine: converting {gguf.name} through transformers instead ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+        )
     for leftover in out.iterdir():
         if leftover.is_dir():
             shutil.rmtree(leftover)
@@ -105,7 +109,9 @@ def convert_with_transformers(gguf: Path, out: Path) -> None:
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    save_file(
+        {k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors")
+    )
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["dtype"] = "float32"
@@ -147,7 +153,9 @@ def conversion_source(folder: Path) -> tuple[str, str | None] | None:
     """(the GGUF's path, the host that converted it) of a finished conversion; None where the folder is not
     one. The host is None for conversions made before it was recorded."""
     try:
-        lines = (folder / ".complete").read_text().splitlines()  # the path first (a second line: the host)
+        lines = (
+            (folder / ".complete").read_text().splitlines()
+        )  # the path first (a second line: the host)
     except OSError:
         return None
     gguf = lines[0].strip() if lines else ""
@@ -169,16 +177,25 @@ def prune_conversions(kept: Path) -> list[Path]:
         return []
     try:
         for leftover in kept.parent.glob(".prune-*"):  # a removal cut short
-            if _NAMED.fullmatch(leftover.name.removeprefix(".prune-")) and not leftover.is_symlink():
+            if (
+                _NAMED.fullmatch(leftover.name.removeprefix(".prune-"))
+                and not leftover.is_symlink()
+            ):
                 shutil.rmtree(leftover, ignore_errors=True)
-        folders = [f for f in kept.parent.iterdir()
-                   if f != kept and _NAMED.fullmatch(f.name) and f.is_dir() and not f.is_symlink()]  # fmt: skip
+        folders = [
+            f
+            for f in kept.parent.iterdir()
+            if f != kept and _NAMED.fullmatch(f.name) and f.is_dir() and not f.is_symlink()
+        ]
     except OSError:
         return []
     removed = []
     for folder in folders:
         source = conversion_source(folder)
-        if source is None or source[1] not in (None, host):  # not finished, or another host's (a shared home)
+        if source is None or source[1] not in (
+            None,
+            host,
+        ):  # not finished, or another host's (a shared home)
             continue
         gguf = Path(source[0])
         # a missing GGUF of the user's own may be on a drive not mounted now: only installed ones count as gone

@@ -26,7 +26,9 @@ from engine.model.config import ModelConfig
 from engine.model.f32_linear import KernelLinear
 
 PANEL = 16  # output rows a panel (f32_block_linear.c's NB)
-CHECKED_HEAD_ROWS = 4096  # the rows of a large layer (the lm_head's 49,152) checked at load; the tests check all
+CHECKED_HEAD_ROWS = (
+    4096  # the rows of a large layer (the lm_head's 49,152) checked at load; the tests check all
+)
 
 
 def runs_here(lib) -> bool:
@@ -43,20 +45,36 @@ class F32BlockLinear(KernelLinear):
         self.kind, (self.out_features, self.in_features) = kind, shape
         size = lib.f32_blocks_bytes(kind, self.out_features, self.in_features)
         if not size or blocks.dtype != torch.uint8 or blocks.shape[0] != self.out_features:
-            raise ValueError(f"f32_block_linear does not take {self.out_features} x {self.in_features} blocks of "
-                             f"ggml type {kind}")  # fmt: skip
+            raise ValueError(
+                f"f32_block_linear does not take {self.out_features} x {self.in_features} blocks of "
+                f"ggml type {kind}"
+            )
         self.packed = torch.empty(size, dtype=torch.uint8)
         blocks = blocks.contiguous()
-        if lib.f32_blocks_pack(kind, blocks.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr(),
-                               torch.get_num_threads()):  # fmt: skip
-            raise ValueError(f"f32_block_linear cannot pack {self.out_features} x {self.in_features} blocks")
+        if lib.f32_blocks_pack(
+            kind,
+            blocks.data_ptr(),
+            self.out_features,
+            self.in_features,
+            self.packed.data_ptr(),
+            torch.get_num_threads(),
+        ):
+            raise ValueError(
+                f"f32_block_linear cannot pack {self.out_features} x {self.in_features} blocks"
+            )
         self._lib = lib
         self._bound: Callable[[int, int, int], None] | None = None
 
     def kernel_call(self) -> Callable[[int, int, int], None]:
         """f(x_ptr, y_ptr, m), as F32Linear.kernel_call."""
         if self._bound is None:
-            lib, kind, k, packed, n = self._lib, self.kind, self.in_features, self.packed.data_ptr(), self.out_features
+            lib, kind, k, packed, n = (
+                self._lib,
+                self.kind,
+                self.in_features,
+                self.packed.data_ptr(),
+                self.out_features,
+            )
 
             def call(x: int, y: int, m: int) -> None:
                 if lib.f32_block_linear(kind, x, m, k, packed, n, y, torch.get_num_threads()):
@@ -67,14 +85,24 @@ class F32BlockLinear(KernelLinear):
 
     def decode_linear(self) -> dict:
         """The layer as engine/model/decode_layers.py hands it to the C step."""
-        return {"kind": "f32blocks", "arg": self.kind, "threads": torch.get_num_threads(), "w": self.packed.data_ptr()}
+        return {
+            "kind": "f32blocks",
+            "arg": self.kind,
+            "threads": torch.get_num_threads(),
+            "w": self.packed.data_ptr(),
+        }
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, GGUF blocks, exact float32"
 
 
-def exact_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, int]],
-                 reference: Callable[[str], torch.Tensor], lib) -> dict[str, tuple[int, torch.Tensor]] | None:  # fmt: skip
+def exact_blocks(
+    model_dir: str,
+    cfg: ModelConfig,
+    shapes: dict[str, tuple[int, int]],
+    reference: Callable[[str], torch.Tensor],
+    lib,
+) -> dict[str, tuple[int, torch.Tensor]] | None:
     """name -> (ggml type, blocks) for every linear layer, where the exact float32 weights are the blocks'
     values (see the top); None where not, and the layers keep their float panels. reference(name): the
     layer's converted float32 weight (a view valid until the next call)."""
@@ -87,9 +115,14 @@ def exact_blocks(model_dir: str, cfg: ModelConfig, shapes: dict[str, tuple[int, 
     qkv = "layers.0.self_attn.qkv_proj"
     try:
         blocks = read_blocks(model_dir, cfg, shapes, {f"{qkv}.weight": reference(qkv).clone()})
-    except (ValueError, OSError):  # a block type the kernel does not read, a file that does not fit: float panels
+    except (
+        ValueError,
+        OSError,
+    ):  # a block type the kernel does not read, a file that does not fit: float panels
         return None
-    if set(blocks) != set(shapes) or any(not lib.f32_blocks_bytes(kind, *shapes[n]) for n, (kind, _) in blocks.items()):
+    if set(blocks) != set(shapes) or any(
+        not lib.f32_blocks_bytes(kind, *shapes[n]) for n, (kind, _) in blocks.items()
+    ):
         return None
     checked = [n for n in shapes if n.startswith("layers.0.")] + ["lm_head"]
     for name in checked:

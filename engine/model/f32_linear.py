@@ -30,7 +30,11 @@ def runs_here(lib) -> bool:
 def fits(linear: nn.Linear) -> bool:
     """Whether the layer's shape is one the kernel takes: float32, no bias, an output width of a multiple
     of 16 (every SmolLM2 and Llama layer; biased ones, as Qwen2's qkv, keep oneDNN)."""
-    return linear.weight.dtype == torch.float32 and linear.bias is None and linear.out_features % PANEL == 0
+    return (
+        linear.weight.dtype == torch.float32
+        and linear.bias is None
+        and linear.out_features % PANEL == 0
+    )
 
 
 class KernelLinear(nn.Module):
@@ -42,9 +46,13 @@ class KernelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"{type(self).__name__} takes float32 CPU rows, got {x.dtype} on {x.device}")
+            raise TypeError(
+                f"{type(self).__name__} takes float32 CPU rows, got {x.dtype} on {x.device}"
+            )
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__} takes {self.in_features} inputs a row, got {x.shape[-1]}")
+            raise ValueError(
+                f"{type(self).__name__} takes {self.in_features} inputs a row, got {x.shape[-1]}"
+            )
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.kernel_call()(rows.data_ptr(), out.data_ptr(), rows.shape[0])
@@ -60,17 +68,29 @@ class F32Linear(KernelLinear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if packed is not None:
-            if packed.dtype != torch.float32 or packed.shape != (self.out_features * self.in_features,) \
-                    or not packed.is_contiguous():  # fmt: skip
-                raise ValueError(f"packed panels of {tuple(packed.shape)} {packed.dtype} do not fit a "
-                                 f"{self.out_features} x {self.in_features} float32 layer")  # fmt: skip
+            if (
+                packed.dtype != torch.float32
+                or packed.shape != (self.out_features * self.in_features,)
+                or not packed.is_contiguous()
+            ):
+                raise ValueError(
+                    f"packed panels of {tuple(packed.shape)} {packed.dtype} do not fit a "
+                    f"{self.out_features} x {self.in_features} float32 layer"
+                )
             self.packed = packed
         else:
             weight = linear.weight.detach().contiguous()
             self.packed = torch.empty(self.out_features * self.in_features, dtype=torch.float32)
-            if lib.f32_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr(),
-                                   torch.get_num_threads()):  # fmt: skip
-                raise ValueError(f"f32_linear cannot pack a {self.out_features} x {self.in_features} weight")
+            if lib.f32_linear_pack(
+                weight.data_ptr(),
+                self.out_features,
+                self.in_features,
+                self.packed.data_ptr(),
+                torch.get_num_threads(),
+            ):
+                raise ValueError(
+                    f"f32_linear cannot pack a {self.out_features} x {self.in_features} weight"
+                )
         self._lib = lib
         self._bound: Callable[[int, int, int], None] | None = None
 
@@ -78,7 +98,12 @@ class F32Linear(KernelLinear):
         """f(x_ptr, y_ptr, m): the kernel on m contiguous float32 rows at x_ptr into y_ptr, the packed weights'
         address bound (as Bf16Linear.kernel_call). The packed tensor is made once, here, and never replaced."""
         if self._bound is None:
-            lib, k, packed, n = self._lib, self.in_features, self.packed.data_ptr(), self.out_features
+            lib, k, packed, n = (
+                self._lib,
+                self.in_features,
+                self.packed.data_ptr(),
+                self.out_features,
+            )
 
             def call(x: int, y: int, m: int) -> None:
                 if lib.f32_linear(x, m, k, packed, n, y, torch.get_num_threads()):

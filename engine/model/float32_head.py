@@ -35,8 +35,16 @@ class Float32Head(nn.Module):
         if usable and self.nr and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             weight = weight.contiguous()
             self.packed = torch.empty(self.out_features * self.in_features, dtype=torch.int16)
-            if lib.bf16_logits_pack(weight.data_ptr(), self.out_features, self.in_features, self.nr, self.packed.data_ptr()):
-                raise ValueError(f"bf16_logits cannot pack a {self.out_features} x {self.in_features} weight")
+            if lib.bf16_logits_pack(
+                weight.data_ptr(),
+                self.out_features,
+                self.in_features,
+                self.nr,
+                self.packed.data_ptr(),
+            ):
+                raise ValueError(
+                    f"bf16_logits cannot pack a {self.out_features} x {self.in_features} weight"
+                )
             self.weight, self._lib = None, lib
         else:  # shared with a tied embedding where it is one: no copy
             self.packed, self.weight, self._lib = None, weight, None
@@ -45,12 +53,22 @@ class Float32Head(nn.Module):
         x = x.float().reshape(-1, self.in_features).contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         if self._lib is not None:
-            if self._lib.bf16_logits(x.data_ptr(), x.shape[0], self.in_features, self.packed.data_ptr(),
-                                     self.out_features, self.nr, out.data_ptr(), torch.get_num_threads()):  # fmt: skip
+            if self._lib.bf16_logits(
+                x.data_ptr(),
+                x.shape[0],
+                self.in_features,
+                self.packed.data_ptr(),
+                self.out_features,
+                self.nr,
+                out.data_ptr(),
+                torch.get_num_threads(),
+            ):
                 raise RuntimeError("bf16_logits refused a shape it packed")
             return out
         for start in range(0, self.out_features, SLICE_ROWS):
-            out[:, start : start + SLICE_ROWS] = x @ self.weight[start : start + SLICE_ROWS].float().t()
+            out[:, start : start + SLICE_ROWS] = (
+                x @ self.weight[start : start + SLICE_ROWS].float().t()
+            )
         return out
 
     def extra_repr(self) -> str:

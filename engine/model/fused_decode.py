@@ -61,7 +61,9 @@ class FusedDecode:
         return batch.mode is ForwardMode.DECODE and batch.input_ids.shape[0] <= MAX_ROWS
 
     @torch.inference_mode()
-    def __call__(self, model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def __call__(
+        self, model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
         return decode_forward(model, batch, backend, self.lib)
 
 
@@ -117,13 +119,22 @@ def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
         if full is None:
             cfg, inter = model.cfg, model.layers[0].mlp.down_proj.in_features
             qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-            widths = {"normed": cfg.hidden_size, "qkv": qkv, "attn": cfg.num_heads * cfg.head_dim,
-                      "a": cfg.hidden_size, "gate_up": 2 * inter, "act": inter, "down": cfg.hidden_size}  # fmt: skip
+            widths = {
+                "normed": cfg.hidden_size,
+                "qkv": qkv,
+                "attn": cfg.num_heads * cfg.head_dim,
+                "a": cfg.hidden_size,
+                "gate_up": 2 * inter,
+                "act": inter,
+                "down": cfg.hidden_size,
+            }
             full = model.__dict__["_fused_buffers"] = {
                 name: torch.empty(MAX_ROWS, width, dtype=dtype) for name, width in widths.items()
             }
         cache[t] = _Rows(full, model.cfg, t)
-    if cache[t].qkv.dtype != dtype:  # one model, one dtype: buffers made for another would be misread
+    if (
+        cache[t].qkv.dtype != dtype
+    ):  # one model, one dtype: buffers made for another would be misread
         raise TypeError(f"fused decode buffers are {cache[t].qkv.dtype}, the step's rows {dtype}")
     return cache[t]
 
@@ -147,7 +158,9 @@ def _kernels(lib, dtype: torch.dtype) -> tuple:
     raise TypeError(f"the fused decode step takes float32 or bfloat16 rows, not {dtype}")
 
 
-def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend, lib) -> torch.Tensor:
+def decode_forward(
+    model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend, lib
+) -> torch.Tensor:
     """What LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused and the
     linear layers' kernels called straight into reused rows."""
     cfg = model.cfg
@@ -159,33 +172,69 @@ def decode_forward(model: LlamaForCausalLM, batch: ForwardBatch, backend: Attent
     rows = _rows(model, t, h.dtype)
     threads = torch.get_num_threads()
     native = _native(model, backend, lib)
-    if native is not None:  # every layer in one C call: the same kernels, order and rows as the loop below
+    if (
+        native is not None
+    ):  # every layer in one C call: the same kernels, order and rows as the loop below
         native.run(h, cos, sin, backend.step_args(), threads)  # float32 rows only
         return model.lm_head(rows.normed).float()
     add_rms_norm, rotary_qkv, silu_mul = _kernels(lib, h.dtype)
     p = rows.ptr
-    h_ptr, cos_ptr, sin_ptr, qkv_stride = h.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.qkv.stride(0)
+    h_ptr, cos_ptr, sin_ptr, qkv_stride = (
+        h.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        rows.qkv.stride(0),
+    )
     pending = None  # the last block's output, added to h by the next norm
     rows_decoder = getattr(backend, "rows_decoder", None)
-    attend = rows_decoder() if rows_decoder is not None else None  # K/V store and attention in one C call
+    attend = (
+        rows_decoder() if rows_decoder is not None else None
+    )  # K/V store and attention in one C call
     for layer in _plan(model):
         norm = layer.in_norm
-        add_rms_norm(h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
+        add_rms_norm(
+            h_ptr, pending, norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads
+        )
         layer.qkv()(p["normed"], p["qkv"], t)
-        rotary_qkv(p["qkv"], t, qkv_stride, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos_ptr, sin_ptr, threads)
+        rotary_qkv(
+            p["qkv"],
+            t,
+            qkv_stride,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cos_ptr,
+            sin_ptr,
+            threads,
+        )
         if attend is not None:
             attend(layer.layer_id, p["qkv"], p["k"], p["v"], qkv_stride, p["attn"], t)
             layer.o()(p["attn"], p["a"], t)
         else:
-            out = backend.forward(rows.q, rows.k, rows.v, layer.layer_id, batch).contiguous()  # [t, heads, head_dim]
+            out = backend.forward(
+                rows.q, rows.k, rows.v, layer.layer_id, batch
+            ).contiguous()  # [t, heads, head_dim]
             layer.o()(out.data_ptr(), p["a"], t)
         norm = layer.post_norm
-        add_rms_norm(h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads)
+        add_rms_norm(
+            h_ptr, p["a"], norm.weight.data_ptr(), p["normed"], t, hidden, norm.eps, threads
+        )
         layer.gate_up()(p["normed"], p["gate_up"], t)
         silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1], threads)
         layer.down()(p["act"], p["down"], t)
         pending = p["down"]
-    if h.dtype != torch.float32:  # the plain forward's float32 norm and head, after the same residual add
+    if (
+        h.dtype != torch.float32
+    ):  # the plain forward's float32 norm and head, after the same residual add
         return model.logits(h, rows.down)
-    add_rms_norm(h_ptr, pending, model.norm.weight.data_ptr(), p["normed"], t, hidden, model.norm.eps, threads)
+    add_rms_norm(
+        h_ptr,
+        pending,
+        model.norm.weight.data_ptr(),
+        p["normed"],
+        t,
+        hidden,
+        model.norm.eps,
+        threads,
+    )
     return model.lm_head(rows.normed).float()

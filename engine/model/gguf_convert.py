@@ -30,8 +30,11 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-MODEL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}  # fmt: skip
+MODEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def hf_name(gguf_name: str, layers: int) -> str | None:
@@ -73,7 +76,10 @@ def state_dict(gguf: Path, config: dict[str, Any]):
 
     from engine.model.gguf_file import read_index
 
-    layers, processor = config["num_hidden_layers"], LlamaTensorProcessor(config=config)  # its q/k row order
+    layers, processor = (
+        config["num_hidden_layers"],
+        LlamaTensorProcessor(config=config),
+    )  # its q/k row order
     plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
     blob = np.memmap(gguf, dtype=np.uint8, mode="r")
     out = {}
@@ -108,22 +114,37 @@ def convert_llama_gguf(gguf: Path, out: Path) -> bool:
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:
         return False
-    metadata, tensor_names = read_gguf_metadata(str(gguf), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
-    if metadata.get("general.architecture") != "llama" or metadata.get("tokenizer.ggml.model") != "gpt2":
+    metadata, tensor_names = read_gguf_metadata(
+        str(gguf), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+    )
+    if (
+        metadata.get("general.architecture") != "llama"
+        or metadata.get("tokenizer.ggml.model") != "gpt2"
+    ):
         return False
     if "mistral" in str(metadata.get("general.name", "")).lower():
-        return False  # transformers may take a llama file named so for a Mistral: its call, not ours
-    if (gguf.parent / "tokenizer_config.json").exists() or len(set(tensor_names)) != len(tensor_names):
+        return (
+            False  # transformers may take a llama file named so for a Mistral: its call, not ours
+        )
+    if (gguf.parent / "tokenizer_config.json").exists() or len(set(tensor_names)) != len(
+        tensor_names
+    ):
         return False  # AutoTokenizer would read that file for its class; gguf's reader refuses duplicates
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     values = config_dict(metadata, tensor_names)
-    config = LlamaConfig.from_dict(values)  # as AutoConfig.from_pretrained(folder, gguf_file=...) makes it
+    config = LlamaConfig.from_dict(
+        values
+    )  # as AutoConfig.from_pretrained(folder, gguf_file=...) makes it
     config._name_or_path = str(gguf.parent)  # as from_pretrained(folder, gguf_file=...) records it
     expected = {hf_name(n, config.num_hidden_layers) for n in tensor_names}
-    params = {f"model.layers.{i}.{p}" for i in range(config.num_hidden_layers) for p in LAYER_NAMES.values()}
+    params = {
+        f"model.layers.{i}.{p}"
+        for i in range(config.num_hidden_layers)
+        for p in LAYER_NAMES.values()
+    }
     params |= {"model.embed_tokens.weight", "model.norm.weight"}
     if expected != params | (set() if config.tie_word_embeddings else {"lm_head.weight"}):
         return False  # biases, extra or missing tensors: transformers knows what to do with them
@@ -137,5 +158,7 @@ def convert_llama_gguf(gguf: Path, out: Path) -> bool:
     saved["architectures"] = ["LlamaForCausalLM"]
     (out / "config.json").write_text(json.dumps(saved, indent=2))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    TokenizersBackend.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    TokenizersBackend.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+        str(out)
+    )
     return True

@@ -15,7 +15,19 @@ from pathlib import Path
 
 import torch
 
-SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+SCALAR_SIZES = {
+    0: 1,
+    1: 1,
+    2: 2,
+    3: 2,
+    4: 4,
+    5: 4,
+    6: 4,
+    7: 1,
+    10: 8,
+    11: 8,
+    12: 8,
+}  # value type -> bytes
 STRING, ARRAY, UINT32 = 8, 9, 4
 
 
@@ -46,7 +58,9 @@ class _Cursor:
         if kind in SCALAR_SIZES:
             self.pos += SCALAR_SIZES[kind]
         elif kind == STRING:
-            n = self.take("Q")  # not `self.pos += self.take(...)`: that would add to the position before the length
+            n = self.take(
+                "Q"
+            )  # not `self.pos += self.take(...)`: that would add to the position before the length
             self.pos += n
         elif kind == ARRAY:
             inner, count = self.take("IQ")
@@ -93,7 +107,11 @@ def read_index(path: Path) -> dict[str, GGUFTensor]:
             kind, offset = c.take("IQ")
             infos.append((name, kind, dims, offset))
     except (struct.error, IndexError, OverflowError, UnicodeDecodeError, RecursionError) as exc:
-        more = " (or its metadata is larger than the 16 MB read)" if len(data) < path.stat().st_size else ""
+        more = (
+            " (or its metadata is larger than the 16 MB read)"
+            if len(data) < path.stat().st_size
+            else ""
+        )
         raise ValueError(f"{path.name} is not a readable GGUF file{more}: {exc}") from None
     except ValueError as exc:
         raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from None
@@ -114,8 +132,10 @@ def read_tensor(path: Path, tensor: GGUFTensor, row_bytes: int) -> torch.Tensor:
     for d in tensor.dims[1:]:
         rows *= d
     if tensor.offset + rows * row_bytes > path.stat().st_size:
-        raise ValueError(f"{path.name}: tensor {tensor.name} ({rows} x {row_bytes} bytes at {tensor.offset}) lies "
-                         "outside the file")  # fmt: skip
+        raise ValueError(
+            f"{path.name}: tensor {tensor.name} ({rows} x {row_bytes} bytes at {tensor.offset}) lies "
+            "outside the file"
+        )
     out = torch.empty(rows, row_bytes, dtype=torch.uint8)
     with open(path, "rb") as f:
         f.seek(tensor.offset)

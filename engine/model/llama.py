@@ -38,14 +38,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = rotate_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = rotate_qkv(
+            self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
+        )
         out = backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
@@ -83,7 +89,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         # _weight skips the random init: built on the meta device, that init alone cost 1.9 s of start-up
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -132,14 +140,25 @@ def weight_plan(cfg: ModelConfig, names: set[str]) -> dict[str, list[str]]:
     """Hugging Face names -> ours: each of our weights is its checkpoint tensors stacked along dim 0, in
     order (q/k/v into qkv_proj, gate/up into gate_up_proj; one name for the rest). The loader reads
     each part straight into its rows of the fused tensor."""
-    plan: dict[str, list[str]] = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    plan: dict[str, list[str]] = {
+        "embed_tokens.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = ["lm_head.weight"]
     for i in range(cfg.num_layers):
         p, q, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        plan[f"layers.{i}.self_attn.qkv_proj.weight"] = [q + "q_proj.weight", q + "k_proj.weight", q + "v_proj.weight"]
+        plan[f"layers.{i}.self_attn.qkv_proj.weight"] = [
+            q + "q_proj.weight",
+            q + "k_proj.weight",
+            q + "v_proj.weight",
+        ]
         if cfg.qkv_bias:
-            plan[f"layers.{i}.self_attn.qkv_proj.bias"] = [q + "q_proj.bias", q + "k_proj.bias", q + "v_proj.bias"]
+            plan[f"layers.{i}.self_attn.qkv_proj.bias"] = [
+                q + "q_proj.bias",
+                q + "k_proj.bias",
+                q + "v_proj.bias",
+            ]
         plan[f"layers.{i}.self_attn.o_proj.weight"] = [q + "o_proj.weight"]
         if cfg.o_bias:
             plan[f"layers.{i}.self_attn.o_proj.bias"] = [q + "o_proj.bias"]
@@ -149,11 +168,16 @@ def weight_plan(cfg: ModelConfig, names: set[str]) -> dict[str, list[str]]:
             plan[f"layers.{i}.mlp.gate_up_proj.bias"] = [m + "gate_proj.bias", m + "up_proj.bias"]
             plan[f"layers.{i}.mlp.down_proj.bias"] = [m + "down_proj.bias"]
         plan[f"layers.{i}.input_layernorm.weight"] = [p + "input_layernorm.weight"]
-        plan[f"layers.{i}.post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
+        plan[f"layers.{i}.post_attention_layernorm.weight"] = [
+            p + "post_attention_layernorm.weight"
+        ]
     used = {n for parts in plan.values() for n in parts}
     missing = sorted(used - names)
-    unexpected = sorted(n for n in names - used - {"lm_head.weight"}  # tied copies some exporters write anyway
-                        if not n.endswith("rotary_emb.inv_freq"))  # older exports' buffers, which transformers drops too
+    unexpected = sorted(
+        n
+        for n in names - used - {"lm_head.weight"}  # tied copies some exporters write anyway
+        if not n.endswith("rotary_emb.inv_freq")
+    )  # older exports' buffers, which transformers drops too
     if missing:
         raise ValueError(f"weights missing from checkpoint: {missing[:8]}")
     if unexpected:

@@ -30,6 +30,7 @@ from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews
 from engine.quantization import linear_shapes, load_stored, quantize_model
 
+
 def safetensors_files(model_dir: str) -> list[Path]:
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"
@@ -54,14 +55,20 @@ def _read_into(f, entry: TensorEntry, out: torch.Tensor) -> None:
     """The entry's bytes into `out` (contiguous, the entry's dtype and element count)."""
     view = memoryview(out.view(torch.uint8).numpy()).cast("B")
     if view.nbytes != entry.nbytes:
-        raise ValueError(f"{entry.path.name}: {entry.nbytes} bytes on disk for {view.nbytes} expected")
+        raise ValueError(
+            f"{entry.path.name}: {entry.nbytes} bytes on disk for {view.nbytes} expected"
+        )
     f.seek(entry.offset)
     if f.readinto(view) != entry.nbytes:
         raise ValueError(f"{entry.path.name} is truncated")
 
 
-def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dtype: torch.dtype,
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def read_planned(
+    plan: dict[str, list[str]],
+    entries: dict[str, TensorEntry],
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Each planned weight as one tensor of `dtype`, its parts read into consecutive rows."""
     out: dict[str, torch.Tensor] = {}
     files: dict[Path, object] = {}
@@ -80,8 +87,11 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
                 if entry.dtype == dtype:
                     _read_into(f, entry, dest)
                 else:  # another dtype on disk: converted into place from the file's mapping, not read first
-                    dest.copy_(MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape).tensor
-                               .reshape(dest.shape))  # fmt: skip
+                    dest.copy_(
+                        MappedWeight(
+                            entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape
+                        ).tensor.reshape(dest.shape)
+                    )
                 start += n
             out[name] = target
             if progress is not None:
@@ -93,7 +103,12 @@ def read_planned(plan: dict[str, list[str]], entries: dict[str, TensorEntry], dt
 
 
 def load_model(
-    model_dir: str, hf_config, dtype: torch.dtype, device: str, max_positions: int, progress=None,
+    model_dir: str,
+    hf_config,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
+    progress=None,
     quantization: str = "none",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg = model_config_from_hf(hf_config, model_dir)
@@ -103,13 +118,24 @@ def load_model(
     entries = index_weights(model_dir)
     plan = weight_plan(cfg, set(entries))
     shapes = linear_shapes(model)
-    stored = load_stored(model_dir, quantization, shapes, cfg,
-                         lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32))
+    stored = load_stored(
+        model_dir,
+        quantization,
+        shapes,
+        cfg,
+        lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32),
+    )
     if stored is not None:  # quantized weights at hand: the float ones of those layers stay unread
-        plan = {k: v for k, v in plan.items() if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)}
+        plan = {
+            k: v
+            for k, v in plan.items()
+            if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)
+        }
     # mapped only where gathers alone read it: a tied lm_head left plain would stream the mapping's small
     # file pages every step (float32 on AVX-512 CPUs, ENGINE_PACK_WEIGHTS=0), so it is read there
-    head_own = not cfg.tie_word_embeddings or quantization != "none" or packing_available(dtype, device)
+    head_own = (
+        not cfg.tie_word_embeddings or quantization != "none" or packing_available(dtype, device)
+    )
     embed_parts, mapped = plan["embed_tokens.weight"], None
     entry = entries[embed_parts[0]]
     if head_own and mappable(entry.dtype, dtype, len(embed_parts), device):
@@ -119,11 +145,16 @@ def load_model(
     # weights are never read into memory (weight_views.py)
     packed_from_file = set()
     if quantization == "none" and packing_available(dtype, device):
-        packed_from_file = {f"{n}.weight" for n in shapes  # a bfloat16 lm_head is read: Float32Head may keep it
-                            if not ((cfg.tie_word_embeddings or dtype == torch.bfloat16) and n == "lm_head")}
+        packed_from_file = {
+            f"{n}.weight"
+            for n in shapes  # a bfloat16 lm_head is read: Float32Head may keep it
+            if not ((cfg.tie_word_embeddings or dtype == torch.bfloat16) and n == "lm_head")
+        }
     total = len(plan)
-    plan, deferred = ({k: v for k, v in plan.items() if k not in packed_from_file},
-                      {k: v for k, v in plan.items() if k in packed_from_file})  # fmt: skip
+    plan, deferred = (
+        {k: v for k, v in plan.items() if k not in packed_from_file},
+        {k: v for k, v in plan.items() if k in packed_from_file},
+    )
     state = read_planned(plan, entries, dtype, progress and (lambda i, n: progress(i, total)))
     if mapped is not None:
         state["embed_tokens.weight"] = mapped.tensor
@@ -131,10 +162,17 @@ def load_model(
         state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left_to_quantized = {f"{n}.weight" for n in shapes} if stored is not None else set()
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")
-               and m not in left_to_quantized and m not in deferred]  # fmt: skip
+    missing = [
+        m
+        for m in missing
+        if not (cfg.tie_word_embeddings and m == "lm_head.weight")
+        and m not in left_to_quantized
+        and m not in deferred
+    ]
     if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        raise ValueError(
+            f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = cos, sin
@@ -155,30 +193,53 @@ def load_model(
 
         def reference(name: str) -> torch.Tensor:  # a converted weight, to check the blocks against
             parts = deferred.get(f"{name}.weight")
-            return views.stacked([entries[p] for p in parts], dtype) if parts else model.get_submodule(name).weight
+            return (
+                views.stacked([entries[p] for p in parts], dtype)
+                if parts
+                else model.get_submodule(name).weight
+            )
 
-        on_f32 = dtype == torch.float32 and bool(deferred)  # packed for f32_linear (or oneDNN) from the file
+        on_f32 = dtype == torch.float32 and bool(
+            deferred
+        )  # packed for f32_linear (or oneDNN) from the file
         try:
             # the GGUF blocks the float32 weights were converted from, where they are those weights exactly
             # (f32_block_linear.py); else the float panels, mapped from the panel cache or packed
-            blocks = exact_blocks(model_dir, cfg, shapes, reference, our_kernel_library(dtype)) if on_f32 else None
+            blocks = (
+                exact_blocks(model_dir, cfg, shapes, reference, our_kernel_library(dtype))
+                if on_f32
+                else None
+            )
             panels = mapped_panels(model_dir, shapes) if on_f32 and blocks is None else None
-            pack_linears(model, dtype, device, copy_tied_head=dtype != torch.float32 or mapped is not None,
-                         weights=weights if deferred else None, panels=panels, blocks=blocks)  # fmt: skip
+            pack_linears(
+                model,
+                dtype,
+                device,
+                copy_tied_head=dtype != torch.float32 or mapped is not None,
+                weights=weights if deferred else None,
+                panels=panels,
+                blocks=blocks,
+            )
         finally:
             views.close()
         if on_f32 and panels is None and blocks is None:
             keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
         if progress is not None and (panels or blocks):
             progress(total, total)  # the mapped layers were never read
-        if dtype == torch.bfloat16:  # float32 logits (float32_head.py); packing leaves the lm_head to this
+        if (
+            dtype == torch.bfloat16
+        ):  # float32 logits (float32_head.py); packing leaves the lm_head to this
             from engine.kernels.cpu import load_native
 
-            model.lm_head = Float32Head(model.lm_head, load_native() if torch.device(device).type == "cpu" else None)
+            model.lm_head = Float32Head(
+                model.lm_head, load_native() if torch.device(device).type == "cpu" else None
+            )
         unread = [n for n, p in model.named_parameters() if p.is_meta]
         if unread:
             raise ValueError(f"weights left unloaded: {unread[:8]}")
-        install_exact(model)  # decode steps on our exact linear kernels: fused_decode.py's direct calls
+        install_exact(
+            model
+        )  # decode steps on our exact linear kernels: fused_decode.py's direct calls
     if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
         mapped.drop_pages()
     return model, cfg

@@ -19,14 +19,22 @@ import torch
 class MappedWeight:
     """One tensor's bytes in a private, copy-on-write mapping of its file; .tensor views them."""
 
-    def __init__(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> None:
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # the tensor's range only, from an aligned start
+    def __init__(
+        self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+    ) -> None:
+        start = (
+            offset - offset % mmap.ALLOCATIONGRANULARITY
+        )  # the tensor's range only, from an aligned start
         with open(path, "rb") as f:
             if offset + nbytes > f.seek(0, 2):
                 raise ValueError(f"{path.name} is truncated")
-            self._map = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+            self._map = mmap.mmap(
+                f.fileno(), offset + nbytes - start, offset=start, access=mmap.ACCESS_COPY
+            )
         count = nbytes // torch.empty((), dtype=dtype).element_size()
-        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset - start).view(shape)
+        self.tensor = torch.frombuffer(
+            self._map, dtype=dtype, count=count, offset=offset - start
+        ).view(shape)
 
     def drop_pages(self) -> None:
         """Unmap the resident pages of the tensor (the next gather of a row reads it from the page cache).
@@ -37,4 +45,9 @@ class MappedWeight:
 def mappable(entry_dtype: torch.dtype, dtype: torch.dtype, parts: int, device: str) -> bool:
     """Mapped only where the file's bytes are the tensor as the model keeps it: one part, the same dtype,
     on the CPU, on a system with madvise (Linux, macOS)."""
-    return parts == 1 and entry_dtype == dtype and torch.device(device).type == "cpu" and hasattr(mmap, "MADV_DONTNEED")
+    return (
+        parts == 1
+        and entry_dtype == dtype
+        and torch.device(device).type == "cpu"
+        and hasattr(mmap, "MADV_DONTNEED")
+    )

@@ -37,11 +37,17 @@ class _OurKernel(NamedTuple):
 
 # where packing_available, the layers our own kernel of that dtype fits take it instead of oneDNN's
 OUR_KERNELS = {
-    torch.bfloat16: _OurKernel(bf16_linear, bf16_linear.Bf16Linear, "ENGINE_BF16_LINEAR"),  # AVX512_BF16, no AMX
-    torch.float32: _OurKernel(f32_linear, f32_linear.F32Linear, "ENGINE_F32_LINEAR"),  # AVX2 (where float32 is packed)
+    torch.bfloat16: _OurKernel(
+        bf16_linear, bf16_linear.Bf16Linear, "ENGINE_BF16_LINEAR"
+    ),  # AVX512_BF16, no AMX
+    torch.float32: _OurKernel(
+        f32_linear, f32_linear.F32Linear, "ENGINE_F32_LINEAR"
+    ),  # AVX2 (where float32 is packed)
 }
 
-BATCH_HINT = 64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
+BATCH_HINT = (
+    64  # the row count oneDNN chooses the layout for; 64 and 512 measured alike at 1-2,048 rows
+)
 # float32 layers are replaced at load on these CPUs (torch's capability): by the exact GGUF blocks
 # (F32BlockLinear) wherever those are the weights; plain weights by our panels or oneDNN's only where
 # that beat MKL's sgemm (AVX2); AVX-512 CPUs keep MKL for them (docs/performance.md).
@@ -63,19 +69,28 @@ def our_kernel_library(dtype: torch.dtype):
 
 def float32_panels_here(device: str) -> bool:
     """Whether plain float32 weights (not GGUF blocks) leave torch's linear at load on this CPU."""
-    return packing_available(torch.float32, device) and torch.backends.cpu.get_cpu_capability() in FLOAT32_PANELS_ON
+    return (
+        packing_available(torch.float32, device)
+        and torch.backends.cpu.get_cpu_capability() in FLOAT32_PANELS_ON
+    )
 
 
 def packing_available(dtype: torch.dtype, device: str) -> bool:
     """Whether this torch build and CPU run oneDNN's packed linear in this dtype (float32 or bfloat16, the
     latter only where the CPU computes it natively) and ENGINE_PACK_WEIGHTS allows it."""
-    if dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu" \
-            or envvars.read("ENGINE_PACK_WEIGHTS") == "0":  # fmt: skip
+    if (
+        dtype not in (torch.float32, torch.bfloat16)
+        or torch.device(device).type != "cpu"
+        or envvars.read("ENGINE_PACK_WEIGHTS") == "0"
+    ):
         return False
     if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
         return False
     ops = torch.ops.mkldnn
-    if not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")):
+    if not all(
+        hasattr(ops, op)
+        for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
+    ):
         return False
     if dtype == torch.float32:  # FLOAT32_BLOCKS_ON and FLOAT32_PANELS_ON say which layers
         return torch.backends.cpu.get_cpu_capability() in FLOAT32_BLOCKS_ON
@@ -91,17 +106,24 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]: the op keeps leading dims
+    def forward(
+        self, x: torch.Tensor
+    ) -> torch.Tensor:  # [..., in] -> [..., out]: the op keeps leading dims
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_head: bool = True,
-                 weights: Callable[[str], torch.Tensor] | None = None,
-                 panels: dict[str, torch.Tensor] | None = None,
-                 blocks: dict[str, tuple[int, torch.Tensor]] | None = None) -> int:  # fmt: skip
+def pack_linears(
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: str,
+    copy_tied_head: bool = True,
+    weights: Callable[[str], torch.Tensor] | None = None,
+    panels: dict[str, torch.Tensor] | None = None,
+    blocks: dict[str, tuple[int, torch.Tensor]] | None = None,
+) -> int:
     """Every nn.Linear of the model swapped in place for a PackedLinear where packing_available (in bfloat16
     on CPUs with AVX512_BF16 and no AMX, for our own kernel's Bf16Linear where its shape fits; in float32 on
     AVX2 CPUs, for F32Linear where its shape fits); the count.
@@ -120,22 +142,38 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
 
-    kernel, lib = OUR_KERNELS[dtype], our_kernel_library(dtype)  # ours where it runs and is not switched off
+    kernel, lib = (
+        OUR_KERNELS[dtype],
+        our_kernel_library(dtype),
+    )  # ours where it runs and is not switched off
     mkl = dtype == torch.float32 and not float32_panels_here(device)
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
-        if blocks and name in blocks and lib is not None and dtype == torch.float32 and kernel.module.fits(linear):
+        if (
+            blocks
+            and name in blocks
+            and lib is not None
+            and dtype == torch.float32
+            and kernel.module.fits(linear)
+        ):
             return F32BlockLinear(*blocks[name], (linear.out_features, linear.in_features), lib)
         if panels and name in panels and lib is not None and not mkl and kernel.module.fits(linear):
             return f32_linear.F32Linear(linear, lib, panels[name])  # its weight never read
         from_views = weights is not None and linear.weight.is_meta
         if from_views:
             weight = weights(name)
-            if tuple(weight.shape) != (linear.out_features, linear.in_features):  # load_state_dict's check, for these
-                raise ValueError(f"weights do not fit the model: {name}.weight is {tuple(weight.shape)} in the checkpoint, "
-                                 f"the config makes it {(linear.out_features, linear.in_features)}")  # fmt: skip
+            if tuple(weight.shape) != (
+                linear.out_features,
+                linear.in_features,
+            ):  # load_state_dict's check, for these
+                raise ValueError(
+                    f"weights do not fit the model: {name}.weight is {tuple(weight.shape)} in the checkpoint, "
+                    f"the config makes it {(linear.out_features, linear.in_features)}"
+                )
             linear.weight = nn.Parameter(weight, requires_grad=False)
-        if name == "lm_head" and dtype == torch.bfloat16:  # the loader makes it a Float32Head (float32 logits)
+        if (
+            name == "lm_head" and dtype == torch.bfloat16
+        ):  # the loader makes it a Float32Head (float32 logits)
             return linear
         if tied and name == "lm_head" and not copy_tied_head:
             return linear
@@ -148,6 +186,10 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str, copy_tied_he
         return PackedLinear(linear)
 
     replace_linears(model, make)
-    release_freed_memory(collect=False)  # the plain weights were freed when their layers were replaced
-    return sum(isinstance(m, (PackedLinear, F32BlockLinear, *(k.layer for k in OUR_KERNELS.values())))
-               for m in model.modules())  # fmt: skip
+    release_freed_memory(
+        collect=False
+    )  # the plain weights were freed when their layers were replaced
+    return sum(
+        isinstance(m, (PackedLinear, F32BlockLinear, *(k.layer for k in OUR_KERNELS.values())))
+        for m in model.modules()
+    )

@@ -41,7 +41,9 @@ def panel_file(model_dir: str) -> Path:
     return cache.cache_file(model_dir, MODE, FORMAT, kind="packed")
 
 
-def mapped_panels(model_dir: str, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
+def mapped_panels(
+    model_dir: str, shapes: dict[str, tuple[int, int]]
+) -> dict[str, torch.Tensor] | None:
     """name -> the layer's panels, mapped from the cache, for every layer of `shapes` ((out, in) by name)
     the cache holds; None where there is no trusted, well-formed file or one of its layers does not fit
     (never an error: the layers are then packed as without a cache)."""
@@ -56,7 +58,9 @@ def mapped_panels(model_dir: str, shapes: dict[str, tuple[int, int]]) -> dict[st
             n, k = shapes.get(name, (-1, -1))
             if entry.dtype != torch.float32 or entry.shape != [n * k]:
                 return None
-            out[name] = MappedWeight(path, entry.offset, entry.nbytes, entry.dtype, entry.shape).tensor
+            out[name] = MappedWeight(
+                path, entry.offset, entry.nbytes, entry.dtype, entry.shape
+            ).tensor
     except (OSError, ValueError, RuntimeError):  # unreadable or damaged: packed again and replaced
         return None
     return out or None

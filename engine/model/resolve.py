@@ -16,7 +16,9 @@ def resolve_model_dir(model_path: str | None, announce=print) -> str:
         path = Path(os.path.expanduser(model_path))
         if path.is_dir():
             if not (path / "config.json").exists():
-                raise FileNotFoundError(f"model_path {model_path!r} is a directory without config.json")
+                raise FileNotFoundError(
+                    f"model_path {model_path!r} is a directory without config.json"
+                )
             return str(path)
         if not path.exists():
             raise FileNotFoundError(

@@ -17,18 +17,33 @@ from pathlib import Path
 import torch
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 MAX_HEADER = 100 << 20  # bytes: a larger header is not one this engine reads
 
 
 class TensorEntry:
     __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
 
-    def __init__(self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> None:
-        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
+    def __init__(
+        self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+    ) -> None:
+        self.path, self.offset, self.nbytes, self.dtype, self.shape = (
+            path,
+            offset,
+            nbytes,
+            dtype,
+            shape,
+        )
 
 
 def _header(path: Path) -> tuple[dict, int, int]:
@@ -57,16 +72,26 @@ def index_file(path: Path) -> dict[str, TensorEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype, (start, end), shape = meta["dtype"], meta["data_offsets"], [int(d) for d in meta["shape"]]
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size - base):
+            dtype, (start, end), shape = (
+                meta["dtype"],
+                meta["data_offsets"],
+                [int(d) for d in meta["shape"]],
+            )
+            if not (
+                isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size - base
+            ):
                 raise ValueError(f"{name} lies outside the file")
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path} is not a valid safetensors file: entry {name!r}: {exc!r}") from None
+            raise ValueError(
+                f"{path} is not a valid safetensors file: entry {name!r}: {exc!r}"
+            ) from None
         if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
         torch_dtype = SAFETENSORS_DTYPES[dtype]
         if end - start != math.prod(shape) * torch_dtype.itemsize:
-            raise ValueError(f"{path.name}: tensor {name} has {end - start} bytes for its shape {shape} of {dtype}")
+            raise ValueError(
+                f"{path.name}: tensor {name} has {end - start} bytes for its shape {shape} of {dtype}"
+            )
         entries[name] = TensorEntry(path, base + start, end - start, torch_dtype, shape)
     return entries
 
@@ -80,13 +105,19 @@ def read_metadata(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """tensors (CPU) as a safetensors file, each written from its own memory."""
     names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
     header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned

@@ -13,10 +13,18 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
     """Every nn.Linear of the model (by its module name) replaced in place by make(name, layer); the count."""
     # (parent, name) pairs only: a list of the layers themselves would keep every replaced weight alive
     # until the end, the plain and the new weights side by side at the peak
-    slots = [(prefix, module, child_name) for prefix, module in model.named_modules()
-             for child_name, child in module.named_children() if isinstance(child, nn.Linear)]  # fmt: skip
+    slots = [
+        (prefix, module, child_name)
+        for prefix, module in model.named_modules()
+        for child_name, child in module.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     for prefix, module, child_name in slots:
-        setattr(module, child_name, make(f"{prefix}.{child_name}" if prefix else child_name, getattr(module, child_name)))
+        setattr(
+            module,
+            child_name,
+            make(f"{prefix}.{child_name}" if prefix else child_name, getattr(module, child_name)),
+        )
     return len(slots)
 
 

@@ -25,7 +25,9 @@ class WeightViews:
 
     def __init__(self) -> None:
         self._scratch: torch.Tensor | None = None
-        self._last: list[MappedWeight] = []  # the weight handed out last: its pages go back on the next call
+        self._last: list[
+            MappedWeight
+        ] = []  # the weight handed out last: its pages go back on the next call
 
     def stacked(self, entries: list, dtype: torch.dtype) -> torch.Tensor:
         """The entries (safetensors_io.TensorEntry: path, offset, nbytes, dtype, shape) stacked along dim 0 in
@@ -57,4 +59,3 @@ class WeightViews:
         """Pages back, scratch freed; each mapping goes when the last view of it does."""
         self.release()
         self._scratch = None
-

@@ -30,9 +30,46 @@ from engine.hooks import hookimpl
 logger = logging.getLogger(__name__)
 
 PREFIX = "engine:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 QUEUE_BUCKETS = TTFT_BUCKETS
 
 _lock = threading.Lock()
@@ -43,11 +80,17 @@ _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # s
 # as a reset), whether an engine shut down or one scrape could not read it
 _queue_seen: dict[int, tuple[weakref.ref, dict]] = {}
 _queue_gone = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}
-_scrape_lock = threading.Lock()  # one scrape at a time (they run in worker threads): the bookkeeping above
+_scrape_lock = (
+    threading.Lock()
+)  # one scrape at a time (they run in worker threads): the bookkeeping above
 # stays in order; not _lock, which the hooks take while a scrape waits for get_stats
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
-_http_lock = threading.Lock()  # two engines starting in two threads check and bind the port one at a time
-_copies: set[int] = set()  # user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
+_http_lock = (
+    threading.Lock()
+)  # two engines starting in two threads check and bind the port one at a time
+_copies: set[int] = (
+    set()
+)  # user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
 _announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
 
 
@@ -59,17 +102,41 @@ class _UserMetrics:
 
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=r)
-        self.cached_tokens = Counter(PREFIX + "cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r)
-        self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason (stop, length, abort)",
-                                ["finished_reason"], registry=r)  # fmt: skip
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from submission to the first token",
-                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from submission to the last output",
-                             buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            PREFIX + "cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.finished = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason (stop, length, abort)",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from submission to the first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from submission to the last output",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
         r.register(_ScrapeCollector())
 
     def observe(self, meta: dict, copy: bool = False) -> None:
@@ -105,11 +172,28 @@ class _ScrapeCollector:
 
         from engine.entrypoint import live_engines
 
-        running = GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch")
-        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission")
-        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Share of the KV pool in use (prefix cache included), 0-1")
-        hit = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens admitted, 0-1")
-        totals = {"running": 0.0, "waiting": 0.0, "used": 0.0, "size": 0.0, "hit": 0.0, "prompt": 0.0}
+        running = GaugeMetricFamily(
+            PREFIX + "num_requests_running", "Requests in the running batch"
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "num_requests_waiting", "Requests waiting for admission"
+        )
+        usage = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "Share of the KV pool in use (prefix cache included), 0-1",
+        )
+        hit = GaugeMetricFamily(
+            PREFIX + "prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens admitted, 0-1",
+        )
+        totals = {
+            "running": 0.0,
+            "waiting": 0.0,
+            "used": 0.0,
+            "size": 0.0,
+            "hit": 0.0,
+            "prompt": 0.0,
+        }
         live = live_engines()
         _retire_gone(live)
         for eng in live:
@@ -123,7 +207,9 @@ class _ScrapeCollector:
             totals["used"] += stats.get("max_total_tokens", 0) - stats.get("free_tokens", 0)
             totals["hit"] += stats.get("prompt_cache_hit_tokens", 0)
             totals["prompt"] += stats.get("prompt_tokens", 0)
-            queue = stats.get("plugins", {}).get("scheduler", {}).get("metrics", {}).get("queue_time")
+            queue = (
+                stats.get("plugins", {}).get("scheduler", {}).get("metrics", {}).get("queue_time")
+            )
             if queue:
                 with _lock:
                     _queue_seen[id(eng)] = (weakref.ref(eng), queue)
@@ -135,8 +221,10 @@ class _ScrapeCollector:
         waiting.add_metric([], totals["waiting"])
         usage.add_metric([], totals["used"] / totals["size"] if totals["size"] else 0.0)
         hit.add_metric([], totals["hit"] / totals["prompt"] if totals["prompt"] else 0.0)
-        queue_hist = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
-                                           "Time from submission to first admission by the scheduler")  # fmt: skip
+        queue_hist = HistogramMetricFamily(
+            PREFIX + "request_queue_time_seconds",
+            "Time from submission to first admission by the scheduler",
+        )
         cumulative, buckets = 0, []
         for bound, n in zip((*QUEUE_BUCKETS, float("inf")), counts):
             cumulative += n
@@ -151,7 +239,9 @@ def _retire_gone(live: list) -> None:
         for key, (ref, queue) in list(_queue_seen.items()):
             engine = ref()
             if engine is None or not any(engine is e for e in live):
-                _queue_gone["counts"] = [a + b for a, b in zip(_queue_gone["counts"], queue["counts"])]
+                _queue_gone["counts"] = [
+                    a + b for a, b in zip(_queue_gone["counts"], queue["counts"])
+                ]
                 _queue_gone["sum"] += queue["sum"]
                 _queue_gone["count"] += queue["count"]
                 del _queue_seen[key]
@@ -230,7 +320,9 @@ def engine_request_done(rid: str, meta_info: dict, error: str | None, seq: int) 
     with _lock:
         copy = seq in _copies
         _copies.discard(seq)
-    if error is None:  # else it never finished: not sent, or cut off by the engine stopping or dying
+    if (
+        error is None
+    ):  # else it never finished: not sent, or cut off by the engine stopping or dying
         user_metrics().observe(meta_info, copy)
 
 
@@ -251,4 +343,10 @@ def engine_stats(role: str) -> dict | None:
     if role != "scheduler":
         return None
     with _lock:
-        return {"queue_time": {"counts": list(_queue["counts"]), "sum": _queue["sum"], "count": _queue["count"]}}
+        return {
+            "queue_time": {
+                "counts": list(_queue["counts"]),
+                "sum": _queue["sum"],
+                "count": _queue["count"],
+            }
+        }

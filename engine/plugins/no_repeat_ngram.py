@@ -29,7 +29,11 @@ class NoRepeatNGram(CustomLogitProcessor):
             if len(out) < n - 1:
                 continue
             prefix = tuple(out[len(out) - n + 1 :]) if n > 1 else ()
-            banned = {out[i + n - 1] for i in range(len(out) - n + 1) if tuple(out[i : i + n - 1]) == prefix}
+            banned = {
+                out[i + n - 1]
+                for i in range(len(out) - n + 1)
+                if tuple(out[i : i + n - 1]) == prefix
+            }
             if banned:
                 logits[row, sorted(banned)] = float("-inf")
         return logits

@@ -64,7 +64,9 @@ def engine_forward_before(batch, rids) -> None:
 @hookimpl
 def engine_forward_after(batch, rids, logits) -> None:
     _stop("forward")
-    if logits is not None and logits.shape[0]:  # a prompt chunk that is not the last samples nothing
+    if (
+        logits is not None and logits.shape[0]
+    ):  # a prompt chunk that is not the last samples nothing
         _start("sample")
 
 
@@ -119,5 +121,7 @@ def engine_shutdown_report(stats: dict) -> None:
     lines = ["stagetimer: seconds per stage"]
     for role, stages in s["per_process"].items():
         lines.append(f"  {role:<12}" + "  ".join(f"{k} {v:.3f}" for k, v in sorted(stages.items())))
-    lines.append(f"  {'total':<12}" + "  ".join(f"{k} {v:.3f}" for k, v in sorted(s["total"].items())))
+    lines.append(
+        f"  {'total':<12}" + "  ".join(f"{k} {v:.3f}" for k, v in sorted(s["total"].items()))
+    )
     print("\n".join(lines), file=sys.stderr)

@@ -65,7 +65,11 @@ def _process_hook(name: str, **kwargs) -> None:
 
 
 def run_child(
-    role: str, conn, parent_pid: int, build: Callable[[Callable[[int, int], None]], Serving], runtime_dir: str | None = None
+    role: str,
+    conn,
+    parent_pid: int,
+    build: Callable[[Callable[[int, int], None]], Serving],
+    runtime_dir: str | None = None,
 ) -> None:
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
     # Ctrl-C, and the SIGTERM of `timeout`, systemd's stop or `kill -- -PGID`, reach the whole process
@@ -79,7 +83,9 @@ def run_child(
         import setproctitle
 
         setproctitle.setproctitle(f"engine::{role}")
-    threading.Thread(target=_watch_parent, args=(conn, parent_pid, runtime_dir), name="parent-watch", daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(conn, parent_pid, runtime_dir), name="parent-watch", daemon=True
+    ).start()
 
     last = [0.0]
 
@@ -94,7 +100,9 @@ def run_child(
         from engine.hooks.loader import install_from_env
 
         hooks.set_role(role)
-        install_from_env(strict=True)  # idempotent: what sitecustomize loaded stays, the rest loads now
+        install_from_env(
+            strict=True
+        )  # idempotent: what sitecustomize loaded stays, the rest loads now
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role=role, pid=os.getpid())
         server = build(progress)
@@ -105,7 +113,13 @@ def run_child(
     except BaseException as exc:  # report anything, even MemoryError, then exit non-zero
         text = "".join(traceback.format_exception(exc)).rstrip()
         try:
-            send_status(conn, status="failed", role=role, error=f"{type(exc).__name__}: {exc}", traceback=text)
+            send_status(
+                conn,
+                status="failed",
+                role=role,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=text,
+            )
         finally:
             _exit_now(1)
         return

@@ -31,14 +31,20 @@ class Child:
 
 
 # The folder whose sitecustomize.py installs plugins in the children (put first on their PYTHONPATH).
-SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize")
+SITECUSTOMIZE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize"
+)
 
 
 def clean_inherited_env() -> None:
     """In a child, once started: what spawn_child set for this child alone leaves its environment,
     so that a process the child starts in turn is not taken for an engine process."""
     os.environ.pop("ENGINE_PROCESS_ROLE", None)
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != SITECUSTOMIZE_DIR]
+    path = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != SITECUSTOMIZE_DIR
+    ]
     if path:
         os.environ["PYTHONPATH"] = os.pathsep.join(path)
     else:
@@ -61,7 +67,9 @@ def _main_script_or_none():
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    where = os.path.join(mp.process.ORIGINAL_DIR or "", path) if path is not None else None  # as spawn resolves it
+    where = (
+        os.path.join(mp.process.ORIGINAL_DIR or "", path) if path is not None else None
+    )  # as spawn resolves it
     if main is None or where is None or spec_name is not None or os.path.isfile(where):
         yield
         return
@@ -72,7 +80,9 @@ def _main_script_or_none():
         main.__file__ = path
 
 
-def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | None = None) -> Child:
+def spawn_child(
+    role: str, target: Callable, args: tuple, env: dict[str, str] | None = None
+) -> Child:
     """Start target(*args, conn) in a fresh interpreter ("spawn": CUDA and threads make fork unsafe).
     `env` is set for the child only, with ENGINE_PROCESS_ROLE=role so that plugins know the role
     from interpreter start; the child removes both from its own environment (run_child)."""
@@ -81,7 +91,12 @@ def spawn_child(role: str, target: Callable, args: tuple, env: dict[str, str] | 
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     level = logging.getLogger("engine").getEffectiveLevel()
-    process = ctx.Process(target=_child_main, args=(level, target, *args, child_conn), name=f"engine::{role}", daemon=True)
+    process = ctx.Process(
+        target=_child_main,
+        args=(level, target, *args, child_conn),
+        name=f"engine::{role}",
+        daemon=True,
+    )
     env = {**(env or {}), "ENGINE_PROCESS_ROLE": role}
     with _spawn_lock:
         resource_tracker.ensure_running()  # outside the window: it must not inherit the child's variables
@@ -117,7 +132,9 @@ def _read_status(child: Child) -> dict | None:
 
 
 def wait_ready(
-    children: list[Child], timeout: float, on_progress: Callable[[str, int, int], None] | None = None
+    children: list[Child],
+    timeout: float,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> None:
     """Block until every child reports ready; raise EngineStartError with the child's error otherwise."""
     deadline = time.monotonic() + timeout
@@ -125,8 +142,12 @@ def wait_ready(
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise EngineStartError(f"{', '.join(pending)} not ready after {timeout:.0f}s (startup_timeout)")
-        handles = [c.conn for c in pending.values()] + [c.process.sentinel for c in pending.values()]
+            raise EngineStartError(
+                f"{', '.join(pending)} not ready after {timeout:.0f}s (startup_timeout)"
+            )
+        handles = [c.conn for c in pending.values()] + [
+            c.process.sentinel for c in pending.values()
+        ]
         for handle in multiprocessing.connection.wait(handles, timeout=remaining):
             for child in list(pending.values()):
                 if handle is child.conn:
@@ -157,7 +178,9 @@ def _handle_status(child: Child, status: dict, pending: dict, on_progress) -> No
         child.info = status.get("info", {})
         pending.pop(child.role, None)
     elif kind == "failed":
-        raise EngineStartError(f"{child.role} process failed to start: {status.get('error')}\n{status.get('traceback', '')}")
+        raise EngineStartError(
+            f"{child.role} process failed to start: {status.get('error')}\n{status.get('traceback', '')}"
+        )
 
 
 def stop_children(children: list[Child], timeout: float = 5.0) -> None:

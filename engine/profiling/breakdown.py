@@ -17,7 +17,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-STAGES = ("tokenize", "schedule", "forward", "sample", "process_results", "detokenize", "waiting on ZMQ", "other")
+STAGES = (
+    "tokenize",
+    "schedule",
+    "forward",
+    "sample",
+    "process_results",
+    "detokenize",
+    "waiting on ZMQ",
+    "other",
+)
 STAGE_FUNCTIONS = {
     "TokenizerManager.tokenize": "tokenize",
     "Scheduler.schedule": "schedule",
@@ -31,13 +40,18 @@ WAIT_HINTS = ("poll", "recv", "wait", "select", "sleep", "zmq/sugar/poll")
 # innermost frames of a thread with nothing to do: a ThreadPoolExecutor worker waiting for work (its
 # queue's get runs in C, so the worker's own frame is the innermost)
 IDLE_FRAMES = ("_worker (concurrent/futures/thread.py:",)
-HOUSEKEEPING = ("_watch_parent",)  # a child's parent-lifeline thread: always asleep, not the process's work
+HOUSEKEEPING = (
+    "_watch_parent",
+)  # a child's parent-lifeline thread: always asleep, not the process's work
 THREAD = "thread ("  # py-spy --threads: a stack's first frame, "thread (<tid>): <name>"
-SERVING = ("run_child", ".serve_forever")  # a child's serving thread: it built the process, then serves
+SERVING = (
+    "run_child",
+    ".serve_forever",
+)  # a child's serving thread: it built the process, then serves
 
 
 def _blocking_lines() -> set[str]:
-    """"Function (file:line)" of the engine's own blocking calls. zmq's recv and poll and time.sleep
+    """ "Function (file:line)" of the engine's own blocking calls. zmq's recv and poll and time.sleep
     run in C, so a sample waiting there shows the calling line as its innermost Python frame: the
     sockets, and the scheduler's 1 ms sleep while requests wait that none can start."""
     import inspect
@@ -50,12 +64,17 @@ def _blocking_lines() -> set[str]:
     from engine.tokenizer_manager import TokenizerManager
 
     out = set()
-    for func, marker in ((DetokenizerManager.serve_forever, ".recv("), (receive.recv_requests, ".poll("),
-                         (TokenizerManager._recv_loop, "poller.poll("),
-                         (Scheduler.serve_forever, "time.sleep(")):  # fmt: skip
+    for func, marker in (
+        (DetokenizerManager.serve_forever, ".recv("),
+        (receive.recv_requests, ".poll("),
+        (TokenizerManager._recv_loop, "poller.poll("),
+        (Scheduler.serve_forever, "time.sleep("),
+    ):
         lines, first = inspect.getsourcelines(func)
         root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
-        short = os.path.relpath(inspect.getsourcefile(func), root)  # py-spy shows paths relative to sys.path
+        short = os.path.relpath(
+            inspect.getsourcefile(func), root
+        )  # py-spy shows paths relative to sys.path
         for offset, text in enumerate(lines):
             if marker in text:
                 out.add(f"{func.__qualname__} ({short}:{first + offset})")
@@ -78,7 +97,11 @@ def stage_of(stack: tuple[str, ...]) -> str:
     if _BLOCKING is None:
         _BLOCKING = _blocking_lines()
     inner = stack[-1]
-    if inner in _BLOCKING or inner.startswith(IDLE_FRAMES) or any(hint in _func(inner).lower() for hint in WAIT_HINTS):
+    if (
+        inner in _BLOCKING
+        or inner.startswith(IDLE_FRAMES)
+        or any(hint in _func(inner).lower() for hint in WAIT_HINTS)
+    ):
         return "waiting on ZMQ"
     return "other"
 
@@ -93,16 +116,22 @@ def split_thread(stack: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
 def _engine_frame(frame: str) -> bool:
     """A frame of the engine's own work: the plugins' service threads (the tracing plugin's exporter under
     OpenTelemetry's export thread, the metrics plugin's scrape server) run engine code too, but wait all day."""
-    return " (engine/" in frame and not frame.split(" (engine/", 1)[1].startswith(("tracing/", "plugins/"))
+    return " (engine/" in frame and not frame.split(" (engine/", 1)[1].startswith(
+        ("tracing/", "plugins/")
+    )
 
 
 def counted_threads(role: str | None, threads: dict[str | None, Counter]) -> set[str | None]:
     """The threads whose samples are shared out (see the module's docstring); all of them when none
     qualifies (no thread ids, or a profile that ended before the engine served)."""
     if role in ("scheduler", "detokenizer"):
-        chosen = {t for t, st in threads.items() if any(_func(f).endswith(SERVING) for s in st for f in s)}
+        chosen = {
+            t for t, st in threads.items() if any(_func(f).endswith(SERVING) for s in st for f in s)
+        }
     elif role == "user":
-        chosen = {t for t, st in threads.items() if any(map(_engine_frame, (f for s in st for f in s)))}
+        chosen = {
+            t for t, st in threads.items() if any(map(_engine_frame, (f for s in st for f in s)))
+        }
     else:
         chosen = set()
     return chosen or set(threads)
@@ -138,12 +167,21 @@ def breakdown(stacks: Counter, top: int = 10, idle: bool = True, role: str | Non
             startup += count
     shares = {s: (100.0 * per_stage[s] / total if total else 0.0) for s in STAGES}
     busy = total - per_stage["waiting on ZMQ"] - startup
-    per_stage["other"] -= startup  # start-up is "other" in the shares of all samples, left out of the busy ones
-    busy_shares = {s: (100.0 * per_stage[s] / busy if busy else 0.0) for s in STAGES if s != "waiting on ZMQ"}
-    listed = sorted(((sum(st.values()), t) for t, st in threads.items() if t is not None), key=lambda x: (-x[0], x[1]))
+    per_stage["other"] -= (
+        startup  # start-up is "other" in the shares of all samples, left out of the busy ones
+    )
+    busy_shares = {
+        s: (100.0 * per_stage[s] / busy if busy else 0.0) for s in STAGES if s != "waiting on ZMQ"
+    }
+    listed = sorted(
+        ((sum(st.values()), t) for t, st in threads.items() if t is not None),
+        key=lambda x: (-x[0], x[1]),
+    )
     return {
         "samples": total,  # of the counted threads: what the shares are of
-        "all_samples": sum(sum(st.values()) for st in threads.values()),  # every thread's (the lifeline's left out)
+        "all_samples": sum(
+            sum(st.values()) for st in threads.values()
+        ),  # every thread's (the lifeline's left out)
         "threads": [{"thread": t, "samples": n, "counted": t in counted} for n, t in listed],
         "idle_sampled": idle,  # False: shares are of on-CPU samples, not of wall time
         "busy_samples": busy,
@@ -151,7 +189,9 @@ def breakdown(stacks: Counter, top: int = 10, idle: bool = True, role: str | Non
         "busy_stages_pct": busy_shares,  # of the samples neither waiting nor starting up: where the work goes
         "startup_pct": 100.0 * startup / total if total else 0.0,
         "stage_samples": {s: per_stage[s] for s in STAGES},  # counts ("other" without start-up)
-        "top_own": [{"function": f, "samples": n, "pct": 100.0 * n / total} for f, n in own.most_common(top)],
+        "top_own": [
+            {"function": f, "samples": n, "pct": 100.0 * n / total} for f, n in own.most_common(top)
+        ],
     }
 
 
@@ -161,8 +201,10 @@ MIN_SAMPLES = 50
 
 
 def _too_few(role: str, what: str, n: int) -> str:
-    return (f"{role}: only {n} {what}, too few for a reading (profile a longer run, or raise --rate); "
-            "the flamegraph still shows where they fell")  # fmt: skip
+    return (
+        f"{role}: only {n} {what}, too few for a reading (profile a longer run, or raise --rate); "
+        "the flamegraph still shows where they fell"
+    )
 
 
 def reading(role: str, b: dict) -> str:
@@ -181,10 +223,16 @@ def reading(role: str, b: dict) -> str:
             if idle:
                 return f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall; its {busy_n} working samples are too few to say more"
             return _too_few(role, "working samples (idle time was not sampled: --no-idle)", busy_n)
-        where = f"waits {s['waiting on ZMQ']:.0f}% of wall; " if idle else "idle time not sampled (--no-idle); "
+        where = (
+            f"waits {s['waiting on ZMQ']:.0f}% of wall; "
+            if idle
+            else "idle time not sampled (--no-idle); "
+        )
         if w["detokenize"] >= 50:
-            return (f"detokenizer {where}{w['detokenize']:.0f}% of its work is batch decode: "
-                    "if nobody reads the text, ENGINE_PLUGINS=skipdetok removes it")  # fmt: skip
+            return (
+                f"detokenizer {where}{w['detokenize']:.0f}% of its work is batch decode: "
+                "if nobody reads the text, ENGINE_PLUGINS=skipdetok removes it"
+            )
         return f"detokenizer {where}{w['detokenize']:.0f}% of its work is batch decode: decoding is not a bottleneck"
     if role == "scheduler":
         if busy_n < MIN_SAMPLES:

@@ -24,19 +24,41 @@ ROLES = ("user", "scheduler", "detokenizer")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine", description="py-spy profiling of the engine's processes")
+    p = argparse.ArgumentParser(
+        prog="engine", description="py-spy profiling of the engine's processes"
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    prof = sub.add_parser("profile", help="run a command and profile its engine: engine profile [options] -- cmd ...")
+    prof = sub.add_parser(
+        "profile", help="run a command and profile its engine: engine profile [options] -- cmd ..."
+    )
     prof.add_argument("--rate", type=int, default=100, help="samples per second")
-    prof.add_argument("--duration", type=float, default=None, help="seconds to sample (default: until the command ends)")
-    prof.add_argument("--idle", action=argparse.BooleanOptionalAction, default=True,
-                      help="include idle (waiting) frames; needed for the 'waiting on ZMQ' share")  # fmt: skip
-    prof.add_argument("--native", action=argparse.BooleanOptionalAction, default=False, help="include native frames")
+    prof.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds to sample (default: until the command ends)",
+    )
+    prof.add_argument(
+        "--idle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="include idle (waiting) frames; needed for the 'waiting on ZMQ' share",
+    )
+    prof.add_argument(
+        "--native",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="include native frames",
+    )
     prof.add_argument("--output", "-o", default="profile", help="output folder")
-    prof.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the engine to start")
+    prof.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds to wait for the engine to start"
+    )
     prof.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     d = sub.add_parser("dump", help="py-spy dump of every process of the running engines")
-    d.add_argument("--pid", type=int, default=None, help="only the engine whose user process is PID")
+    d.add_argument(
+        "--pid", type=int, default=None, help="only the engine whose user process is PID"
+    )
     return p
 
 
@@ -44,7 +66,9 @@ def _wait_for_engine(child: subprocess.Popen, timeout: float) -> dict[str, int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise ProfileError(f"the command exited (code {child.returncode}) before an engine started")
+            raise ProfileError(
+                f"the command exited (code {child.returncode}) before an engine started"
+            )
         found = engine_processes(child.pid)
         if found:
             return found[0]
@@ -84,13 +108,20 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
         raise ProfileError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}") from None
     try:
         pids = _wait_for_engine(child, args.start_timeout)
-        print(f"engine profile: user {pids['user']}, scheduler {pids['scheduler']}, detokenizer {pids['detokenizer']}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"engine profile: user {pids['user']}, scheduler {pids['scheduler']}, detokenizer {pids['detokenizer']}",
+            file=sys.stderr,
+        )
         recorders = {}
         for role in ROLES:
             raw = os.path.join(args.output, f"{role}.txt")
-            argv = record_args(pyspy, pids[role], raw, args.rate, args.duration, args.idle, args.native)
-            recorders[role] = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), raw)
+            argv = record_args(
+                pyspy, pids[role], raw, args.rate, args.duration, args.idle, args.native
+            )
+            recorders[role] = (
+                subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                raw,
+            )
         code = _wait_for_command(child)
     except BaseException:
         child.kill()
@@ -109,8 +140,12 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
             failures.append(f"{role}: {explain(err, pids[role])}")
             continue
         stacks = parse_collapsed(open(raw).read())
-        write_flamegraph(stacks, f"engine::{role} (pid {pids[role]})", os.path.join(args.output, f"{role}.svg"))
-        write_speedscope(stacks, f"engine::{role}", os.path.join(args.output, f"{role}.speedscope.json"))
+        write_flamegraph(
+            stacks, f"engine::{role} (pid {pids[role]})", os.path.join(args.output, f"{role}.svg")
+        )
+        write_speedscope(
+            stacks, f"engine::{role}", os.path.join(args.output, f"{role}.speedscope.json")
+        )
         b = breakdown(stacks, idle=args.idle, role=role)
         b["reading"] = reading(role, b)
         report["processes"][role] = b
@@ -130,7 +165,10 @@ def _wait_for_command(child: subprocess.Popen) -> int:
     try:
         return child.wait()
     except KeyboardInterrupt:
-        print("engine profile: interrupted; waiting for the command to stop (Ctrl-C again kills it)", file=sys.stderr)
+        print(
+            "engine profile: interrupted; waiting for the command to stop (Ctrl-C again kills it)",
+            file=sys.stderr,
+        )
     try:
         return child.wait()
     except KeyboardInterrupt:
@@ -140,17 +178,24 @@ def _wait_for_command(child: subprocess.Popen) -> int:
 
 def _print(report: dict) -> None:
     idle = all(p["idle_sampled"] for p in report["processes"].values())
-    what = ("of all thread samples, idle included" if idle
-            else "of on-CPU samples only (--no-idle): not of wall time")  # fmt: skip
+    what = (
+        "of all thread samples, idle included"
+        if idle
+        else "of on-CPU samples only (--no-idle): not of wall time"
+    )
     print(f"\nper-stage share of samples (%, {what}), command exit code {report['exit_code']}")
     print(f"  {'stage':<18}" + "".join(f"{r:>13}" for r in report["processes"]))
     for stage in STAGES:
-        cells = [f"{p['stages_pct'][stage]:13.1f}" if idle or stage != "waiting on ZMQ" else f"{'-':>13}"
-                 for p in report["processes"].values()]  # fmt: skip
+        cells = [
+            f"{p['stages_pct'][stage]:13.1f}" if idle or stage != "waiting on ZMQ" else f"{'-':>13}"
+            for p in report["processes"].values()
+        ]
         print(f"  {stage:<18}" + "".join(cells))
     for role, p in report["processes"].items():
         left = p["all_samples"] - p["samples"]
-        others = f", {left} more in other threads, left out (breakdown.json lists them)" if left else ""
+        others = (
+            f", {left} more in other threads, left out (breakdown.json lists them)" if left else ""
+        )
         print(f"\n{role} ({p['samples']} samples{others}): {p['reading']}")
         for entry in p["top_own"][:5]:
             print(f"  {entry['pct']:5.1f}%  {entry['function']}")
@@ -165,7 +210,9 @@ def dump_all(args: argparse.Namespace) -> int:
             raise ProfileError(_not_a_user_pid(args.pid, engines))
         engines = chosen
     if not engines:
-        raise ProfileError("no running engine found (looked for processes titled engine::scheduler)")
+        raise ProfileError(
+            "no running engine found (looked for processes titled engine::scheduler)"
+        )
     for pids in engines:
         for role in ROLES:
             print(f"==== {role} (pid {pids[role]}) ====")
@@ -179,8 +226,10 @@ def _not_a_user_pid(pid: int, engines: list[dict[str, int]]) -> str:
     for e in engines:
         for role in ("scheduler", "detokenizer"):
             if e[role] == pid:
-                return (f"pid {pid} is the {role} of the engine whose user process is {e['user']}: "
-                        f"--pid takes the user process's pid (engine dump --pid {e['user']})")  # fmt: skip
+                return (
+                    f"pid {pid} is the {role} of the engine whose user process is {e['user']}: "
+                    f"--pid takes the user process's pid (engine dump --pid {e['user']})"
+                )
     users = ", ".join(str(e["user"]) for e in engines)
     running = f"running engines' user processes: {users}" if users else "no engine is running"
     return f"pid {pid} is not the user process of a running engine (--pid takes the pid that created Engine()); {running}"

@@ -26,7 +26,9 @@ def find_pyspy() -> str:
         return here
     found = shutil.which("py-spy")
     if not found:
-        raise ProfileError("py-spy not found: install the engine's dependencies (pip install py-spy)")
+        raise ProfileError(
+            "py-spy not found: install the engine's dependencies (pip install py-spy)"
+        )
     return found
 
 
@@ -34,7 +36,11 @@ def explain(stderr: str, pid: int) -> str:
     """py-spy's error output -> one line."""
     text = stderr.strip()
     lowered = text.lower()
-    if "permission denied" in lowered or "operation not permitted" in lowered or "ptrace" in lowered:
+    if (
+        "permission denied" in lowered
+        or "operation not permitted" in lowered
+        or "ptrace" in lowered
+    ):
         return (
             f"py-spy is not permitted to read process {pid}: allow ptrace (sysctl kernel.yama.ptrace_scope=0, "
             "or run the container with --cap-add SYS_PTRACE), or run as root"
@@ -45,10 +51,24 @@ def explain(stderr: str, pid: int) -> str:
     return f"py-spy failed on process {pid}: {last}"
 
 
-def record_args(pyspy: str, pid: int, out: str, rate: int, duration: float | None, idle: bool, native: bool) -> list[str]:
+def record_args(
+    pyspy: str, pid: int, out: str, rate: int, duration: float | None, idle: bool, native: bool
+) -> list[str]:
     # --threads: each stack starts with its thread, so the breakdown shares out only the threads that
     # do the engine's work (an idle pool worker or exporter thread is neither work nor waiting on ZMQ)
-    args = [pyspy, "record", "--pid", str(pid), "--format", "raw", "--output", out, "--rate", str(rate), "--threads"]
+    args = [
+        pyspy,
+        "record",
+        "--pid",
+        str(pid),
+        "--format",
+        "raw",
+        "--output",
+        out,
+        "--rate",
+        str(rate),
+        "--threads",
+    ]
     if not native:  # native unwinding needs the process paused while a sample is taken
         args.append("--nonblocking")
     if duration:
@@ -61,7 +81,9 @@ def record_args(pyspy: str, pid: int, out: str, rate: int, duration: float | Non
 
 
 def dump(pyspy: str, pid: int, timeout: float = 30.0) -> str:
-    proc = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise ProfileError(explain(proc.stderr + proc.stdout, pid))
     return proc.stdout

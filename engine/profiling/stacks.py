@@ -80,16 +80,27 @@ def write_speedscope(stacks: Counter, name: str, path: str) -> None:
     doc = {
         "$schema": "https://www.speedscope.app/file-format-schema.json",
         "shared": {"frames": frames},
-        "profiles": [{"type": "sampled", "name": name, "unit": "none", "startValue": 0,
-                      "endValue": sum(weights), "samples": samples, "weights": weights}],
+        "profiles": [
+            {
+                "type": "sampled",
+                "name": name,
+                "unit": "none",
+                "startValue": 0,
+                "endValue": sum(weights),
+                "samples": samples,
+                "weights": weights,
+            }
+        ],
         "name": name,
         "exporter": "engine profile",
-    }  # fmt: skip
+    }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f)
 
 
-def write_flamegraph(stacks: Counter, title: str, path: str, width: int = 1200, row: int = 17) -> None:
+def write_flamegraph(
+    stacks: Counter, title: str, path: str, width: int = 1200, row: int = 17
+) -> None:
     """A static flamegraph SVG: x = share of samples, y = stack depth, widths summed per call path."""
     tree: dict = {"n": 0, "c": {}}
     for stack, count in stacks.items():
@@ -112,9 +123,13 @@ def write_flamegraph(stacks: Counter, title: str, path: str, width: int = 1200, 
                 label = _xml_text(frame)
                 text = _xml_text(_fit(_function(frame), int(w / 7)))
                 rects.append(
-                    f'<g><title>{label}: {child["n"]} samples ({100 * child["n"] / total:.1f}%)</title>'
+                    f"<g><title>{label}: {child['n']} samples ({100 * child['n'] / total:.1f}%)</title>"
                     f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 1}" fill="hsl({hue},85%,60%)"/>'
-                    + (f'<text x="{x + 3:.1f}" y="{y + row - 5}" font-size="11">{text}</text>' if w > 30 else "")
+                    + (
+                        f'<text x="{x + 3:.1f}" y="{y + row - 5}" font-size="11">{text}</text>'
+                        if w > 30
+                        else ""
+                    )
                     + "</g>"
                 )
                 draw(child, x, level + 1)
@@ -124,5 +139,7 @@ def write_flamegraph(stacks: Counter, title: str, path: str, width: int = 1200, 
     with open(path, "w", encoding="utf-8") as f:
         f.write(
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace">'
-            f'<text x="4" y="14" font-size="13">{_xml_text(title)} ({total} samples)</text>' + "".join(rects) + "</svg>\n"
+            f'<text x="4" y="14" font-size="13">{_xml_text(title)} ({total} samples)</text>'
+            + "".join(rects)
+            + "</svg>\n"
         )

@@ -21,15 +21,21 @@ def check_quantization(mode: str, device: str, dtype: torch.dtype) -> None:
     if mode == "none":
         return
     if device != "cpu":
-        raise ValueError(f"quantization={mode!r} runs on the CPU only (its kernel is C for the CPU); the device is {device!r}")
+        raise ValueError(
+            f"quantization={mode!r} runs on the CPU only (its kernel is C for the CPU); the device is {device!r}"
+        )
     if dtype != torch.float32:
-        raise ValueError(f"quantization={mode!r} computes in float32 (only the weights are quantized); "
-                         f"use dtype='float32' or 'auto', not {dtype}")  # fmt: skip
+        raise ValueError(
+            f"quantization={mode!r} computes in float32 (only the weights are quantized); "
+            f"use dtype='float32' or 'auto', not {dtype}"
+        )
     from engine.kernels.cpu import load_native
 
     if load_native() is None:
-        raise ValueError(f"quantization={mode!r} needs its C kernel (engine/kernels/cpu/{mode}_linear.c), which could not be "
-                         "built: no working C compiler (cc, gcc or $CC), or ENGINE_NATIVE_KERNELS=0")  # fmt: skip
+        raise ValueError(
+            f"quantization={mode!r} needs its C kernel (engine/kernels/cpu/{mode}_linear.c), which could not be "
+            "built: no working C compiler (cc, gcc or $CC), or ENGINE_NATIVE_KERNELS=0"
+        )
 
 
 def resolve_dtype_for(mode: str, dtype_name: str) -> str:
@@ -44,11 +50,18 @@ def resolve_device_for(mode: str, device_name: str) -> str:
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(out, in) of every linear layer, by module name (works on the meta device)."""
-    return {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return {
+        name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+    }
 
 
-def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], cfg=None,
-                read_float: Callable[[list[str]], dict[str, torch.Tensor]] | None = None) -> dict | None:  # fmt: skip
+def load_stored(
+    model_dir: str,
+    mode: str,
+    shapes: dict[str, tuple[int, int]],
+    cfg=None,
+    read_float: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
+) -> dict | None:
     """The quantized weights that need no float ones: int8's from its cache (cache.py), only if every
     linear layer's are there with the right types and shapes; gguf's from the GGUF file (always, or a
     ValueError saying why not; read_float reads the few float weights it checks them against). With
@@ -58,7 +71,9 @@ def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], c
     if mode in GGUF_MODES:
         from engine.quantization.gguf import read_blocks
 
-        return read_blocks(model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"]))
+        return read_blocks(
+            model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"])
+        )
     from engine.quantization import cache
     from engine.quantization.int8 import stored_shape
 
@@ -74,8 +89,12 @@ def load_stored(model_dir: str, mode: str, shapes: dict[str, tuple[int, int]], c
     return stored
 
 
-def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
-                   stored: dict[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
+def quantize_model(
+    model: nn.Module,
+    mode: str,
+    model_dir: str | None = None,
+    stored: dict[str, torch.Tensor] | None = None,
+) -> nn.Module:
     """Replace every linear layer of the decoder (lm_head included) in place; embeddings and norms stay.
     A tied lm_head gets its own int8 copy: the float32 embedding is only gathered from, row by row.
     stored: the weights from load_stored (the layers' float weights may then be left unread, on the
@@ -89,16 +108,27 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | None = None,
     if mode in GGUF_MODES:
         from engine.quantization.gguf import GGUFLinear
 
-        int8 = mode == "gguf-q8"  # its layers repack the blocks: each file copy is let go once packed (pop)
+        int8 = (
+            mode == "gguf-q8"
+        )  # its layers repack the blocks: each file copy is let go once packed (pop)
         take = stored.pop if int8 else stored.__getitem__
-        replace_linears(model, lambda name, lin: GGUFLinear(*take(name), tuple(lin.weight.shape), lin.bias, lib, threads, int8))
+        replace_linears(
+            model,
+            lambda name, lin: GGUFLinear(
+                *take(name), tuple(lin.weight.shape), lin.bias, lib, threads, int8
+            ),
+        )
     else:
         _swap_int8(model, mode, model_dir, stored, lib, threads)
-    release_freed_memory(collect=False)  # the float32 weights of the swapped layers (plain nn.Linear: no cycles)
+    release_freed_memory(
+        collect=False
+    )  # the float32 weights of the swapped layers (plain nn.Linear: no cycles)
     return install(model, lib)  # float32 decode steps with fused elementwise ops
 
 
-def _swap_int8(model: nn.Module, mode: str, model_dir: str | None, stored: dict | None, lib, threads: int) -> None:
+def _swap_int8(
+    model: nn.Module, mode: str, model_dir: str | None, stored: dict | None, lib, threads: int
+) -> None:
     """int8 layers, from the stored weights or quantized here and then kept on disk for the next start."""
     from engine.quantization import cache
     from engine.quantization.int8 import Int8Linear

@@ -114,7 +114,9 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def save_cached(path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mode: str, fmt: int = FORMAT) -> None:
+def save_cached(
+    path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mode: str, fmt: int = FORMAT
+) -> None:
     """Best effort: a read-only or full cache directory only costs the next start its quantization (or
     packing); a disk with less than twice the file's size free is not written to."""
     try:
@@ -129,7 +131,11 @@ def save_cached(path: Path, tensors: dict[str, torch.Tensor], model_dir: str, mo
         fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
-            meta = {"model_dir": str(Path(model_dir).resolve()), "mode": mode, "host": socket.gethostname()}
+            meta = {
+                "model_dir": str(Path(model_dir).resolve()),
+                "mode": mode,
+                "host": socket.gethostname(),
+            }
             write_safetensors(tmp, tensors, meta)
             sync_file(Path(tmp))  # its data on disk before the rename makes it the cache's
             os.replace(tmp, path)

@@ -25,7 +25,9 @@ import torch
 
 from engine.quantization.linear import QuantizedLinear
 
-DIRECT_MAX_ROWS = 64  # row-major layers, and panels on a build without AVX2: more rows multiply dequantized tiles
+DIRECT_MAX_ROWS = (
+    64  # row-major layers, and panels on a build without AVX2: more rows multiply dequantized tiles
+)
 PANEL = 16  # output rows a panel (int8_linear.c's PANEL)
 
 
@@ -67,20 +69,36 @@ class Int8Linear(QuantizedLinear):
 
     kind_name, direct_max_rows = "int8", DIRECT_MAX_ROWS
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib, threads: int,
-                 known: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lib,
+        threads: int,
+        known: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """known: (int8 weight, scales) quantized before from this same weight (the on-disk cache)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.in_panels = in_panels(self.out_features)
         vectorized = lib is not None and self.in_panels and lib.int8_panel_vectorized() == 1
-        self.direct_max_rows = sys.maxsize if vectorized else DIRECT_MAX_ROWS  # else: the scalar loop, few rows
+        self.direct_max_rows = (
+            sys.maxsize if vectorized else DIRECT_MAX_ROWS
+        )  # else: the scalar loop, few rows
         shape = stored_shape(self.out_features, self.in_features)
-        ok = (known is not None and known[0].dtype == torch.int8 and known[1].dtype == torch.float32
-              and tuple(known[0].shape) == shape and known[1].shape == (self.out_features,)
-              and known[0].is_contiguous() and known[1].is_contiguous())  # the kernel reads them raw  # fmt: skip
+        ok = (
+            known is not None
+            and known[0].dtype == torch.int8
+            and known[1].dtype == torch.float32
+            and tuple(known[0].shape) == shape
+            and known[1].shape == (self.out_features,)
+            and known[0].is_contiguous()
+            and known[1].is_contiguous()
+        )  # the kernel reads them raw
         if not ok and weight.is_meta:
-            raise ValueError("int8 weights given for this layer do not fit it, and its float weight was not loaded")
+            raise ValueError(
+                "int8 weights given for this layer do not fit it, and its float weight was not loaded"
+            )
         if ok:
             qweight, scale = known
         else:
@@ -88,7 +106,9 @@ class Int8Linear(QuantizedLinear):
             qweight = panels(qweight) if self.in_panels else qweight
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().to(torch.float32).contiguous()
+        )
         self._lib, self._threads = lib, threads
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
@@ -108,10 +128,18 @@ class Int8Linear(QuantizedLinear):
     def decode_linear(self) -> dict:
         """The layer as engine/model/decode_layers.py hands it to the C step (the addresses _kernel_args passes)."""
         bias = None if self.bias is None else self.bias.data_ptr()
-        return {"kind": "int8", "arg": int(self.in_panels), "threads": self._threads, "w": self.qweight.data_ptr(),
-                "scale": self.scale.data_ptr(), "bias": bias}  # fmt: skip
+        return {
+            "kind": "int8",
+            "arg": int(self.in_panels),
+            "threads": self._threads,
+            "w": self.qweight.data_ptr(),
+            "scale": self.scale.data_ptr(),
+            "bias": bias,
+        }
 
     def extra_repr(self) -> str:
         layout = "in panels of 16 rows" if self.in_panels else "row-major"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights {layout}, "
-                "per-row scales")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 weights {layout}, "
+            "per-row scales"
+        )

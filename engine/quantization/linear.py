@@ -47,7 +47,9 @@ class QuantizedLinear(nn.Module):
             out = torch.empty(m, self.out_features, dtype=torch.float32)
             if m:
                 self._direct(rows, out)
-        return out.reshape(*x.shape[:-1], self.out_features)  # contiguous: engine/model/fused_decode.py relies on it
+        return out.reshape(
+            *x.shape[:-1], self.out_features
+        )  # contiguous: engine/model/fused_decode.py relies on it
 
     def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out [m, out_features] = the layer on rows [m, in_features] (contiguous, 0 < m <= direct_max_rows)."""
@@ -78,7 +80,9 @@ class QuantizedLinear(nn.Module):
         object.__setattr__(self, "_bound", None)
         super().__setattr__(name, value)
 
-    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+    def register_buffer(
+        self, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
         object.__setattr__(self, "_bound", None)
         super().register_buffer(name, tensor, persistent)
 
@@ -120,7 +124,9 @@ class QuantizedLinear(nn.Module):
             r1 = min(n, r0 + tile)
             weight = _scratch_weight(r1 - r0, k)
             self._dequantize_into(r0, r1, weight)
-            part = torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias[r0:r1])
+            part = torch.nn.functional.linear(
+                x, weight, None if self.bias is None else self.bias[r0:r1]
+            )
             self._correct(part, r0, r1, context)
             if out is None:
                 return part

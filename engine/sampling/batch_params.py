@@ -28,7 +28,9 @@ class SamplingTensors:
     want_logprob: torch.Tensor  # [B] bool
     seeds: list[int | None]
     processors: list[tuple[str, dict] | None]  # custom logit processor name and params per row
-    counts: torch.Tensor | None = None  # [B, V] float32: each output token's count (frequency/presence)
+    counts: torch.Tensor | None = (
+        None  # [B, V] float32: each output token's count (frequency/presence)
+    )
     seen: torch.Tensor | None = None  # [B, V] bool: tokens in the prompt or output (repetition)
     bias: torch.Tensor | None = None  # [B, V] float32 logit bias
 
@@ -38,7 +40,9 @@ class SamplingTensors:
         """Batch-wide flags, so a step skips every operation no row needs."""
         self.all_greedy = bool(self.greedy.all()) if self.greedy.numel() else True
         self.any_greedy = bool(self.greedy.any())
-        self.any_top_k_p = bool((self.top_p < 1.0).any()) or bool((self.top_k < self.vocab_size).any())
+        self.any_top_k_p = bool((self.top_p < 1.0).any()) or bool(
+            (self.top_k < self.vocab_size).any()
+        )
         self.any_min_p = bool((self.min_p > 0).any())
         self.any_min_new = bool((self.min_new > 0).any())
         self.any_logprob = bool(self.want_logprob.any())
@@ -52,17 +56,27 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], vocab_size: int, device, prompts: list[list[int]],
-        outputs: list[list[int]], logprob: list[tuple[bool, int]],
-    ) -> "SamplingTensors":  # fmt: skip
+        cls,
+        params: list[SamplingParams],
+        vocab_size: int,
+        device,
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        logprob: list[tuple[bool, int]],
+    ) -> "SamplingTensors":
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.is_greedy for p in params]
         st = cls(
-            temperature=t([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            temperature=t(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32
+            ),
             top_p=t([p.top_p for p in params], torch.float32),
-            top_k=t([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            top_k=t(
+                [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                torch.int64,
+            ),
             min_p=t([p.min_p for p in params], torch.float32),
             greedy=t(greedy, torch.bool),
             min_new=t([p.min_new_tokens for p in params], torch.int64),
@@ -72,7 +86,12 @@ class SamplingTensors:
             top_logprobs=t([n if want else 0 for want, n in logprob], torch.int64),
             want_logprob=t([want for want, _ in logprob], torch.bool),
             seeds=[p.seed for p in params],
-            processors=[(p.custom_logit_processor, p.custom_params or {}) if p.custom_logit_processor else None for p in params],
+            processors=[
+                (p.custom_logit_processor, p.custom_params or {})
+                if p.custom_logit_processor
+                else None
+                for p in params
+            ],
             counts=_penalty_counts(params, vocab_size, device, outputs),
             seen=_seen(params, vocab_size, device, prompts, outputs),
             bias=_bias(params, vocab_size, device),
@@ -96,9 +115,13 @@ class SamplingTensors:
                 values[f.name] = [v[i] for i in index_list]
             else:  # None, or the vocabulary size
                 values[f.name] = v
-        if values["counts"] is not None and not _any_penalty(values["repetition"], values["frequency"], values["presence"]):
+        if values["counts"] is not None and not _any_penalty(
+            values["repetition"], values["frequency"], values["presence"]
+        ):
             values["counts"] = values["seen"] = None
-        if values["bias"] is not None and not bool(values["bias"].any()):  # a bias of 0 changes nothing either
+        if values["bias"] is not None and not bool(
+            values["bias"].any()
+        ):  # a bias of 0 changes nothing either
             values["bias"] = None
         return SamplingTensors(**values)
 
@@ -117,8 +140,16 @@ class SamplingTensors:
             elif f.name in ("counts", "seen", "bias"):  # optional [B, V] state: zeros where absent
                 dtype = torch.bool if f.name == "seen" else torch.float32
                 device = (a if a is not None else b).device
-                a = a if a is not None else torch.zeros(n_self, vocab_size, dtype=dtype, device=device)
-                b = b if b is not None else torch.zeros(n_other, vocab_size, dtype=dtype, device=device)
+                a = (
+                    a
+                    if a is not None
+                    else torch.zeros(n_self, vocab_size, dtype=dtype, device=device)
+                )
+                b = (
+                    b
+                    if b is not None
+                    else torch.zeros(n_other, vocab_size, dtype=dtype, device=device)
+                )
                 values[f.name] = torch.cat([a, b])
             else:
                 values[f.name] = torch.cat([a, b])
@@ -142,7 +173,9 @@ def _penalty_counts(params, vocab_size, device, outputs) -> torch.Tensor | None:
     counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
     for row, out in enumerate(outputs):  # only tokens generated before a retraction: usually none
         if out:
-            counts[row].index_add_(0, torch.tensor(out, device=device), torch.ones(len(out), device=device))
+            counts[row].index_add_(
+                0, torch.tensor(out, device=device), torch.ones(len(out), device=device)
+            )
     return counts
 
 

@@ -85,7 +85,9 @@ class DisallowedTokens(CustomLogitProcessor):
     def validate_params(self, params: dict, vocab_size: int) -> None:
         ids = params.get("token_ids")
         if not isinstance(ids, list) or not ids or not all(_is_token(t, vocab_size) for t in ids):
-            raise ValueError(f"custom_params['token_ids'] must be a non-empty list of token ids in [0, {vocab_size}), got {ids!r}")
+            raise ValueError(
+                f"custom_params['token_ids'] must be a non-empty list of token ids in [0, {vocab_size}), got {ids!r}"
+            )
 
     def __call__(self, logits: torch.Tensor, batch: ProcessorBatch) -> torch.Tensor:
         import torch
@@ -104,7 +106,9 @@ class ForceTokenAfter(CustomLogitProcessor):
     def validate_params(self, params: dict, vocab_size: int) -> None:
         token, after = params.get("token_id"), params.get("after")
         if not _is_token(token, vocab_size):
-            raise ValueError(f"custom_params['token_id'] must be a token id in [0, {vocab_size}), got {token!r}")
+            raise ValueError(
+                f"custom_params['token_id'] must be a token id in [0, {vocab_size}), got {token!r}"
+            )
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise ValueError(f"custom_params['after'] must be an integer >= 0, got {after!r}")
 

@@ -29,8 +29,12 @@ NEG_INF = float("-inf")
 @dataclass
 class SampleOutput:
     next_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = None  # [B] logprob of each chosen token under the raw distribution
-    top_ids: torch.Tensor | None = None  # [B, K] the K most likely tokens under the raw distribution
+    logprobs: torch.Tensor | None = (
+        None  # [B] logprob of each chosen token under the raw distribution
+    )
+    top_ids: torch.Tensor | None = (
+        None  # [B, K] the K most likely tokens under the raw distribution
+    )
     top_logprobs: torch.Tensor | None = None  # [B, K]
     failed: dict[int, str] = field(default_factory=dict)  # row -> error, from a custom processor
 
@@ -51,8 +55,13 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: StopTable,
-                         keep_last: bool = False) -> None:  # fmt: skip
+def suppress_stop_tokens(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    out_lens: torch.Tensor,
+    stop_table: StopTable,
+    keep_last: bool = False,
+) -> None:
     """min_new_tokens: rows that have not generated enough yet cannot pick EOS or a stop token.
 
     `keep_last` (a grammar or a custom processor masked tokens before): a row this would leave with no
@@ -71,16 +80,27 @@ def suppress_stop_tokens(logits: torch.Tensor, st: SamplingTensors, out_lens: to
             logits[rows[back], ids[back]] = saved[back]
 
 
-def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, output_ids: list[list[int]],
-                   processors: ProcessorSet, failed: dict[int, str], beams: list[int | None] | None = None) -> None:  # fmt: skip
+def run_processors(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    out_lens: torch.Tensor,
+    output_ids: list[list[int]],
+    processors: ProcessorSet,
+    failed: dict[int, str],
+    beams: list[int | None] | None = None,
+) -> None:
     groups: dict[str, list[int]] = {}
     for row, selected in enumerate(st.processors):
         if selected is not None:
             groups.setdefault(selected[0], []).append(row)
     for name, rows in groups.items():
         idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        batch = ProcessorBatch([st.processors[r][1] for r in rows], [output_ids[r] for r in rows], out_lens[idx],
-                               [beams[r] for r in rows] if beams is not None else [None] * len(rows))  # fmt: skip
+        batch = ProcessorBatch(
+            [st.processors[r][1] for r in rows],
+            [output_ids[r] for r in rows],
+            out_lens[idx],
+            [beams[r] for r in rows] if beams is not None else [None] * len(rows),
+        )
         try:
             logits[idx] = processors.get(name)(logits[idx], batch)
         except BaseException as exc:  # noqa: BLE001 - a processor's failure (SystemExit too) fails only its rows
@@ -89,12 +109,20 @@ def run_processors(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
             _rows_alone(logits, rows, batch, processors.get(name), name, failed)
 
 
-def _rows_alone(logits: torch.Tensor, rows: list[int], batch: ProcessorBatch, proc, name: str,
-                failed: dict[int, str]) -> None:  # fmt: skip
+def _rows_alone(
+    logits: torch.Tensor,
+    rows: list[int],
+    batch: ProcessorBatch,
+    proc,
+    name: str,
+    failed: dict[int, str],
+) -> None:
     """The batched call raised: each row again, alone, so one request's failure is not its
     neighbours'."""
     for j, r in enumerate(rows):
-        one = ProcessorBatch([batch.params[j]], [batch.output_ids[j]], batch.out_lens[j : j + 1], [batch.beams[j]])
+        one = ProcessorBatch(
+            [batch.params[j]], [batch.output_ids[j]], batch.out_lens[j : j + 1], [batch.beams[j]]
+        )
         try:
             logits[r : r + 1] = proc(logits[r : r + 1].clone(), one)
         except BaseException as exc:  # noqa: BLE001 - as the hooks' isolation: only FatalHookError stops the process
@@ -126,9 +154,17 @@ def draw(probs: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> to
     return picked.clamp_(max=probs.shape[-1] - 1)
 
 
-def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: StopTable,
-                   output_ids: list[list[int]], processors: ProcessorSet, failed: dict[int, str],
-                   beams: list[int | None] | None = None, grammar=None) -> torch.Tensor:  # fmt: skip
+def process_logits(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    out_lens: torch.Tensor,
+    stop_table: StopTable,
+    output_ids: list[list[int]],
+    processors: ProcessorSet,
+    failed: dict[int, str],
+    beams: list[int | None] | None = None,
+    grammar=None,
+) -> torch.Tensor:
     """The engine's own processing, in order: logit bias, penalties, custom processors, grammar masks
     (`grammar(logits)`, in place), min_new_tokens (last, so that it can see what the masks left: it never
     takes a row's last tokens). Sampling applies it to logits; beam search to log-probabilities, as
@@ -142,7 +178,9 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Te
     if grammar is not None:
         grammar(logits)
     if st.any_min_new:
-        suppress_stop_tokens(logits, st, out_lens, stop_table, keep_last=grammar is not None or st.any_processor)
+        suppress_stop_tokens(
+            logits, st, out_lens, stop_table, keep_last=grammar is not None or st.any_processor
+        )
     return logits
 
 
@@ -157,11 +195,16 @@ def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[in
     empty = torch.isneginf(logits[torch.tensor(rows, device=logits.device)]).all(dim=-1).tolist()
     for r, is_empty in zip(rows, empty):
         if is_empty:
-            failed[r] = (f"custom_logit_processor {st.processors[r][0]!r} left no token to choose: it banned every "
-                         "token the grammar and the other parameters allow")  # fmt: skip
+            failed[r] = (
+                f"custom_logit_processor {st.processors[r][0]!r} left no token to choose: it banned every "
+                "token the grammar and the other parameters allow"
+            )
 
 
-TOP_WINDOWS = (256, 4096)  # the most likely tokens top_k / top_p are first measured in, before a full sort
+TOP_WINDOWS = (
+    256,
+    4096,
+)  # the most likely tokens top_k / top_p are first measured in, before a full sort
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -174,7 +217,9 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     inside them; only the rows whose cut does not go on to the next window, then to a full sort of the
     vocabulary (170 ms at batch 64 on a 2-core machine): one broad row does not send the batch there."""
     rows, vocab = probs.shape
-    pending = ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)  # rows that lose anything, still to cut
+    pending = (
+        ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)
+    )  # rows that lose anything, still to cut
     if not pending.numel():
         return probs
     out = torch.empty_like(probs) if pending.numel() == rows else probs.clone()
@@ -193,7 +238,9 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
         part = probs.index_select(0, pending)
         sorted_probs, sorted_idx = part.sort(dim=-1, descending=True)
         drop = _dropped(sorted_probs, top_k[pending], top_p[pending])
-        out.index_copy_(0, pending, part.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0))
+        out.index_copy_(
+            0, pending, part.masked_fill(torch.zeros_like(drop).scatter_(1, sorted_idx, drop), 0.0)
+        )
     return out
 
 
@@ -201,17 +248,29 @@ def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     """Which of each row's most likely tokens (in order, descending) top_k and top_p remove."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     drop = ranks[None, :] >= top_k[:, None]
-    drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (
+        top_p[:, None] < 1.0
+    )
     drop[:, 0] = False  # a top_p under float32's least value (0 there) must not empty the row
     return drop
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, stop_table: StopTable,
-           output_ids: list[list[int]], processors: ProcessorSet, on_logits=None, grammar=None) -> SampleOutput:  # fmt: skip
+def sample(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    out_lens: torch.Tensor,
+    stop_table: StopTable,
+    output_ids: list[list[int]],
+    processors: ProcessorSet,
+    on_logits=None,
+    grammar=None,
+) -> SampleOutput:
     """Next token ids [B] from float32 logits [B, V] (the rows of `out_lens` and `stop_table`)."""
     out = SampleOutput(next_ids=torch.empty(0))
     logprobs_all = torch.log_softmax(logits, dim=-1) if st.any_logprob else None
-    logits = process_logits(logits, st, out_lens, stop_table, output_ids, processors, out.failed, grammar=grammar)
+    logits = process_logits(
+        logits, st, out_lens, stop_table, output_ids, processors, out.failed, grammar=grammar
+    )
     if on_logits is not None:  # the engine_process_logits hook: may change logits in place
         on_logits(logits)
     if st.any_processor:  # after the hook, which may still put tokens back
@@ -223,9 +282,13 @@ def sample(logits: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor, st
         if st.any_top_k_p:
             probs = top_k_top_p(probs, st.top_k, st.top_p)
         if st.any_min_p:
-            probs = probs.masked_fill(probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs.masked_fill(
+                probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0
+            )
         sampled = draw(probs, st, out_lens)
-        out.next_ids = torch.where(st.greedy, logits.argmax(dim=-1), sampled) if st.any_greedy else sampled
+        out.next_ids = (
+            torch.where(st.greedy, logits.argmax(dim=-1), sampled) if st.any_greedy else sampled
+        )
     if logprobs_all is not None:
         out.logprobs = logprobs_all.gather(1, out.next_ids[:, None]).squeeze(1)
         if st.max_top_logprobs:

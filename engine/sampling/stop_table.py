@@ -52,5 +52,8 @@ class StopTable:
 
     def cat(self, other: "StopTable") -> "StopTable":
         """This table's rows, then the other's."""
-        return StopTable(torch.cat([self.rows, other.rows + self.size]), torch.cat([self.ids, other.ids]),
-                         self.size + other.size)  # fmt: skip
+        return StopTable(
+            torch.cat([self.rows, other.rows + self.size]),
+            torch.cat([self.ids, other.ids]),
+            self.size + other.size,
+        )

@@ -58,5 +58,7 @@ def clip_to_context(req: TokenizedRequest, context_len: int) -> TokenizedRequest
     p = req.sampling
     if p.max_new_tokens <= room:
         return req
-    sampling = msgspec.structs.replace(p, max_new_tokens=room, min_new_tokens=min(p.min_new_tokens, room))
+    sampling = msgspec.structs.replace(
+        p, max_new_tokens=room, min_new_tokens=min(p.min_new_tokens, room)
+    )
     return msgspec.structs.replace(req, sampling=sampling)

@@ -20,25 +20,43 @@ def stop_table(reqs: list[Req], copies: int, device) -> StopTable:
 
 def sampling_tensors(reqs: list[Req], vocab_size: int, device) -> SamplingTensors:
     return SamplingTensors.build(
-        [r.sampling for r in reqs], vocab_size, device, [r.input_ids for r in reqs], [r.output_ids for r in reqs],
+        [r.sampling for r in reqs],
+        vocab_size,
+        device,
+        [r.input_ids for r in reqs],
+        [r.output_ids for r in reqs],
         [(r.return_logprob, r.top_logprobs_num) for r in reqs],
     )
 
 
 class RunningBatch:
-    def __init__(self, reqs: list[Req], vocab_size: int, device, sampling: SamplingTensors | None = None) -> None:
+    def __init__(
+        self, reqs: list[Req], vocab_size: int, device, sampling: SamplingTensors | None = None
+    ) -> None:
         """`sampling`: the requests' sampling tensors when already built (prefill builds them first)."""
         self.reqs = reqs
         self.device = device
         self.slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)
         self.kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
-        self.last_ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in reqs], dtype=torch.int64, device=device)
-        self.out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device)
-        self.max_new = torch.tensor([r.sampling.max_new_tokens for r in reqs], dtype=torch.int64, device=device)
+        self.last_ids = torch.tensor(
+            [r.output_ids[-1] if r.output_ids else 0 for r in reqs],
+            dtype=torch.int64,
+            device=device,
+        )
+        self.out_lens = torch.tensor(
+            [len(r.output_ids) for r in reqs], dtype=torch.int64, device=device
+        )
+        self.max_new = torch.tensor(
+            [r.sampling.max_new_tokens for r in reqs], dtype=torch.int64, device=device
+        )
         self.stop_table = stop_table(reqs, 1, device)
-        self.sampling = sampling if sampling is not None else sampling_tensors(reqs, vocab_size, device)
+        self.sampling = (
+            sampling if sampling is not None else sampling_tensors(reqs, vocab_size, device)
+        )
         self.rids = [r.rid for r in reqs]
-        self.matchers = [r.matcher for r in reqs]  # structured output: each row's grammar matcher or None
+        self.matchers = [
+            r.matcher for r in reqs
+        ]  # structured output: each row's grammar matcher or None
         self.any_grammar = any(m is not None for m in self.matchers)
 
     def __len__(self) -> int:

@@ -16,7 +16,6 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per decode step
 
 
-
 def decode_step(sched: Scheduler) -> Step:
     """Rows: the running requests, then every live beam of the beam searches (engine/beam_search)."""
     rows, beams = sched.running, sched.beams

@@ -55,11 +55,15 @@ def free_memory_bytes(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def pool_size(max_total_tokens: int | None, mem_fraction: float, bytes_per_token: int, device: str, cap: int) -> int:
+def pool_size(
+    max_total_tokens: int | None, mem_fraction: float, bytes_per_token: int, device: str, cap: int
+) -> int:
     """Tokens in the KV pool: the explicit budget, or a share of free memory, never more than can be used."""
     if max_total_tokens is not None:
         return max_total_tokens
     tokens = int(free_memory_bytes(device) * mem_fraction) // bytes_per_token
     if tokens < 1:
-        raise MemoryError(f"mem_fraction={mem_fraction} of free memory holds no KV token ({bytes_per_token} bytes each)")
+        raise MemoryError(
+            f"mem_fraction={mem_fraction} of free memory holds no KV token ({bytes_per_token} bytes each)"
+        )
     return min(tokens, cap)

@@ -13,7 +13,13 @@ import torch
 from engine import hooks
 from engine.beam_search import stage as beam_stage
 from engine.hooks import HookError
-from engine.ipc.messages import BatchTokenOut, FinishReason, NO_TOKEN, RequestMeta, STOP_STRING_MATCHED
+from engine.ipc.messages import (
+    BatchTokenOut,
+    FinishReason,
+    NO_TOKEN,
+    RequestMeta,
+    STOP_STRING_MATCHED,
+)
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
@@ -69,12 +75,18 @@ def abort_step(sched: Scheduler, step: Step, message: str) -> None:
         abort_reqs(sched, reqs, [r.kv_len for r in reqs], message)
 
 
-def abort_reqs(sched: Scheduler, reqs: list[Req], kv_lens: list[int], message: str, keep_kv: bool = False) -> None:
+def abort_reqs(
+    sched: Scheduler, reqs: list[Req], kv_lens: list[int], message: str, keep_kv: bool = False
+) -> None:
     # a step that failed after some of its requests finished must not free or report those twice
     live = [(r, k) for r, k in zip(reqs, kv_lens) if r.finished is None and r.slot is not None]
-    searching = {id(g.req): g for g in sched.beams.groups}  # beam searches under way end with their beams
+    searching = {
+        id(g.req): g for g in sched.beams.groups
+    }  # beam searches under way end with their beams
     if searching and any(id(r) in searching for r, _ in live):
-        beam_stage.abort(sched, [searching[id(r)] for r, _ in live if id(r) in searching], message, keep_kv)
+        beam_stage.abort(
+            sched, [searching[id(r)] for r, _ in live if id(r) in searching], message, keep_kv
+        )
         live = [(r, k) for r, k in live if id(r) not in searching]
     if not live:
         return
@@ -130,10 +142,14 @@ def abort_rids(sched: Scheduler, targets: dict[str, set[int] | None], message: s
             sched.kv.free_request(req, kv_len)
         finished_hook(req)
     n = len(gone)
-    out = BatchTokenOut([r.rid for r, _ in gone], [NO_TOKEN] * n, [reason] * n, [request_meta(r) for r, _ in gone])
+    out = BatchTokenOut(
+        [r.rid for r, _ in gone], [NO_TOKEN] * n, [reason] * n, [request_meta(r) for r, _ in gone]
+    )
     sched.send_sock.send(sched.send_codec.encode(out))
     # a stop string is a normal finish that the detokenizer saw first
-    sched.counters["finished_requests" if message == STOP_STRING_MATCHED else "aborted_requests"] += n
+    sched.counters[
+        "finished_requests" if message == STOP_STRING_MATCHED else "aborted_requests"
+    ] += n
 
 
 def finish_unstarted(sched: Scheduler, req: Req, message: str) -> None:

@@ -42,22 +42,51 @@ def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput |
         output_ids = [r.output_ids for r in rows.reqs] if rows.sampling.any_processor else []
         on_logits = None
         if hook:
+
             def on_logits(processed: torch.Tensor) -> None:
                 if beam is None:
-                    hooks.call("engine_process_logits", logits=processed, rids=rows.rids, reqs=rows.reqs, beams=[None] * n)
+                    hooks.call(
+                        "engine_process_logits",
+                        logits=processed,
+                        rids=rows.rids,
+                        reqs=rows.reqs,
+                        beams=[None] * n,
+                    )
                     return
                 both = torch.cat([processed, beam.scores])
-                hooks.call("engine_process_logits", logits=both, rids=rows.rids + beam.rids, reqs=rows.reqs + beam.reqs,
-                           beams=[None] * n + beam.beams)  # fmt: skip
+                hooks.call(
+                    "engine_process_logits",
+                    logits=both,
+                    rids=rows.rids + beam.rids,
+                    reqs=rows.reqs + beam.reqs,
+                    beams=[None] * n + beam.beams,
+                )
                 processed.copy_(both[:n])
                 beam.scores = both[n:]
+
         grammar = (lambda lg: sched.grammars.mask(lg, rows.matchers)) if rows.any_grammar else None  # noqa: E731
-        out = sample_rows(logits, rows.sampling, rows.out_lens, rows.stop_table, output_ids, sched.processors, on_logits,
-                          grammar)  # fmt: skip
+        out = sample_rows(
+            logits,
+            rows.sampling,
+            rows.out_lens,
+            rows.stop_table,
+            output_ids,
+            sched.processors,
+            on_logits,
+            grammar,
+        )
         if hooks.has("engine_sample_after"):
-            hooks.call("engine_sample_after", rids=rows.rids, next_ids=out.next_ids, logprobs=out.logprobs)
+            hooks.call(
+                "engine_sample_after", rids=rows.rids, next_ids=out.next_ids, logprobs=out.logprobs
+            )
     elif beam is not None and hook:
-        hooks.call("engine_process_logits", logits=beam.scores, rids=beam.rids, reqs=beam.reqs, beams=beam.beams)
+        hooks.call(
+            "engine_process_logits",
+            logits=beam.scores,
+            rids=beam.rids,
+            reqs=beam.reqs,
+            beams=beam.beams,
+        )
     if beam is not None:
         beam_stage.select(sched, step, beam)
     return out

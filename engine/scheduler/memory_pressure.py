@@ -34,11 +34,15 @@ def make_room_for_decode(sched: Scheduler) -> bool:
         return True
     retracted: list[Req] = []
     try:
-        while kv.headroom < need() * RETRACT_HEADROOM_STEPS and (sched.chunked_req is not None or len(rows) + len(beams.groups) > 1):
+        while kv.headroom < need() * RETRACT_HEADROOM_STEPS and (
+            sched.chunked_req is not None or len(rows) + len(beams.groups) > 1
+        ):
             if sched.chunked_req is not None:
                 req, kv_len, sched.chunked_req = sched.chunked_req, sched.chunked_req.kv_len, None
             elif not len(rows):
-                if kv.headroom >= need():  # a search starts over if retracted: only when the next step cannot run
+                if (
+                    kv.headroom >= need()
+                ):  # a search starts over if retracted: only when the next step cannot run
                     break
                 retracted.append(beam_stage.retract_last(sched))
                 continue
@@ -46,11 +50,15 @@ def make_room_for_decode(sched: Scheduler) -> bool:
                 req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
                 keep = [True] * (len(rows) - 1) + [False]
                 rows.filter(torch.tensor(keep, device=sched.device), keep)
-            retracted.append(req)  # first, ready to resume: out of the batch, it must reach the queue whatever happens next
+            retracted.append(
+                req
+            )  # first, ready to resume: out of the batch, it must reach the queue whatever happens next
             req.fill_ids = req.all_ids()
             if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
                 req.reset_prompt_logprobs()
-            kv.free_request(req, kv_len)  # its K/V stays in the tree, evictable, for when it resumes
+            kv.free_request(
+                req, kv_len
+            )  # its K/V stays in the tree, evictable, for when it resumes
     finally:  # also when freeing one raised (the step then fails): every request taken out is queued again
         if retracted:
             sched.waiting[:0] = retracted[::-1]
@@ -62,7 +70,11 @@ def make_room_for_decode(sched: Scheduler) -> bool:
     # one request left and the pool cannot hold its next token (the user process refuses requests
     # that could get here, so this guards a mis-sized pool)
     if beams:
-        beam_stage.abort(sched, list(beams.groups), f"KV pool exhausted (max_total_tokens={sched.max_total_tokens})")
+        beam_stage.abort(
+            sched,
+            list(beams.groups),
+            f"KV pool exhausted (max_total_tokens={sched.max_total_tokens})",
+        )
         return False
     kv_len = int(rows.kv_lens[0])
     message = f"KV pool exhausted at {kv_len} tokens (max_total_tokens={sched.max_total_tokens})"

@@ -21,18 +21,28 @@ from engine.scheduler.request import Req
 
 POLICIES = ("lpm", "fcfs")
 LPM_MAX_QUEUE = 128
-IN_BATCH_DEFER = 32  # a request sharing this many uncached tokens (or all of them) with an earlier one waits
+IN_BATCH_DEFER = (
+    32  # a request sharing this many uncached tokens (or all of them) with an earlier one waits
+)
 
 
-def order_waiting(waiting: list[Req], policy: str, cache, in_progress: Req | None = None,
-                  free_slots: int | None = None) -> list[Req]:  # fmt: skip
+def order_waiting(
+    waiting: list[Req],
+    policy: str,
+    cache,
+    in_progress: Req | None = None,
+    free_slots: int | None = None,
+) -> list[Req]:
     """The waiting requests in the order admission should try them (held-back ones left out).
     `in_progress` is a prompt part-way through chunked prefill; `free_slots` the request slots free now.
     A request that cannot start this step (its grammar compiling, a beam search short of slots) holds
     back no one: its prompt will not be computed now."""
     if not cache.enabled or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
-    scored = [(len(cache.match_prefix(r.fill_ids[: r.max_prefix()])[0]), i, r) for i, r in enumerate(waiting)]
+    scored = [
+        (len(cache.match_prefix(r.fill_ids[: r.max_prefix()])[0]), i, r)
+        for i, r in enumerate(waiting)
+    ]
     if policy == "lpm":
         scored.sort(key=lambda item: (-item[0], item[1]))
     in_batch = RadixCache(lambda _: None)  # prompts being computed now, not yet in the cache

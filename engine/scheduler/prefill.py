@@ -27,7 +27,9 @@ from engine.model.forward_batch import ForwardBatch, ForwardMode
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
 
-CLIP_NEW_TOKENS = 4096  # a request's remaining max_new_tokens counts at most this much in the estimate
+CLIP_NEW_TOKENS = (
+    4096  # a request's remaining max_new_tokens counts at most this much in the estimate
+)
 
 
 def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
@@ -46,12 +48,16 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
     req = in_progress = sched.chunked_req  # its prompt is not cached until its last chunk is done
     if req is not None:
         take = min(len(req.fill_ids) - req.kv_len, budget)
-        if take > kv.headroom - len(sched.running) - sched.beams.num_rows:  # leave the running rows their next token
+        if (
+            take > kv.headroom - len(sched.running) - sched.beams.num_rows
+        ):  # leave the running rows their next token
             return []  # decode steps will finish requests and free memory
         entries.append((req, req.kv_len, take))
         sched._planned.append(req)
         budget -= take
-        reserved += beam_stage.admission_need(req, take) if req.beam is not None else take  # a search's beams too
+        reserved += (
+            beam_stage.admission_need(req, take) if req.beam is not None else take
+        )  # a search's beams too
         if req.kv_len + take < len(req.fill_ids):
             return entries
         sched.chunked_req = None
@@ -59,15 +65,20 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
         return entries
     taken: set[int] = set()
     free_slots = sched.req_to_token.available
-    ordered = order_waiting(sched.waiting, sched.config.schedule_policy, kv.cache, in_progress, free_slots)
+    ordered = order_waiting(
+        sched.waiting, sched.config.schedule_policy, kv.cache, in_progress, free_slots
+    )
     if hooks.has("engine_schedule"):
         shown = list(ordered)
         try:
             hooks.call("engine_schedule", waiting=ordered, running=len(sched.running))
             ids = [id(r) for r in ordered]
             if len(set(ids)) != len(ids) or not set(ids) <= {id(r) for r in shown}:
-                raise HookError(", ".join(hooks.implementers("engine_schedule")), "engine_schedule",
-                                ValueError("may only reorder or remove the waiting requests"))  # fmt: skip
+                raise HookError(
+                    ", ".join(hooks.implementers("engine_schedule")),
+                    "engine_schedule",
+                    ValueError("may only reorder or remove the waiting requests"),
+                )
         except HookError as exc:  # it touched every waiting request it was shown
             abort_rids(sched, dict.fromkeys(r.rid for r in shown), str(exc))
             return entries
@@ -97,14 +108,18 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
             break
         need = need_of(sched, req, take)
         alone = not entries and not len(sched.running) and not sched.beams
-        if req.beam is not None:  # reserved whole: beams are never retracted part-way for lack of KV
+        if (
+            req.beam is not None
+        ):  # reserved whole: beams are never retracted part-way for lack of KV
             need = beam_stage.admission_need(req, take)
             alone = alone and need <= kv.headroom
         if need > kv.headroom - reserved and not (alone and take <= kv.headroom):
             kv.unlend(req)
             break
         kv.assign_slot(req)
-        sched._planned.append(req)  # it holds a slot and a prefix lock now: schedule_failed must free them
+        sched._planned.append(
+            req
+        )  # it holds a slot and a prefix lock now: schedule_failed must free them
         if req.beam is not None:
             beam_stage.take_slots(sched, req)
         if req.grammar is not None and req.matcher is None:
@@ -113,8 +128,12 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
             except Exception as exc:  # noqa: BLE001 - this request fails alone, before any work
                 kv.free_request(req, req.kv_len)
                 taken.add(id(req))
-                finish_unstarted(sched, req, f"{constraint_of(req.sampling)[0]}: the grammar matcher could not be "
-                                             f"made: {type(exc).__name__}: {exc}")  # fmt: skip
+                finish_unstarted(
+                    sched,
+                    req,
+                    f"{constraint_of(req.sampling)[0]}: the grammar matcher could not be "
+                    f"made: {type(exc).__name__}: {exc}",
+                )
                 continue
         first = req.admissions == 0
         if first:
@@ -155,9 +174,13 @@ def admissible(sched: Scheduler, reserved: int, entries: list) -> bool:
     if not entries and not len(sched.running) and not sched.beams:
         return True
     room = sched.kv.headroom - reserved
-    if room < 1 or len(sched.waiting) > LPM_MAX_QUEUE:  # a long queue is not ordered anyway: no need to look
+    if (
+        room < 1 or len(sched.waiting) > LPM_MAX_QUEUE
+    ):  # a long queue is not ordered anyway: no need to look
         return room >= 1
-    if room >= 1 + int(sched.new_token_ratio * CLIP_NEW_TOKENS):  # past any request's least need: no loop
+    if room >= 1 + int(
+        sched.new_token_ratio * CLIP_NEW_TOKENS
+    ):  # past any request's least need: no loop
         return True
     return room >= min(least_need(sched, r) for r in sched.waiting)
 
@@ -175,12 +198,16 @@ def least_need(sched: Scheduler, req: Req) -> int:
     return 1 if req.beam is not None else need_of(sched, req, 1)
 
 
-def build_sampling(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> tuple[list, SamplingTensors]:
+def build_sampling(
+    sched: Scheduler, entries: list[tuple[Req, int, int]]
+) -> tuple[list, SamplingTensors]:
     """The sampling tensors of the requests whose prompt this step completes, built before anything is
     allocated. If building them raises, each is built alone and only those that fail are aborted (they
     hold a slot and a prefix, nothing more yet), not every request admitted with them."""
     vocab, dev = sched.model_config.vocab_size, sched.device
-    completing = [r for r, prefix, take in entries if r.beam is None and prefix + take == len(r.fill_ids)]
+    completing = [
+        r for r, prefix, take in entries if r.beam is None and prefix + take == len(r.fill_ids)
+    ]
     try:
         return entries, sampling_tensors(completing, vocab, dev)
     except Exception:  # noqa: BLE001 - found below, request by request
@@ -227,13 +254,20 @@ def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step 
     takes_t = torch.tensor(takes, dtype=torch.int64, device=dev)
     prefix_t = torch.tensor([p for _, p, _ in entries], dtype=torch.int64, device=dev)
     ends = torch.cumsum(takes_t, 0)
-    positions = torch.arange(total, device=dev) + torch.repeat_interleave(prefix_t - (ends - takes_t), takes_t)
+    positions = torch.arange(total, device=dev) + torch.repeat_interleave(
+        prefix_t - (ends - takes_t), takes_t
+    )
     slots = torch.tensor([r.slot for r, _, _ in entries], dtype=torch.int64, device=dev)
     sched.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
     input_ids: list[int] = []
     completing, logits_rows = [], []
-    beam_starts, beam_rows = [], []  # beam searches: their prompt's last row, after the ordinary rows
-    extra_rows: list[int] = []  # prompt logprobs: hidden rows of positions logprob_from .. prompt_len - 2
+    beam_starts, beam_rows = (
+        [],
+        [],
+    )  # beam searches: their prompt's last row, after the ordinary rows
+    extra_rows: list[
+        int
+    ] = []  # prompt logprobs: hidden rows of positions logprob_from .. prompt_len - 2
     prompt_logprobs: list[tuple[Req, int, int, int]] = []
     start = 0
     for i, (req, prefix, take) in enumerate(entries):
@@ -261,9 +295,13 @@ def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step 
         req_slots=slots,
         seq_lens=seq_lens,
         max_seq_len=int(seq_lens.max()),
-        logits_indices=torch.tensor(logits_rows + beam_rows + extra_rows, dtype=torch.int64, device=dev),
+        logits_indices=torch.tensor(
+            logits_rows + beam_rows + extra_rows, dtype=torch.int64, device=dev
+        ),
         extend_lens=takes,
         prefix_lens=[p for _, p, _ in entries],
     )
     rows = RunningBatch(completing, sched.model_config.vocab_size, dev, sampling)
-    return Step(batch, rows, [req for req, _, _ in entries], prompt_logprobs, beam_starts=beam_starts)
+    return Step(
+        batch, rows, [req for req, _, _ in entries], prompt_logprobs, beam_starts=beam_starts
+    )

@@ -7,7 +7,9 @@ import gc
 from engine.processes.child import run_child
 
 
-def run_scheduler_process(config_json: bytes, model_dir: str, endpoints: dict, parent_pid: int, conn) -> None:
+def run_scheduler_process(
+    config_json: bytes, model_dir: str, endpoints: dict, parent_pid: int, conn
+) -> None:
     def build(progress):
         from engine.config import EngineConfig
         from engine.scheduler.scheduler import Scheduler

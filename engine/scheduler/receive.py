@@ -13,8 +13,15 @@ from engine import hooks
 from engine.beam_search import stage as beam_stage
 from engine.hooks import HookError
 from engine.ipc.messages import (
-    AbortRequest, BatchTokenOut, FinishReason, FlushCache, GenerateBatch, NO_TOKEN, RequestMeta, StatsRequest,
-)  # fmt: skip
+    AbortRequest,
+    BatchTokenOut,
+    FinishReason,
+    FlushCache,
+    GenerateBatch,
+    NO_TOKEN,
+    RequestMeta,
+    StatsRequest,
+)
 from engine.grammar.stage import constraint_of
 from engine.scheduler.admission import check_request, clip_to_context
 from engine.scheduler.endings import abort_rids, finish_unstarted
@@ -36,8 +43,12 @@ def recv_requests(sched: Scheduler, block: bool) -> None:
         try:
             handle(sched, message)
         except Exception as exc:  # noqa: BLE001 - one message must not take the process down
-            logger.error("engine::scheduler: dropped a %s message that failed (%s: %s)", type(message).__name__,
-                         type(exc).__name__, exc)  # fmt: skip
+            logger.error(
+                "engine::scheduler: dropped a %s message that failed (%s: %s)",
+                type(message).__name__,
+                type(exc).__name__,
+                exc,
+            )
 
 
 def handle(sched: Scheduler, message) -> None:
@@ -83,7 +94,9 @@ def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
                 continue
         try:
             constraint = constraint_of(r.sampling)
-            if constraint is not None:  # compiled off the loop; the request waits for it, the others do not
+            if (
+                constraint is not None
+            ):  # compiled off the loop; the request waits for it, the others do not
                 req.grammar = sched.grammars.request(*constraint)
                 constrained = True
         except Exception as exc:  # noqa: BLE001 - this request alone
@@ -111,9 +124,19 @@ def new_req(sched: Scheduler, r, eos, now: int) -> Req:
     """The scheduler's request for an arrival that passed the checks."""
     r = clip_to_context(r, sched.context_len)  # the user process does this too; be safe
     return Req(
-        r.rid, r.input_ids, r.sampling, eos, r.return_logprob, r.top_logprobs_num, r.logprob_start_len,
-        r.trace_context, r.submitted_ns or now, now, r.seq, r.beam,
-    )  # fmt: skip
+        r.rid,
+        r.input_ids,
+        r.sampling,
+        eos,
+        r.return_logprob,
+        r.top_logprobs_num,
+        r.logprob_start_len,
+        r.trace_context,
+        r.submitted_ns or now,
+        now,
+        r.seq,
+        r.beam,
+    )
 
 
 def live_rids(sched: Scheduler) -> dict[str, int]:

@@ -10,19 +10,54 @@ from engine.sampling_params import SamplingParams
 
 class Req:
     __slots__ = (
-        "rid", "input_ids", "sampling", "stop_ids", "output_ids", "slot", "kv_len", "finished",
-        "fill_ids", "prefix_indices", "cache_node", "cached_tokens", "admissions",
-        "return_logprob", "top_logprobs_num", "logprob_from", "logprob_start_len", "input_logprobs", "input_top",
-        "header_sent", "trace_context", "arrived_ns", "received_ns", "admitted_ns", "first_token_ns", "seq",
-        "beam", "beam_slots", "beam_steps", "grammar", "matcher",
-    )  # fmt: skip
+        "rid",
+        "input_ids",
+        "sampling",
+        "stop_ids",
+        "output_ids",
+        "slot",
+        "kv_len",
+        "finished",
+        "fill_ids",
+        "prefix_indices",
+        "cache_node",
+        "cached_tokens",
+        "admissions",
+        "return_logprob",
+        "top_logprobs_num",
+        "logprob_from",
+        "logprob_start_len",
+        "input_logprobs",
+        "input_top",
+        "header_sent",
+        "trace_context",
+        "arrived_ns",
+        "received_ns",
+        "admitted_ns",
+        "first_token_ns",
+        "seq",
+        "beam",
+        "beam_slots",
+        "beam_steps",
+        "grammar",
+        "matcher",
+    )
 
     def __init__(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams, eos_ids: tuple[int, ...],
-        return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
-        trace_context: dict[str, str] | None = None, arrived_ns: int = 0, received_ns: int = 0, seq: int = 0,
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        eos_ids: tuple[int, ...],
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        trace_context: dict[str, str] | None = None,
+        arrived_ns: int = 0,
+        received_ns: int = 0,
+        seq: int = 0,
         beam=None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.rid = rid
         self.seq = seq  # the user process's submission number (0: not given)
         self.input_ids = input_ids
@@ -39,8 +74,12 @@ class Req:
         self.finished: FinishReason | None = None
         # what the next prefill computes K/V for: the prompt, plus the tokens generated before a retraction
         self.fill_ids: list[int] = input_ids
-        self.prefix_indices: torch.Tensor | None = None  # pool indices the radix cache lent this request
-        self.cache_node = None  # the tree node those indices end at, locked while the request holds them
+        self.prefix_indices: torch.Tensor | None = (
+            None  # pool indices the radix cache lent this request
+        )
+        self.cache_node = (
+            None  # the tree node those indices end at, locked while the request holds them
+        )
         self.cached_tokens = 0  # prompt tokens that came from the cache at first admission
         self.admissions = 0  # more than one: the request was retracted and resumed
         self.return_logprob = return_logprob
@@ -61,9 +100,13 @@ class Req:
         self.admitted_ns = 0  # first admission
         self.first_token_ns = 0
         self.beam = beam  # BeamParams: a beam search (engine/beam_search)
-        self.beam_slots: list[int] = []  # a beam search's extra request slots, one per beam after the first
+        self.beam_slots: list[
+            int
+        ] = []  # a beam search's extra request slots, one per beam after the first
         self.beam_steps = 0  # a beam search's selections, set when it ends
-        self.grammar = None  # structured output: the compile's future (engine/grammar), None: no constraint
+        self.grammar = (
+            None  # structured output: the compile's future (engine/grammar), None: no constraint
+        )
         self.matcher = None  # its grammar matcher, from admission on
 
     @property
@@ -76,7 +119,9 @@ class Req:
 
     def reset_prompt_logprobs(self) -> None:
         """Start the prompt logprobs over (also when a chunked prefill is retracted and redone)."""
-        first = [None] if self.logprob_start_len == 0 else []  # the first prompt token has no logprob
+        first = (
+            [None] if self.logprob_start_len == 0 else []
+        )  # the first prompt token has no logprob
         self.input_logprobs, self.input_top = list(first), list(first)
 
     def max_prefix(self) -> int:

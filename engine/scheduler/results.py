@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.beam_search import stage as beam_stage
-from engine.ipc.messages import BatchTokenOut, FinishReason, NO_TOKEN, RequestHeader, TokenLogprob, TopLogprobs
+from engine.ipc.messages import (
+    BatchTokenOut,
+    FinishReason,
+    NO_TOKEN,
+    RequestHeader,
+    TokenLogprob,
+    TopLogprobs,
+)
 from engine.sampling.sampler import SampleOutput
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.endings import finished_hook, request_meta
@@ -39,7 +46,9 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
     if rows.any_grammar:  # each constrained row's matcher takes its token (a refusal fails the row)
         for i, problem in sched.grammars.accept(rows.matchers, ids).items():
             sampled.failed.setdefault(i, problem)
-    if sampled.failed:  # a custom processor or a grammar failed on these rows: they end here, without a token
+    if (
+        sampled.failed
+    ):  # a custom processor or a grammar failed on these rows: they end here, without a token
         for i in sampled.failed:
             ids[i] = NO_TOKEN
         done[list(sampled.failed)] = True
@@ -51,7 +60,9 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
     headers = first_headers(sched, reqs) if step.mode is ForwardMode.EXTEND else []
     logprobs = output_logprobs(rows, sampled) if sampled.logprobs is not None else []
     sched.counters["generated_tokens"] += len(ids) - len(sampled.failed)
-    error: Exception | None = None  # freeing a finished request failed: raised once the step's answer is sent
+    error: Exception | None = (
+        None  # freeing a finished request failed: raised once the step's answer is sent
+    )
     if bool(done.any()):
         done_list = done.tolist()
         stop_list = hit_stop.tolist()
@@ -65,7 +76,11 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
                 reason = FinishReason("abort", message=sampled.failed[i])
                 sched.counters["aborted_requests"] += 1
             else:
-                reason = FinishReason("stop", matched=ids[i]) if stop_list[i] else FinishReason("length", length=n_out)
+                reason = (
+                    FinishReason("stop", matched=ids[i])
+                    if stop_list[i]
+                    else FinishReason("length", length=n_out)
+                )
                 sched.counters["finished_requests"] += 1
             finished[i] = req.finished = reason
             meta[i] = request_meta(req)
@@ -77,7 +92,9 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
         rows.filter(~done, [not d for d in done_list])
     out = BatchTokenOut(rids, ids, finished, meta, headers, logprobs)
     sched.send_sock.send(sched.send_codec.encode(out))
-    if error is not None:  # the step fails as it would have (its other requests end), none unanswered
+    if (
+        error is not None
+    ):  # the step fails as it would have (its other requests end), none unanswered
         raise error
     if step.mode is ForwardMode.EXTEND and len(rows):
         for req in rows.reqs:
@@ -96,10 +113,20 @@ def first_headers(sched: Scheduler, reqs: list[Req]) -> list:
         req.header_sent = True
         req.first_token_ns = now
         p = req.sampling
-        headers.append(RequestHeader(
-            req.prompt_len, req.cached_tokens, p.stop, p.min_new_tokens, p.skip_special_tokens,
-            p.spaces_between_special_tokens, req.input_logprobs, req.input_top, req.trace_context, req.seq,
-        ))  # fmt: skip
+        headers.append(
+            RequestHeader(
+                req.prompt_len,
+                req.cached_tokens,
+                p.stop,
+                p.min_new_tokens,
+                p.skip_special_tokens,
+                p.spaces_between_special_tokens,
+                req.input_logprobs,
+                req.input_top,
+                req.trace_context,
+                req.seq,
+            )
+        )
     return headers if any(h is not None for h in headers) else []
 
 
@@ -125,7 +152,9 @@ def prompt_logprobs(sched: Scheduler, step: Step, logits: torch.Tensor) -> None:
     """Each prompt token's logprob given the tokens before it, from the prefill's extra rows."""
     logprobs = torch.log_softmax(logits, dim=-1)
     for req, first, count, pos in step.prompt_logprobs:
-        targets = torch.tensor(req.input_ids[pos + 1 : pos + 1 + count], dtype=torch.int64, device=logits.device)
+        targets = torch.tensor(
+            req.input_ids[pos + 1 : pos + 1 + count], dtype=torch.int64, device=logits.device
+        )
         block = logprobs[first : first + count]
         req.input_logprobs += block.gather(1, targets[:, None]).squeeze(1).tolist()
         k = req.top_logprobs_num

@@ -57,28 +57,57 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model_dir: str, endpoints: dict, progress=None) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: str, endpoints: dict, progress=None
+    ) -> None:
         torch.set_num_threads(config.num_threads or usable_cores())
         self.config = config
         self.device = resolve_device(resolve_device_for(config.quantization, config.device))
-        self.dtype = resolve_dtype(resolve_dtype_for(config.quantization, config.dtype), self.device)
+        self.dtype = resolve_dtype(
+            resolve_dtype_for(config.quantization, config.dtype), self.device
+        )
         check_quantization(config.quantization, self.device, self.dtype)
         hf_config = load_hf_config(model_dir)
         max_pos = hf_config.max_position_embeddings
-        if config.context_length is not None and config.context_length > max_pos:  # not cut down unseen
-            raise ValueError(f"context_length={config.context_length} is more than the model's "
-                             f"max_position_embeddings ({max_pos})")  # fmt: skip
+        if (
+            config.context_length is not None and config.context_length > max_pos
+        ):  # not cut down unseen
+            raise ValueError(
+                f"context_length={config.context_length} is more than the model's "
+                f"max_position_embeddings ({max_pos})"
+            )
         self.context_len = config.context_length or max_pos
         self.model, self.model_config = load_model(
-            model_dir, hf_config, self.dtype, self.device, self.context_len, progress, config.quantization
+            model_dir,
+            hf_config,
+            self.dtype,
+            self.device,
+            self.context_len,
+            progress,
+            config.quantization,
         )
         mc = self.model_config
-        bytes_per_token = TokenKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        bytes_per_token = TokenKVPool.bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype
+        )
         cap = config.max_running_requests * self.context_len
-        self.max_total_tokens = pool_size(config.max_total_tokens, config.mem_fraction, bytes_per_token, self.device, cap)
-        self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
-        self.kv_pool = TokenKVPool(self.max_total_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.kv = KVManager(self.kv_pool, self.req_to_token, config.enable_prefix_cache, self.device)
+        self.max_total_tokens = pool_size(
+            config.max_total_tokens, config.mem_fraction, bytes_per_token, self.device, cap
+        )
+        self.req_to_token = ReqToTokenPool(
+            config.max_running_requests, self.context_len, self.device
+        )
+        self.kv_pool = TokenKVPool(
+            self.max_total_tokens,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.kv = KVManager(
+            self.kv_pool, self.req_to_token, config.enable_prefix_cache, self.device
+        )
         self.backend = create_backend(
             config.attention_backend,
             self.device,
@@ -96,16 +125,24 @@ class Scheduler:
         self.send_codec = Codec(ToDetokenizer)
         self.waiting: list[Req] = []
         self.running = RunningBatch.empty(mc.vocab_size, self.device)
-        self.beams = BeamBatch(mc.vocab_size, self.device, self.req_to_token.table)  # live beam searches
-        self.grammars = Grammars(model_dir, mc.vocab_size, list(mc.eos_token_ids))  # structured output
+        self.beams = BeamBatch(
+            mc.vocab_size, self.device, self.req_to_token.table
+        )  # live beam searches
+        self.grammars = Grammars(
+            model_dir, mc.vocab_size, list(mc.eos_token_ids)
+        )  # structured output
         self.chunked_req: Req | None = None  # a prompt part-way through a chunked prefill
-        self._planned: list[Req] = []  # requests the schedule now running has admitted (to fail if it raises)
+        self._planned: list[
+            Req
+        ] = []  # requests the schedule now running has admitted (to fail if it raises)
         self._phase = ForwardMode.EXTEND  # which half of schedule() is running
         self.last_mode: ForwardMode | None = None
         self.new_token_ratio = config.init_new_token_ratio
         self.processors = ProcessorSet()
         self.counters = collections.Counter()
-        self.busy_seconds: collections.Counter = collections.Counter()  # wall time per stage, since start
+        self.busy_seconds: collections.Counter = (
+            collections.Counter()
+        )  # wall time per stage, since start
         self.info = {
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -118,8 +155,13 @@ class Scheduler:
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_bytes_per_token": bytes_per_token,
             # which kernels hold the linear layers' weights (F32BlockLinear: the exact mode from a GGUF's blocks)
-            "linear_layers": sorted({type(m).__name__ for n, m in self.model.named_modules()
-                                     if n.endswith(("_proj", "lm_head"))}),  # fmt: skip
+            "linear_layers": sorted(
+                {
+                    type(m).__name__
+                    for n, m in self.model.named_modules()
+                    if n.endswith(("_proj", "lm_head"))
+                }
+            ),
         }
 
     # ------------------------------------------------------------------ loop
@@ -133,7 +175,9 @@ class Scheduler:
                 ran = False
                 time.sleep(0.01)
             if not ran and self.waiting:
-                time.sleep(0.001)  # requests wait but none could start (a plugin holds them back): no hot spin
+                time.sleep(
+                    0.001
+                )  # requests wait but none could start (a plugin holds them back): no hot spin
 
     @torch.inference_mode()
     def run_once(self, block: bool = True) -> bool:
@@ -187,7 +231,9 @@ class Scheduler:
         wall, perf = time.time_ns(), time.perf_counter()
         t0, t1, t2, t3, t4 = (None if t is None else wall - int((perf - t) * 1e9) for t in times)
         mode = "prefill" if step.mode is ForwardMode.EXTEND else "decode"
-        record = StepRecord(mode, reqs, int(step.forward_batch.input_ids.numel()), t0, t1, t2, t3, t4, error)
+        record = StepRecord(
+            mode, reqs, int(step.forward_batch.input_ids.numel()), t0, t1, t2, t3, t4, error
+        )
         try:
             hooks.call("engine_step_end", step=record)
         except HookError as exc:  # the step is over: report, nothing to fail

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
 
 
-
 def stats(sched: Scheduler, req_id: str, flushed_tokens: int = 0) -> Stats:
     c = sched.counters
     return Stats(

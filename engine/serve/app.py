@@ -39,7 +39,9 @@ async def json_off_loop(build: Callable[[], Any]) -> Response:
     """The answer built and encoded on a worker thread. On the event loop, where /health and every stream
     wait, a body of megabytes (a long prompt's logprobs, 20 top each) took seconds in FastAPI's encoder.
     msgspec writes a non-finite float as null, where the standard encoder's strict mode raised."""
-    return await asyncio.to_thread(lambda: Response(msgspec.json.encode(build()), media_type="application/json"))
+    return await asyncio.to_thread(
+        lambda: Response(msgspec.json.encode(build()), media_type="application/json")
+    )
 
 
 class ClientGone(Exception):
@@ -100,14 +102,21 @@ class InFlight:
 def build_app(engine, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="engine", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     handlers.install(app)
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key,
-                       open_paths=OPEN_PATHS + (("/metrics",) if options.open_metrics else ()))  # fmt: skip
+    app.add_middleware(
+        ApiKeyMiddleware,
+        api_key=options.api_key,
+        open_paths=OPEN_PATHS + (("/metrics",) if options.open_metrics else ()),
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     if options.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     name = options.served_model_name
     text_of = logprobs.TokenText(engine.tokenizer)
     inflight = app.state.inflight = InFlight(engine)
@@ -119,8 +128,12 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
 
     def check_model(model: str | None) -> None:
         if model is not None and model != name:
-            raise errors.OpenAIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
-                                     param="model", code="model_not_found")  # fmt: skip
+            raise errors.OpenAIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):
@@ -130,23 +143,39 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "engine",
-                                            "max_model_len": engine.server_info.get("context_length")}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "engine",
+                    "max_model_len": engine.server_info.get("context_length"),
+                }
+            ],
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
         return {"id": name, "object": "model", "created": 0, "owned_by": "engine"}
 
-    def opening(body: ChatCompletionRequest | CompletionRequest, request: Request, prefix: str) -> tuple[dict, bool, int, str]:
+    def opening(
+        body: ChatCompletionRequest | CompletionRequest, request: Request, prefix: str
+    ) -> tuple[dict, bool, int, str]:
         """What both OpenAI routes do first: the model, the sampling parameters, logprobs, an id,
         and the names the engine's errors must use for this body (handlers.install reads them)."""
         request.state.openai_names = translate.openai_names(body)
         check_model(body.model)
         ignored = body.ignored_fields()
         if ignored:  # as vLLM does for the fields it does not know
-            log.warning("engine serve: %s %s: ignored parameter(s) %s (they change nothing here: docs/server.md)", request.method,
-                        request.url.path, ", ".join(ignored))  # fmt: skip
+            log.warning(
+                "engine serve: %s %s: ignored parameter(s) %s (they change nothing here: docs/server.md)",
+                request.method,
+                request.url.path,
+                ", ".join(ignored),
+            )
         params = translate.sampling_params(body, engine.server_info.get("context_length"))
         want_logprobs, top = translate.logprob_options(body)
         return params, want_logprobs, top, translate.new_id(prefix)
@@ -155,13 +184,28 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         params, want_logprobs, top, rid = opening(body, request, "chatcmpl")
         if beams.wants_beams(body):
-            args = dict(messages=translate.chat_messages(body), rid=rid, **beams.beam_kwargs(body, params))
+            args = dict(
+                messages=translate.chat_messages(body), rid=rid, **beams.beam_kwargs(body, params)
+            )
             return await beam_response(request, body, args, rid, "chat.completion", [rid])
-        args = dict(messages=translate.chat_messages(body), sampling_params=params, rid=rid,
-                    return_logprob=want_logprobs, top_logprobs_num=top)  # fmt: skip
+        args = dict(
+            messages=translate.chat_messages(body),
+            sampling_params=params,
+            rid=rid,
+            return_logprob=want_logprobs,
+            top_logprobs_num=top,
+        )
         if body.stream:
             stream = await open_stream(args, [rid])
-            fmt = sse.ChatChunks(rid, name, body.n, include_usage(body), want_logprobs, text_of, **stream_options(body))
+            fmt = sse.ChatChunks(
+                rid,
+                name,
+                body.n,
+                include_usage(body),
+                want_logprobs,
+                text_of,
+                **stream_options(body),
+            )
             return _sse_response(stream, fmt, inflight, [rid])
         with inflight.track([rid]):
             out = await until_disconnect(request, engine.async_generate(**args))
@@ -170,13 +214,23 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             results = out if isinstance(out, list) else [out]
             choices = []
             for i, r in enumerate(results):
-                choice = {"index": i, "message": {"role": "assistant", "content": text(body, r)},
-                          "finish_reason": translate.finish_reason(r["meta_info"]), "logprobs": None}  # fmt: skip
+                choice = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text(body, r)},
+                    "finish_reason": translate.finish_reason(r["meta_info"]),
+                    "logprobs": None,
+                }
                 if want_logprobs:
                     choice["logprobs"] = logprobs.chat_logprobs(r["meta_info"], text_of)
                 choices.append(choice)
-            return {"id": rid, "object": "chat.completion", "created": translate.now(), "model": name,
-                    "choices": choices, "usage": translate.usage(results, 1, body.n)}  # fmt: skip
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": translate.now(),
+                "model": name,
+                "choices": choices,
+                "usage": translate.usage(results, 1, body.n),
+            }
 
         return await json_off_loop(answer)
 
@@ -185,9 +239,15 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         params, want_logprobs, top, rid = opening(body, request, "cmpl")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            inputs, prompts = {"prompt": prompt, "rid": [f"{rid}-p{i}" for i in range(len(prompt))]}, len(prompt)
+            inputs, prompts = (
+                {"prompt": prompt, "rid": [f"{rid}-p{i}" for i in range(len(prompt))]},
+                len(prompt),
+            )
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            inputs, prompts = {"input_ids": prompt, "rid": [f"{rid}-p{i}" for i in range(len(prompt))]}, len(prompt)
+            inputs, prompts = (
+                {"input_ids": prompt, "rid": [f"{rid}-p{i}" for i in range(len(prompt))]},
+                len(prompt),
+            )
         elif isinstance(prompt, list):
             inputs, prompts = {"input_ids": prompt, "rid": rid}, 1
         else:
@@ -196,32 +256,71 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         if beams.wants_beams(body):
             args = dict(**inputs, **beams.beam_kwargs(body, params))
             return await beam_response(request, body, args, rid, "text_completion", bases)
-        args = dict(**inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top)
+        args = dict(
+            **inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top
+        )
         if body.stream:
             stream = await open_stream(args, bases)
-            fmt = sse.CompletionChunks(rid, name, prompts, body.n, include_usage(body), want_logprobs, text_of,
-                                       **stream_options(body))  # fmt: skip
+            fmt = sse.CompletionChunks(
+                rid,
+                name,
+                prompts,
+                body.n,
+                include_usage(body),
+                want_logprobs,
+                text_of,
+                **stream_options(body),
+            )
             return _sse_response(stream, fmt, inflight, bases)
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_generate(**args))
 
         def answer() -> dict:
             results = out if isinstance(out, list) else [out]
-            choices = [{"index": i, "text": text(body, r), "finish_reason": translate.finish_reason(r["meta_info"]),
-                        "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of) if want_logprobs else None}
-                       for i, r in enumerate(results)]  # fmt: skip
-            return {"id": rid, "object": "text_completion", "created": translate.now(), "model": name,
-                    "choices": choices, "usage": translate.usage(results, prompts, body.n)}  # fmt: skip
+            choices = [
+                {
+                    "index": i,
+                    "text": text(body, r),
+                    "finish_reason": translate.finish_reason(r["meta_info"]),
+                    "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of)
+                    if want_logprobs
+                    else None,
+                }
+                for i, r in enumerate(results)
+            ]
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": translate.now(),
+                "model": name,
+                "choices": choices,
+                "usage": translate.usage(results, prompts, body.n),
+            }
 
         return await json_off_loop(answer)
 
-    async def beam_response(request: Request, body, args: dict, rid: str, kind: str, bases: list[str]) -> dict:
-        if body.logprobs is not None and body.logprobs is not False:  # completions' logprobs: 0 asks for them too
-            raise errors.OpenAIError(400, "logprobs is not supported with use_beam_search", param="logprobs")
+    async def beam_response(
+        request: Request, body, args: dict, rid: str, kind: str, bases: list[str]
+    ) -> dict:
+        if (
+            body.logprobs is not None and body.logprobs is not False
+        ):  # completions' logprobs: 0 asks for them too
+            raise errors.OpenAIError(
+                400, "logprobs is not supported with use_beam_search", param="logprobs"
+            )
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_beam_search(**args))
-        choices, used = beams.beam_choices(out if isinstance(out, list) else [out], body.n, chat=kind == "chat.completion")
-        return {"id": rid, "object": kind, "created": translate.now(), "model": name, "choices": choices, "usage": used}
+        choices, used = beams.beam_choices(
+            out if isinstance(out, list) else [out], body.n, chat=kind == "chat.completion"
+        )
+        return {
+            "id": rid,
+            "object": kind,
+            "created": translate.now(),
+            "model": name,
+            "choices": choices,
+            "usage": used,
+        }
 
     # ------------------------------------------------------------------ SGLang's native routes
 
@@ -229,17 +328,26 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise errors.OpenAIError(400, "give exactly one of text and input_ids", param="text")
-        batch = isinstance(body.text, list) or (isinstance(body.input_ids, list) and bool(body.input_ids)
-                                                 and isinstance(body.input_ids[0], list))  # fmt: skip
+        batch = isinstance(body.text, list) or (
+            isinstance(body.input_ids, list)
+            and bool(body.input_ids)
+            and isinstance(body.input_ids[0], list)
+        )
         count = len(body.text if body.text is not None else body.input_ids) if batch else 1
         rid = body.rid
         if rid is None:
             base = translate.new_id("gen")
             rid = [f"{base}-p{i}" for i in range(count)] if batch else base
         bases = rid if isinstance(rid, list) else [rid]
-        args = dict(prompt=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params, rid=rid,
-                    return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                    logprob_start_len=body.logprob_start_len)  # fmt: skip
+        args = dict(
+            prompt=body.text,
+            input_ids=body.input_ids,
+            sampling_params=body.sampling_params,
+            rid=rid,
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len,
+        )
         if body.stream:
             stream = await open_stream(args, bases)
             return _sse_response(stream, sse.NativeEvents(), inflight, bases)
@@ -291,7 +399,9 @@ def stream_options(body: ChatCompletionRequest | CompletionRequest) -> dict[str,
 
 def text(body: ChatCompletionRequest | CompletionRequest, result: dict) -> str:
     """A finished answer's text, with the matched stop string when the body asks to keep it."""
-    return result["text"] + (translate.stop_string(result["meta_info"]) if translate.keeps_stop(body) else "")
+    return result["text"] + (
+        translate.stop_string(result["meta_info"]) if translate.keeps_stop(body) else ""
+    )
 
 
 class _Stream(StreamingResponse):
@@ -311,4 +421,8 @@ def _sse_response(stream, fmt, inflight: "InFlight", rids: list[str]) -> Streami
             async for event in sse.events(stream, fmt):
                 yield event
 
-    return _Stream(tracked(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _Stream(
+        tracked(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -19,20 +19,31 @@ def wants_beams(body: ChatCompletionRequest | CompletionRequest) -> bool:
         return True
     given = [f for f in BEAM_FIELDS if getattr(body, f) is not None]
     if given:
-        raise OpenAIError(400, f"{given[0]} is only allowed with use_beam_search: true", param=given[0])
+        raise OpenAIError(
+            400, f"{given[0]} is only allowed with use_beam_search: true", param=given[0]
+        )
     return False
 
 
-def beam_kwargs(body: ChatCompletionRequest | CompletionRequest, params: dict[str, Any]) -> dict[str, Any]:
+def beam_kwargs(
+    body: ChatCompletionRequest | CompletionRequest, params: dict[str, Any]
+) -> dict[str, Any]:
     """Engine.beam_search's keywords from an OpenAI body and its translated sampling parameters."""
     if body.stream:
-        raise OpenAIError(400, "stream is not supported with use_beam_search (the beams are known at the end)",
-                          param="stream")  # fmt: skip
+        raise OpenAIError(
+            400,
+            "stream is not supported with use_beam_search (the beams are known at the end)",
+            param="stream",
+        )
     sampling = dict(params)
     n = sampling.pop("n", 1)
     width = body.beam_width if body.beam_width is not None else n
     if isinstance(width, int) and n > width:
-        raise OpenAIError(400, f"n is {n}, more than beam_width {width}: a search returns at most its beams", param="n")
+        raise OpenAIError(
+            400,
+            f"n is {n}, more than beam_width {width}: a search returns at most its beams",
+            param="n",
+        )
     out: dict[str, Any] = {"num_return_sequences": n, "beam_width": width}
     if "max_new_tokens" in sampling:
         out["max_new_tokens"] = sampling.pop("max_new_tokens")
@@ -51,10 +62,20 @@ def beam_choices(results: list[dict], n: int, chat: bool) -> tuple[list[dict], d
     for p, r in enumerate(results):
         meta = r["meta_info"]
         prompt += meta["prompt_tokens"]
-        hyps = r["hypotheses"] or [{"text": "", "output_ids": [], "finish_reason": meta["finish_reason"]}]
+        hyps = r["hypotheses"] or [
+            {"text": "", "output_ids": [], "finish_reason": meta["finish_reason"]}
+        ]
         for j, h in enumerate(hyps):
             completion += len(h["output_ids"])
             reason = finish_reason({"finish_reason": h["finish_reason"]})
-            body = {"message": {"role": "assistant", "content": h["text"]}} if chat else {"text": h["text"]}
+            body = (
+                {"message": {"role": "assistant", "content": h["text"]}}
+                if chat
+                else {"text": h["text"]}
+            )
             choices.append({"index": p * n + j, **body, "finish_reason": reason, "logprobs": None})
-    return choices, {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return choices, {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

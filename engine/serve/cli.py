@@ -28,11 +28,18 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         kind = str(f.type)
         default = f.default
         if kind.startswith("bool"):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help="(default %(default)s)")  # fmt: skip
+            group.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help="(default %(default)s)",
+            )
             continue
         convert = int if kind.startswith("int") else float if kind.startswith("float") else str
-        group.add_argument(flag, dest=f.name, type=convert, default=default, help="(default %(default)s)")
+        group.add_argument(
+            flag, dest=f.name, type=convert, default=default, help="(default %(default)s)"
+        )
 
 
 def _number(text: str, kind: type, ok, what: str):
@@ -52,7 +59,9 @@ def _port(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    return _number(text, float, lambda v: v >= 0, "seconds >= 0 (inf: wait for every request)")  # NaN fails too
+    return _number(
+        text, float, lambda v: v >= 0, "seconds >= 0 (inf: wait for every request)"
+    )  # NaN fails too
 
 
 def _positive(text: str) -> int:
@@ -60,19 +69,48 @@ def _positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine serve", description="the engine behind an OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
-    p.add_argument("--api-key", default=None, help="clients must send it as a Bearer token (or ENGINE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model name in the API (default: the model's)")
-    p.add_argument("--max-request-bytes", type=_positive, default=1 << 20, help="largest request body (default 1 MiB)")
-    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM or Ctrl-C (default 30)")  # fmt: skip
-    p.add_argument("--open-metrics", action="store_true",
-                   help="serve /metrics without the API key (default: it needs the key, as every route but /health)")
-    p.add_argument("--allow-origin", action="append", default=[], help="allow CORS from this origin (repeatable; default none)")
+    p = argparse.ArgumentParser(
+        prog="engine serve", description="the engine behind an OpenAI-compatible HTTP API"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)"
+    )
+    p.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})"
+    )
+    p.add_argument(
+        "--api-key", default=None, help="clients must send it as a Bearer token (or ENGINE_API_KEY)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model name in the API (default: the model's)"
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_positive,
+        default=1 << 20,
+        help="largest request body (default 1 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM or Ctrl-C (default 30)",
+    )
+    p.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (default: it needs the key, as every route but /health)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        help="allow CORS from this origin (repeatable; default none)",
+    )
     _engine_flags(p)
-    p.set_defaults(preload_tokenizer=True)  # build_app needs transformers' tokenizer: loaded beside the children
+    p.set_defaults(
+        preload_tokenizer=True
+    )  # build_app needs transformers' tokenizer: loaded beside the children
     return p
 
 
@@ -95,7 +133,9 @@ def _instrument(app) -> None:
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
     tracing = plugin_manager().get_plugin("tracing")
-    FastAPIInstrumentor.instrument_app(app, tracer_provider=tracing.provider, excluded_urls="health,metrics")
+    FastAPIInstrumentor.instrument_app(
+        app, tracer_provider=tracing.provider, excluded_urls="health,metrics"
+    )
 
 
 def url_of(sockname: tuple) -> str:
@@ -114,8 +154,15 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
 
     # uvicorn's own limit is a backstop: the watcher aborts what still runs at --shutdown-timeout,
     # so streams end with finish_reason "abort" and [DONE] rather than being cut
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 10)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=args.shutdown_timeout + 10,
+    )
     server = uvicorn.Server(config)
     outcome = {"code": 0}
 
@@ -123,10 +170,17 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"engine serve: ready on {bound_url(server)} (model {name!r}; pids {engine.pids})", flush=True)
+            print(
+                f"engine serve: ready on {bound_url(server)} (model {name!r}; pids {engine.pids})",
+                flush=True,
+            )
         while not server.should_exit:
             if not engine.alive:
-                print("engine serve: an engine process died; stopping with exit code 1", file=sys.stderr, flush=True)
+                print(
+                    "engine serve: an engine process died; stopping with exit code 1",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 outcome["code"] = 1
                 server.should_exit = True
             await asyncio.sleep(0.2)
@@ -141,8 +195,11 @@ async def _serve(app, engine, args: argparse.Namespace, name: str) -> int:
                 return
             new = set(rids) - aborted
             if new:
-                print(f"engine serve: aborted {len(new)} requests still running after --shutdown-timeout",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"engine serve: aborted {len(new)} requests still running after --shutdown-timeout",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 aborted |= new
             await asyncio.sleep(0.2)
 
@@ -178,13 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine(**options)
     except Exception as exc:  # noqa: BLE001 - any start failure: one line, non-zero
-        print(f"engine serve: the engine did not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"engine serve: the engine did not start: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
         return 1
     try:
         from engine.model.resolve import model_name
 
-        name = args.served_model_name or engine.server_info.get("model") or model_name(args.model_path)
-        app = build_app(engine, ServeOptions(name, api_key, args.max_request_bytes, tuple(args.allow_origin), args.open_metrics))
+        name = (
+            args.served_model_name or engine.server_info.get("model") or model_name(args.model_path)
+        )
+        app = build_app(
+            engine,
+            ServeOptions(
+                name, api_key, args.max_request_bytes, tuple(args.allow_origin), args.open_metrics
+            ),
+        )
         _instrument(app)
         # uvicorn re-raises the signal that stopped it once it is done: these handlers take it, so
         # the engine still shuts down in order and the exit code says how it went

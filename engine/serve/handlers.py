@@ -21,8 +21,13 @@ def _path(error: dict) -> list[str]:
     if loc[:1] == ["body"]:
         loc = loc[1:]
     last = len(loc) - 1
-    return [str(p) for i, p in enumerate(loc)
-            if isinstance(p, int) or p in FIELD_NAMES or (i == last and error.get("type") == "extra_forbidden")]  # fmt: skip
+    return [
+        str(p)
+        for i, p in enumerate(loc)
+        if isinstance(p, int)
+        or p in FIELD_NAMES
+        or (i == last and error.get("type") == "extra_forbidden")
+    ]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -41,7 +46,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if param is None:
             return "the request body is missing (send a JSON object)", None
         return f"missing required parameter: {param}", param
-    reason = str(first["ctx"]["error"]) if kind == "value_error" and "error" in first.get("ctx", {}) else first.get("msg", "invalid")
+    reason = (
+        str(first["ctx"]["error"])
+        if kind == "value_error" and "error" in first.get("ctx", {})
+        else first.get("msg", "invalid")
+    )
     return f"invalid value for {param or 'the request body'}: {reason}", param
 
 
@@ -65,7 +74,9 @@ def install(app: FastAPI) -> None:
         return response(400, str(exc))
 
     @app.exception_handler(TimeoutError)
-    async def _timeout(request: Request, exc: TimeoutError):  # the scheduler did not answer a stats request
+    async def _timeout(
+        request: Request, exc: TimeoutError
+    ):  # the scheduler did not answer a stats request
         return response(503, f"the engine did not answer in time: {exc}")
 
     @app.exception_handler(EngineDeadError)
@@ -75,8 +86,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         status = exc.status_code
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
-        return response(status, message.get(status, str(exc.detail)), headers=exc.headers)  # 405: Allow
+        message = {
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} not allowed on {request.url.path}",
+        }
+        return response(
+            status, message.get(status, str(exc.detail)), headers=exc.headers
+        )  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _other(request: Request, exc: Exception):  # a bug: say so, without a traceback

@@ -21,7 +21,11 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallba
 def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet reversed: printable bytes stand for themselves, the others for
     chr(256 + k), k counting them in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     others = [b for b in range(256) if b not in chars]
     chars.update({b: chr(256 + k) for k, b in enumerate(others)})
@@ -47,7 +51,9 @@ class TokenText:
         decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
         self.byte_level = "ByteLevel" in decoder
         self.sentencepiece = not self.byte_level and ("Metaspace" in decoder or '"▁"' in decoder)
-        self.added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}  # special tokens: plain text
+        self.added = {
+            i for i in getattr(tokenizer, "added_tokens_decoder", {})
+        }  # special tokens: plain text
         self.cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
@@ -104,20 +110,30 @@ def chat_logprobs(meta: dict, text_of: TokenText, start: int = 0) -> dict | None
     content = []
     for j, ((lp, tid, _), top) in enumerate(zip(tokens, tops)):
         token, raw = text_of.at(tid, start + j)
-        alternatives = [{"token": text_of(i)[0], "logprob": v, "bytes": list(text_of(i)[1])} for v, i, _ in top]
-        content.append({"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": alternatives})
+        alternatives = [
+            {"token": text_of(i)[0], "logprob": v, "bytes": list(text_of(i)[1])} for v, i, _ in top
+        ]
+        content.append(
+            {"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": alternatives}
+        )
     return {"content": content}
 
 
-def completion_logprobs(meta: dict, text_of: TokenText, offsets: TextOffsets | None = None,
-                        start: int = 0) -> dict | None:  # fmt: skip
+def completion_logprobs(
+    meta: dict, text_of: TokenText, offsets: TextOffsets | None = None, start: int = 0
+) -> dict | None:
     """offsets: a stream's, kept from chunk to chunk; a new one (from 0) otherwise. start: as chat_logprobs'."""
     tokens = meta.get("output_token_logprobs")
     if tokens is None:
         return None
     offsets = offsets if offsets is not None else TextOffsets()
     tops = meta.get("output_top_logprobs") or [None for _ in tokens]
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for j, ((lp, tid, _), top) in enumerate(zip(tokens, tops)):
         token, raw = text_of.at(tid, start + j)
         out["tokens"].append(token)

@@ -33,7 +33,10 @@ class BodyLimitMiddleware:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:  # chunked bodies have no content-length
                     refused = True
-                    raise _TooLarge(413, f"the request body is larger than --max-request-bytes ({self.max_bytes} bytes)")
+                    raise _TooLarge(
+                        413,
+                        f"the request body is larger than --max-request-bytes ({self.max_bytes} bytes)",
+                    )
             return message
 
         try:
@@ -43,7 +46,9 @@ class BodyLimitMiddleware:
                 await self._too_large(scope, receive, send)
 
     async def _too_large(self, scope, receive, send) -> None:
-        resp = response(413, f"the request body is larger than --max-request-bytes ({self.max_bytes} bytes)")
+        resp = response(
+            413, f"the request body is larger than --max-request-bytes ({self.max_bytes} bytes)"
+        )
         await resp(scope, receive, send)
 
 
@@ -59,11 +64,22 @@ class ApiKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+        if (
+            self.expected is None
+            or scope["type"] != "http"
+            or scope["path"] in self.open_paths
+            or scope["method"] == "OPTIONS"
+        ):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = given.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.lstrip(b" "), self.expected):  # schemes ignore case
-            message = "missing API key: send Authorization: Bearer <key>" if not given else "invalid API key"
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(
+            token.lstrip(b" "), self.expected
+        ):  # schemes ignore case
+            message = (
+                "missing API key: send Authorization: Bearer <key>"
+                if not given
+                else "invalid API key"
+            )
             return await response(401, message)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -12,8 +12,17 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator,
-                      model_validator)  # fmt: skip
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.serve.errors import OpenAIError
 
@@ -36,8 +45,12 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
-    include_obfuscation: StrictBool = False  # OpenAI pads its chunks against side channels; taken, nothing to pad
-    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries its choice's usage so far
+    include_obfuscation: StrictBool = (
+        False  # OpenAI pads its chunks against side channels; taken, nothing to pad
+    )
+    continuous_usage_stats: StrictBool = (
+        False  # vLLM's: every chunk carries its choice's usage so far
+    )
 
 
 class StructuredOutputs(_Body):
@@ -75,7 +88,9 @@ class _EngineExtras(_Body):
     include_stop_str_in_output: StrictBool = False  # vLLM: the matched stop string ends the text
     no_stop_trim: StrictBool = False  # SGLang: the same
     json_schema: dict[str, Any] | str | None = None  # SGLang: a JSON Schema (as JSON text there)
-    guided_json: dict[str, Any] | str | None = None  # vLLM's structured output before structured_outputs
+    guided_json: dict[str, Any] | str | None = (
+        None  # vLLM's structured output before structured_outputs
+    )
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
@@ -99,31 +114,84 @@ class ResponseFormat(_Body):
 # vLLM's and SGLang's request fields beyond OpenAI's and those above; docs/server.md gives each one's reason.
 # Taken and ignored, with a warning in the log: on their servers they say where or how a request runs
 # (routing, priority, ids, multimodal settings, what only their other routes read), never what it answers.
-IGNORED_FIELDS = frozenset({
-    "priority", "request_id", "rid", "session_id", "custom_labels", "kv_transfer_params",
-    "ec_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
-    "disagg_prefill_dp_rank", "stream_interval", "guided_decoding_backend", "mm_processor_kwargs", "media_io_kwargs",
-    "images_config", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video", "ngram_corpus_id",
-    "include_reasoning", "separate_reasoning", "stream_reasoning", "return_mm_kwargs", "return_token_offsets",
-    "routed_experts_prompt_start", "routed_experts_start_len", "truncation_side",
-})  # fmt: skip
+IGNORED_FIELDS = frozenset(
+    {
+        "priority",
+        "request_id",
+        "rid",
+        "session_id",
+        "custom_labels",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "routed_dp_rank",
+        "data_parallel_rank",
+        "disagg_prefill_dp_rank",
+        "stream_interval",
+        "guided_decoding_backend",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+        "images_config",
+        "max_dynamic_patch",
+        "min_dynamic_patch",
+        "use_audio_in_video",
+        "ngram_corpus_id",
+        "include_reasoning",
+        "separate_reasoning",
+        "stream_reasoning",
+        "return_mm_kwargs",
+        "return_token_offsets",
+        "routed_experts_prompt_start",
+        "routed_experts_start_len",
+        "truncation_side",
+    }
+)
 # Refused with a 400 naming the field unless null or a value that asks for nothing (listed): this server
 # cannot do what they ask, and ignoring them would change the answer the client gets.
 REFUSED_FIELDS: dict[str, tuple] = {
-    "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (),
-    "logprob_token_ids": (), "logits_processors": (), "vllm_xargs": (), "lora_path": (), "cache_salt": (), "extra_key": (),
-    "watermarking": (False,), "repetition_detection": (), "thinking_token_budget": (-1,), "stop_regex": (),
-    "session_params": (), "guided_whitespace_pattern": (), "structural_tag": (), "prompt_embeds": (),
-    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "return_hidden_states": (False,),
-    "return_routed_experts": (False,), "return_cached_tokens_details": (False,),
-}  # fmt: skip
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "logprob_token_ids": (),
+    "logits_processors": (),
+    "vllm_xargs": (),
+    "lora_path": (),
+    "cache_salt": (),
+    "extra_key": (),
+    "watermarking": (False,),
+    "repetition_detection": (),
+    "thinking_token_budget": (-1,),
+    "stop_regex": (),
+    "session_params": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "prompt_embeds": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "return_hidden_states": (False,),
+    "return_routed_experts": (False,),
+    "return_cached_tokens_details": (False,),
+}
 REFUSED_CHAT: dict[str, tuple] = {
-    "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "add_special_tokens": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
-    "input_ids": (), "task": (), "return_prompt_token_ids": (False,), "return_meta_info": (False,),
+    "echo": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "input_ids": (),
+    "task": (),
+    "return_prompt_token_ids": (False,),
+    "return_meta_info": (False,),
     "return_prompt_text": (False,),
-}  # fmt: skip
-REFUSED_COMPLETIONS: dict[str, tuple] = {"add_special_tokens": (True,)}  # what the engine does for each route
+}
+REFUSED_COMPLETIONS: dict[str, tuple] = {
+    "add_special_tokens": (True,)
+}  # what the engine does for each route
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -171,13 +239,19 @@ class _Sampling(_EngineExtras):
             allowed = self.refused_fields[name]
             if value is not None and not any(_same(value, ok) for ok in allowed):
                 leave = " or ".join(["leave it out", *(json.dumps(ok) for ok in allowed)])
-                raise OpenAIError(400, f"{name} is not supported by this server, and ignoring it would change the answer "
-                                       f"({leave})", param=name)  # fmt: skip
+                raise OpenAIError(
+                    400,
+                    f"{name} is not supported by this server, and ignoring it would change the answer "
+                    f"({leave})",
+                    param=name,
+                )
         return self
 
     def ignored_fields(self) -> list[str]:
         """vLLM's and SGLang's fields this body gave that change nothing here (null ones aside)."""
-        return sorted(k for k, v in (self.model_extra or {}).items() if k in IGNORED_FIELDS and v is not None)
+        return sorted(
+            k for k, v in (self.model_extra or {}).items() if k in IGNORED_FIELDS and v is not None
+        )
 
 
 class TextPart(_Body):
@@ -195,7 +269,9 @@ class RefusalPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | RefusalPart] | None = None
-    name: str | None = None  # accepted, as OpenAI does, and not shown to the model (chat templates have no place for it)
+    name: str | None = (
+        None  # accepted, as OpenAI does, and not shown to the model (chat templates have no place for it)
+    )
     # what OpenAI puts in an assistant message (a history replayed from its responses holds them):
     # a refusal is the assistant's text, annotations (citations) say nothing to the model, and the
     # rest must be null or empty, as this server has no tools nor audio
@@ -267,4 +343,6 @@ def _field_names(cls: type[BaseModel]) -> set[str]:
     return names
 
 
-FIELD_NAMES = frozenset(_field_names(_Body))  # what a validation error's location may name (the rest are pydantic's tags)
+FIELD_NAMES = frozenset(
+    _field_names(_Body)
+)  # what a validation error's location may name (the rest are pydantic's tags)

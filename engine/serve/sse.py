@@ -50,11 +50,28 @@ class _OpenAIChunks:
     too (continuous_usage: vLLM's continuous_usage_stats, each choice's own counts so far), each
     chunk's own logprobs, and the matched stop string put back (keep_stop) on a choice's last chunk."""
 
-    def __init__(self, rid: str, model: str, obj: str, prompts: int, n: int, include_usage: bool, logprobs: bool,
-                 text_of: TokenText, continuous_usage: bool = False, keep_stop: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        obj: str,
+        prompts: int,
+        n: int,
+        include_usage: bool,
+        logprobs: bool,
+        text_of: TokenText,
+        continuous_usage: bool = False,
+        keep_stop: bool = False,
+    ) -> None:
         self.base = {"id": rid, "object": obj, "created": translate.now(), "model": model}
         self.extra = {"usage": None} if include_usage else {}
-        self.prompts, self.n, self.include_usage, self.logprobs, self.text_of = prompts, n, include_usage, logprobs, text_of
+        self.prompts, self.n, self.include_usage, self.logprobs, self.text_of = (
+            prompts,
+            n,
+            include_usage,
+            logprobs,
+            text_of,
+        )
         self.continuous_usage, self.keep_stop = continuous_usage, keep_stop
         self.finals: dict[int, dict] = {}
         self.tokens: dict[int, int] = {}  # each choice's tokens so far
@@ -68,16 +85,26 @@ class _OpenAIChunks:
 
     def wants(self, chunk: dict, reason: str | None) -> bool:
         """Emit a chunk with text, a finish, or (logprobs asked) tokens whose text is still held back."""
-        return bool(chunk["text"]) or reason is not None or (self.logprobs and bool(chunk["output_ids"]))
+        return (
+            bool(chunk["text"])
+            or reason is not None
+            or (self.logprobs and bool(chunk["output_ids"]))
+        )
 
     def text(self, chunk: dict, reason: str | None) -> str:
-        return chunk["text"] + (translate.stop_string(chunk["meta_info"]) if self.keep_stop and reason else "")
+        return chunk["text"] + (
+            translate.stop_string(chunk["meta_info"]) if self.keep_stop and reason else ""
+        )
 
     def payload(self, choice: dict, meta: dict, completion_tokens: int | None = None) -> dict:
         """meta: the chunk's meta_info, whose counts are its usage with continuous_usage (a chat's role
         chunk, before any token, gives completion_tokens 0)."""
         if self.continuous_usage:
-            return {**self.base, "choices": [choice], "usage": translate.usage_so_far(meta, completion_tokens)}
+            return {
+                **self.base,
+                "choices": [choice],
+                "usage": translate.usage_so_far(meta, completion_tokens),
+            }
         return {**self.base, "choices": [choice], **self.extra}
 
     def finished(self, chunk: dict, reason: str | None) -> None:
@@ -88,7 +115,9 @@ class _OpenAIChunks:
         if not self.include_usage:
             return []
         results = [self.finals[i] for i in sorted(self.finals)]
-        return [{**self.base, "choices": [], "usage": translate.usage(results, self.prompts, self.n)}]
+        return [
+            {**self.base, "choices": [], "usage": translate.usage(results, self.prompts, self.n)}
+        ]
 
 
 def _own_logprobs(chunk: dict) -> dict:
@@ -101,8 +130,19 @@ def _own_logprobs(chunk: dict) -> dict:
 
 
 class ChatChunks(_OpenAIChunks):
-    def __init__(self, rid: str, model: str, n: int, include_usage: bool, logprobs: bool, text_of, **options: bool) -> None:
-        super().__init__(rid, model, "chat.completion.chunk", 1, n, include_usage, logprobs, text_of, **options)
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        n: int,
+        include_usage: bool,
+        logprobs: bool,
+        text_of,
+        **options: bool,
+    ) -> None:
+        super().__init__(
+            rid, model, "chat.completion.chunk", 1, n, include_usage, logprobs, text_of, **options
+        )
         self.started: set[int] = set()
 
     def chunk(self, chunk: dict) -> list[dict]:
@@ -110,22 +150,48 @@ class ChatChunks(_OpenAIChunks):
         out = []
         if i not in self.started:
             self.started.add(i)
-            out.append(self.payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}, chunk["meta_info"], 0))  # fmt: skip
+            out.append(
+                self.payload(
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    },
+                    chunk["meta_info"],
+                    0,
+                )
+            )
         start = self.position(chunk)
         if self.wants(chunk, reason):
             lp = chat_logprobs(_own_logprobs(chunk), self.text_of, start) if self.logprobs else None
             text = self.text(chunk, reason)
             delta = {"content": text} if text else {}
-            out.append(self.payload({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}, chunk["meta_info"]))
+            out.append(
+                self.payload(
+                    {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason},
+                    chunk["meta_info"],
+                )
+            )
         self.finished(chunk, reason)
         return out
 
 
 class CompletionChunks(_OpenAIChunks):
-    def __init__(self, rid: str, model: str, prompts: int, n: int, include_usage: bool, logprobs: bool, text_of,
-                 **options: bool) -> None:  # fmt: skip
-        super().__init__(rid, model, "text_completion", prompts, n, include_usage, logprobs, text_of, **options)
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        prompts: int,
+        n: int,
+        include_usage: bool,
+        logprobs: bool,
+        text_of,
+        **options: bool,
+    ) -> None:
+        super().__init__(
+            rid, model, "text_completion", prompts, n, include_usage, logprobs, text_of, **options
+        )
         self.offsets: dict[int, TextOffsets] = {}  # each choice's, from chunk to chunk
 
     def chunk(self, chunk: dict) -> list[dict]:
@@ -135,9 +201,23 @@ class CompletionChunks(_OpenAIChunks):
         if self.wants(chunk, reason):
             lp = None
             if self.logprobs:
-                lp = completion_logprobs(_own_logprobs(chunk), self.text_of, self.offsets.setdefault(i, TextOffsets()), start)
-            out.append(self.payload({"index": i, "text": self.text(chunk, reason), "logprobs": lp, "finish_reason": reason},
-                                    chunk["meta_info"]))  # fmt: skip
+                lp = completion_logprobs(
+                    _own_logprobs(chunk),
+                    self.text_of,
+                    self.offsets.setdefault(i, TextOffsets()),
+                    start,
+                )
+            out.append(
+                self.payload(
+                    {
+                        "index": i,
+                        "text": self.text(chunk, reason),
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                    },
+                    chunk["meta_info"],
+                )
+            )
         self.finished(chunk, reason)
         return out
 
@@ -162,7 +242,9 @@ class NativeEvents:
             meta = dict(meta)
             for key in self.LISTS:
                 if key in meta or key in so_far:  # a chunk without tokens carries none of its own
-                    so_far.setdefault(key, []).extend(meta.get(key, []))  # the event is encoded before the next
+                    so_far.setdefault(key, []).extend(
+                        meta.get(key, [])
+                    )  # the event is encoded before the next
                     meta[key] = so_far[key]
         return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": meta}]
 

@@ -14,7 +14,9 @@ import time
 import uuid
 from typing import Any
 
-from engine.sampling_params import SEED_RANGE  # the engine's seeds: [0, SEED_RANGE); OpenAI's any int64, taken modulo it
+from engine.sampling_params import (
+    SEED_RANGE,
+)  # the engine's seeds: [0, SEED_RANGE); OpenAI's any int64, taken modulo it
 from engine.serve.errors import OpenAIError
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, TextPart
 
@@ -22,21 +24,60 @@ COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's A
 
 # OpenAI name -> engine name, for the fields that are only renamed
 _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
-_PASSED = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-           "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "spaces_between_special_tokens", "custom_logit_processor", "custom_params")  # fmt: skip
+_PASSED = (
+    "temperature",
+    "top_p",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "custom_logit_processor",
+    "custom_params",
+)
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
-_ENGINE_NAMES = {**{v: k for k, v in _RENAMED.items()}, "json_schema": "response_format", "input_ids": "prompt"}
+_ENGINE_NAMES = {
+    **{v: k for k, v in _RENAMED.items()},
+    "json_schema": "response_format",
+    "input_ids": "prompt",
+}
 # structured output: (the client's field, the engine's kind) of each way to ask for it; OpenAI's
 # response_format, SGLang's json_schema, regex and ebnf, vLLM's guided_* and structured_outputs
-_CONSTRAINTS = (("response_format", "json_schema"), ("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf"),
-                ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "regex"),
-                ("guided_grammar", "ebnf"))  # fmt: skip
-_STRUCTURED_OUTPUTS = (("json_", "json", "json_schema"), ("regex", "regex", "regex"), ("choice", "choice", "regex"),
-                       ("grammar", "grammar", "ebnf"), ("json_object", "json_object", "json_schema"))  # fmt: skip
-_KNOWN_PARAMS = {*_PASSED, *_RENAMED, "seed", "stop", "logit_bias", "prompt", "messages", "top_logprobs_num",
-                 "max_completion_tokens", *(f for f, _ in _CONSTRAINTS),
-                 *(f"structured_outputs.{name}" for _, name, _ in _STRUCTURED_OUTPUTS)}  # fmt: skip
+_CONSTRAINTS = (
+    ("response_format", "json_schema"),
+    ("json_schema", "json_schema"),
+    ("regex", "regex"),
+    ("ebnf", "ebnf"),
+    ("guided_json", "json_schema"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "regex"),
+    ("guided_grammar", "ebnf"),
+)
+_STRUCTURED_OUTPUTS = (
+    ("json_", "json", "json_schema"),
+    ("regex", "regex", "regex"),
+    ("choice", "choice", "regex"),
+    ("grammar", "grammar", "ebnf"),
+    ("json_object", "json_object", "json_schema"),
+)
+_KNOWN_PARAMS = {
+    *_PASSED,
+    *_RENAMED,
+    "seed",
+    "stop",
+    "logit_bias",
+    "prompt",
+    "messages",
+    "top_logprobs_num",
+    "max_completion_tokens",
+    *(f for f, _ in _CONSTRAINTS),
+    *(f"structured_outputs.{name}" for _, name, _ in _STRUCTURED_OUTPUTS),
+}
 
 
 def openai_names(body: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
@@ -50,14 +91,24 @@ def openai_names(body: ChatCompletionRequest | CompletionRequest) -> dict[str, s
     return names
 
 
-def _given_constraints(body: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str, Any]]:
+def _given_constraints(
+    body: ChatCompletionRequest | CompletionRequest,
+) -> list[tuple[str, str, Any]]:
     """(the client's field, the engine's kind, the value as sent) of each constraint the body gives."""
-    found = [(field, kind, getattr(body, field)) for field, kind in _CONSTRAINTS if getattr(body, field) is not None]
-    found = [f for f in found if f[0] != "response_format" or f[2].type != "text"]  # plain text constrains nothing
+    found = [
+        (field, kind, getattr(body, field))
+        for field, kind in _CONSTRAINTS
+        if getattr(body, field) is not None
+    ]
+    found = [
+        f for f in found if f[0] != "response_format" or f[2].type != "text"
+    ]  # plain text constrains nothing
     if body.structured_outputs is not None:
-        found += [(f"structured_outputs.{name}", kind, getattr(body.structured_outputs, attr))
-                  for attr, name, kind in _STRUCTURED_OUTPUTS
-                  if getattr(body.structured_outputs, attr) not in (None, False)]  # fmt: skip
+        found += [
+            (f"structured_outputs.{name}", kind, getattr(body.structured_outputs, attr))
+            for attr, name, kind in _STRUCTURED_OUTPUTS
+            if getattr(body.structured_outputs, attr) not in (None, False)
+        ]
     return found
 
 
@@ -71,9 +122,12 @@ def constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any
     body; two constraints, in whatever names, are a 400 naming the second."""
     given = _given_constraints(body)
     if len(given) > 1:
-        raise OpenAIError(400, f"give at most one of response_format (json_object or json_schema), json_schema, regex, "
-                               f"ebnf, guided_* and structured_outputs, got {' and '.join(f for f, _, _ in given)}",
-                          param=given[1][0])  # fmt: skip
+        raise OpenAIError(
+            400,
+            f"give at most one of response_format (json_object or json_schema), json_schema, regex, "
+            f"ebnf, guided_* and structured_outputs, got {' and '.join(f for f, _, _ in given)}",
+            param=given[1][0],
+        )
     if not given:
         return {}
     field, kind, value = given[0]
@@ -86,7 +140,9 @@ def constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any
     return {kind: value}
 
 
-def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None) -> dict[str, Any]:
+def sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, context_length: int | None = None
+) -> dict[str, Any]:
     """The engine's sampling_params for an OpenAI body (unset fields keep the engine's defaults, but
     max_tokens, which takes OpenAI's: 16 for completions, what the context leaves for chat; beams
     keep theirs). max_tokens beyond the model's context is
@@ -101,31 +157,55 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, context_len
             params[engine_name] = getattr(body, name)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         params["max_new_tokens"] = body.max_completion_tokens
-    if "max_new_tokens" not in params and isinstance(body, CompletionRequest) and not body.use_beam_search:
+    if (
+        "max_new_tokens" not in params
+        and isinstance(body, CompletionRequest)
+        and not body.use_beam_search
+    ):
         # OpenAI's legacy completions default (vLLM's, SGLang's); a context shorter than it is no client's error
-        params["max_new_tokens"] = min(COMPLETIONS_MAX_TOKENS, context_length or COMPLETIONS_MAX_TOKENS)
+        params["max_new_tokens"] = min(
+            COMPLETIONS_MAX_TOKENS, context_length or COMPLETIONS_MAX_TOKENS
+        )
     elif "max_new_tokens" not in params and context_length is not None and not body.use_beam_search:
         # chat's default: what the context leaves. The engine shortens a max_new_tokens of the whole
         # context to what the context (and the KV pool) leave after the prompt; beams keep their default
         params["max_new_tokens"] = context_length
     limit = params.get("max_new_tokens")
     if context_length is not None and isinstance(limit, int) and limit > context_length:
-        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-        raise OpenAIError(400, f"{name} is {limit}, more than the model's context of {context_length} tokens", param=name)
+        name = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None) is not None
+            else "max_tokens"
+        )
+        raise OpenAIError(
+            400,
+            f"{name} is {limit}, more than the model's context of {context_length} tokens",
+            param=name,
+        )
     if body.seed is not None:
         if not -SEED_RANGE <= body.seed < SEED_RANGE:
             raise OpenAIError(400, f"seed must be a 64-bit integer, got {body.seed}", param="seed")
         params["seed"] = body.seed % SEED_RANGE
     if isinstance(body, CompletionRequest):
         if body.suffix:
-            raise OpenAIError(400, "suffix is not supported (no fill-in-the-middle); leave it out or give \"\"", param="suffix")
+            raise OpenAIError(
+                400,
+                'suffix is not supported (no fill-in-the-middle); leave it out or give ""',
+                param="suffix",
+            )
         if body.best_of is not None and body.best_of != body.n:
-            raise OpenAIError(400, f"best_of must equal n ({body.n}): choosing the best of more samples is not supported, "
-                                   f"got {body.best_of}", param="best_of")  # fmt: skip
+            raise OpenAIError(
+                400,
+                f"best_of must equal n ({body.n}): choosing the best of more samples is not supported, "
+                f"got {body.best_of}",
+                param="best_of",
+            )
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     params.update(constraint(body))
-    if body.logit_bias:  # string keys, as JSON has them: the engine's check reads them (a 400 naming logit_bias)
+    if (
+        body.logit_bias
+    ):  # string keys, as JSON has them: the engine's check reads them (a 400 naming logit_bias)
         params["logit_bias"] = dict(body.logit_bias)
     return params
 
@@ -138,7 +218,9 @@ def response_schema(body: ChatCompletionRequest | CompletionRequest) -> dict | N
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise OpenAIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        raise OpenAIError(
+            400, "response_format json_schema needs json_schema.schema", param="response_format"
+        )
     return fmt.json_schema.schema_
 
 
@@ -179,7 +261,12 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "".join(p.text if isinstance(p, TextPart) else p.refusal for p in m.content)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or m.refusal or ""})
+        out.append(
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": content or m.refusal or "",
+            }
+        )
     return out
 
 
@@ -207,7 +294,11 @@ def usage_so_far(meta: dict, completion_tokens: int | None = None) -> dict[str, 
     """One choice's usage as a stream chunk's meta_info counts it (vLLM's continuous_usage_stats)."""
     prompt = meta["prompt_tokens"]
     completion = meta["completion_tokens"] if completion_tokens is None else completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def usage(results: list[dict], prompts: int, n: int) -> dict[str, int]:
@@ -215,7 +306,11 @@ def usage(results: list[dict], prompts: int, n: int) -> dict[str, int]:
     prompt = sum(results[i * n]["meta_info"]["prompt_tokens"] for i in range(prompts))
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     cached = sum(results[i * n]["meta_info"].get("cached_tokens", 0) for i in range(prompts))
-    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out

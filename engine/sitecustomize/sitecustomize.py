@@ -36,7 +36,9 @@ def _install(role: str) -> None:
 
         # named, not __name__: this file runs as the top-level module `sitecustomize`
         logging.getLogger("engine.sitecustomize").warning(
-            "engine sitecustomize: plugins not installed at start-up: %s: %s", type(exc).__name__, exc
+            "engine sitecustomize: plugins not installed at start-up: %s: %s",
+            type(exc).__name__,
+            exc,
         )
 
 
@@ -47,7 +49,11 @@ def _chain() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
-    if spec is None or spec.loader is None or os.path.abspath(spec.origin or "") == os.path.abspath(__file__):
+    if (
+        spec is None
+        or spec.loader is None
+        or os.path.abspath(spec.origin or "") == os.path.abspath(__file__)
+    ):
         return
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

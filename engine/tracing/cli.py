@@ -1,9 +1,9 @@
 """engine trace {receive,list,perfetto,timeline}: look at traces without a Jaeger at hand.
 
-    engine trace receive -o spans.jsonl            # an OTLP receiver on 127.0.0.1:4317 (gRPC) and :4318 (HTTP)
-    engine trace list spans.jsonl                  # the requests in a file, with their trace ids
-    engine trace perfetto spans.jsonl -o trace.json    # Chrome trace events: open in ui.perfetto.dev
-    engine trace timeline spans.jsonl -o request.png [--request RID | --trace TRACE_ID]
+engine trace receive -o spans.jsonl            # an OTLP receiver on 127.0.0.1:4317 (gRPC) and :4318 (HTTP)
+engine trace list spans.jsonl                  # the requests in a file, with their trace ids
+engine trace perfetto spans.jsonl -o trace.json    # Chrome trace events: open in ui.perfetto.dev
+engine trace timeline spans.jsonl -o request.png [--request RID | --trace TRACE_ID]
 """
 
 from __future__ import annotations
@@ -14,22 +14,33 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine trace", description="look at the engine's OpenTelemetry spans")
+    p = argparse.ArgumentParser(
+        prog="engine trace", description="look at the engine's OpenTelemetry spans"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     rx = sub.add_parser("receive", help="run an OTLP receiver that appends what it gets to a file")
     rx.add_argument("--grpc-port", type=int, default=4317)
     rx.add_argument("--http-port", type=int, default=4318)
-    rx.add_argument("--output", "-o", default=None, help="OTLP/JSON lines file to append to (default: only count)")
+    rx.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help="OTLP/JSON lines file to append to (default: only count)",
+    )
     rx.add_argument("--quiet", action="store_true", help="print only the endpoints line")
     ls = sub.add_parser("list", help="the requests in an OTLP/JSON lines file")
     ls.add_argument("file")
-    pf = sub.add_parser("perfetto", help="convert to a Chrome trace-event file (Perfetto, chrome://tracing)")
+    pf = sub.add_parser(
+        "perfetto", help="convert to a Chrome trace-event file (Perfetto, chrome://tracing)"
+    )
     pf.add_argument("file")
     pf.add_argument("--output", "-o", default="trace.json")
     tl = sub.add_parser("timeline", help="draw one request's spans as a PNG timeline")
     tl.add_argument("file")
     tl.add_argument("--output", "-o", default="request.png")
-    tl.add_argument("--request", default=None, help="request id (default: the first request in the file)")
+    tl.add_argument(
+        "--request", default=None, help="request id (default: the first request in the file)"
+    )
     tl.add_argument("--trace", default=None, help="trace id (instead of --request)")
     tl.add_argument("--width", type=int, default=1400)
     return p
@@ -43,8 +54,10 @@ def _receive(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # print the final count on terminate too
     with OTLPReceiver(args.grpc_port, args.http_port, out_path=args.output, keep=False) as rx:
         where = args.output or "counted only"
-        print(f"OTLP receiver: gRPC {rx.grpc_endpoint}, HTTP {rx.http_endpoint}/v1/traces -> {where} (Ctrl-C stops)",
-              flush=True)  # fmt: skip
+        print(
+            f"OTLP receiver: gRPC {rx.grpc_endpoint}, HTTP {rx.http_endpoint}/v1/traces -> {where} (Ctrl-C stops)",
+            flush=True,
+        )
         seen = 0
         try:
             while True:

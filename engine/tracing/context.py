@@ -13,11 +13,18 @@ _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-
 
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) of a valid W3C traceparent, else None."""
-    m = _TRACEPARENT.match(value.strip()) if isinstance(value, str) else None  # W3C: lowercase hex only
+    m = (
+        _TRACEPARENT.match(value.strip()) if isinstance(value, str) else None
+    )  # W3C: lowercase hex only
     if m is None:
         return None
     version, trace_id, span_id, flags, rest = m.groups()
-    if version == "ff" or (version == "00" and rest) or int(trace_id, 16) == 0 or int(span_id, 16) == 0:
+    if (
+        version == "ff"
+        or (version == "00" and rest)
+        or int(trace_id, 16) == 0
+        or int(span_id, 16) == 0
+    ):
         return None
     return int(trace_id, 16), int(span_id, 16), int(flags, 16)
 
@@ -36,7 +43,9 @@ def normalize_trace_context(value) -> dict[str, str]:
     out = {}
     for key, item in value.items():
         if not isinstance(key, str) or not isinstance(item, str):
-            raise ValueError(f"trace_context must map header names to strings, got {key!r}: {item!r}")
+            raise ValueError(
+                f"trace_context must map header names to strings, got {key!r}: {item!r}"
+            )
         out[key.lower()] = item
     if "traceparent" not in out:
         raise ValueError("trace_context needs a 'traceparent' entry (W3C trace context)")

@@ -41,8 +41,12 @@ class FileSpanExporter(SpanExporter):
         except OSError as exc:  # a full or read-only disk: spans are dropped, requests are not
             if not self._warned:
                 self._warned = True
-                logger.warning("engine: ENGINE_TRACE_FILE=%r cannot be written (%s); spans are dropped until it can "
-                               "(requests are served as usual)", self.path, exc)  # fmt: skip
+                logger.warning(
+                    "engine: ENGINE_TRACE_FILE=%r cannot be written (%s); spans are dropped until it can "
+                    "(requests are served as usual)",
+                    self.path,
+                    exc,
+                )
             return SpanExportResult.FAILURE
         self._warned = False  # written again: warn again at the next failure
         return SpanExportResult.SUCCESS

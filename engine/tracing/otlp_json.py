@@ -107,17 +107,36 @@ def records_from_dict(data: dict) -> list[SpanRecord]:
         for ss in rs.get("scopeSpans", []):
             for s in ss.get("spans", []):
                 status = s.get("status", {})
-                out.append(SpanRecord(
-                    trace_id=s.get("traceId", ""), span_id=s.get("spanId", ""),
-                    parent_span_id=s.get("parentSpanId", ""), name=s.get("name", ""),
-                    start_ns=int(s.get("startTimeUnixNano", 0)), end_ns=int(s.get("endTimeUnixNano", 0)),
-                    attributes=_attributes(s.get("attributes", [])), resource=resource,
-                    links=[{"trace_id": ln.get("traceId", ""), "span_id": ln.get("spanId", ""),
-                            "attributes": _attributes(ln.get("attributes", []))} for ln in s.get("links", [])],
-                    status_code=int(status.get("code", 0)), status_message=status.get("message", ""),
-                    events=[{"name": e.get("name", ""), "time_ns": int(e.get("timeUnixNano", 0)),
-                             "attributes": _attributes(e.get("attributes", []))} for e in s.get("events", [])],
-                ))  # fmt: skip
+                out.append(
+                    SpanRecord(
+                        trace_id=s.get("traceId", ""),
+                        span_id=s.get("spanId", ""),
+                        parent_span_id=s.get("parentSpanId", ""),
+                        name=s.get("name", ""),
+                        start_ns=int(s.get("startTimeUnixNano", 0)),
+                        end_ns=int(s.get("endTimeUnixNano", 0)),
+                        attributes=_attributes(s.get("attributes", [])),
+                        resource=resource,
+                        links=[
+                            {
+                                "trace_id": ln.get("traceId", ""),
+                                "span_id": ln.get("spanId", ""),
+                                "attributes": _attributes(ln.get("attributes", [])),
+                            }
+                            for ln in s.get("links", [])
+                        ],
+                        status_code=int(status.get("code", 0)),
+                        status_message=status.get("message", ""),
+                        events=[
+                            {
+                                "name": e.get("name", ""),
+                                "time_ns": int(e.get("timeUnixNano", 0)),
+                                "attributes": _attributes(e.get("attributes", [])),
+                            }
+                            for e in s.get("events", [])
+                        ],
+                    )
+                )
     return out
 
 

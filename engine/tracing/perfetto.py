@@ -56,35 +56,68 @@ def to_chrome_trace(spans: list[SpanRecord]) -> dict:
         processes[s.pid].append(s)
     for pid, group in processes.items():
         role = group[0].role
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{role} (pid {pid})"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": ROLE_ORDER.get(role, 9)}})
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{role} (pid {pid})"}}
+        )
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_sort_index",
+                "pid": pid,
+                "args": {"sort_index": ROLE_ORDER.get(role, 9)},
+            }
+        )
         steps = [s for s in group if _is_step(s)]
         others = [s for s in group if not _is_step(s)]
         lanes = _lanes(others)
         base = 1 if steps else 0
         if steps:
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "steps"}})
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "steps"}}
+            )
         for lane in range(max(lanes.values(), default=-1) + 1):
             tid = base + lane + 1
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"requests {lane + 1}"}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"name": f"requests {lane + 1}"},
+                }
+            )
         for s in group:
             tid = 1 if _is_step(s) else base + lanes[_group(s)] + 1
-            args = {"trace_id": s.trace_id, "span_id": s.span_id, **{k: _plain(v) for k, v in s.attributes.items()}}
+            args = {
+                "trace_id": s.trace_id,
+                "span_id": s.span_id,
+                **{k: _plain(v) for k, v in s.attributes.items()},
+            }
             if s.parent_span_id:
                 args["parent_span_id"] = s.parent_span_id
             if s.links:
                 args["links"] = len(s.links)
             if s.status_code == 2:
                 args["error"] = s.status_message or "error"
-            events.append({
-                "ph": "X", "name": s.name, "cat": s.role, "pid": pid, "tid": tid,
-                "ts": (s.start_ns - t0) / 1000.0, "dur": max(s.duration_ns, 0) / 1000.0, "args": args,
-            })  # fmt: skip
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s.name,
+                    "cat": s.role,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": (s.start_ns - t0) / 1000.0,
+                    "dur": max(s.duration_ns, 0) / 1000.0,
+                    "args": args,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"t0_unix_ns": t0}}
 
 
 def _plain(value):
-    return value if isinstance(value, (str, int, float, bool)) or value is None else json.dumps(value)
+    return (
+        value if isinstance(value, (str, int, float, bool)) or value is None else json.dumps(value)
+    )
 
 
 def write_chrome_trace(spans: list[SpanRecord], path: str) -> int:

@@ -24,7 +24,15 @@ import threading
 import time
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 from opentelemetry.trace import set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -34,7 +42,11 @@ from engine.tracing.context import parse_traceparent
 SCOPE = "engine"
 FLUSH_SECONDS = 4.0  # a child has 5 s to stop before it is terminated
 CUT = "engine.cut_by_shutdown"  # on the last span of a request the engine stopped before it finished here
-LINKED_STAGES = ("schedule", "forward", "sample")  # besides the step span: the stages that serve the batch
+LINKED_STAGES = (
+    "schedule",
+    "forward",
+    "sample",
+)  # besides the step span: the stages that serve the batch
 ENDED_KEPT = 4096  # user process: roots ended lately, for an engine_output that fails after the end
 _propagator = TraceContextTextMapPropagator()
 
@@ -46,7 +58,9 @@ def remote_span_context(headers: dict[str, str]) -> SpanContext | None:
         return None
     trace_id, span_id, flags = parsed
     state = TraceState.from_header([headers["tracestate"]]) if headers.get("tracestate") else None
-    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1), trace_state=state)
+    return SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1), trace_state=state
+    )
 
 
 def _parent_context(headers: dict[str, str]):
@@ -89,18 +103,24 @@ class TracingPlugin:
         self.provider = None
         self.tracer = None
         self.role = ""
-        self.model = ""  # the process's last engine's: only for a request that does not carry its own
+        self.model = (
+            ""  # the process's last engine's: only for a request that does not carry its own
+        )
         # spans a hook makes are made under it, so they are ended before the stop hook's flush or not made
         self.lock = threading.Lock()
         self.roots: dict[int, object] = {}  # user process: the request's seq -> its open root span
         # user process: seq -> the context of its ended root, for a failing engine_output (streams never
         # reach that hook, so the oldest are dropped)
         self.ended: collections.OrderedDict[int, SpanContext] = collections.OrderedDict()
-        self.detok: dict[str, tuple[int, dict, str]] = {}  # detokenizer: rid -> (first output ns, trace headers, rid)
+        self.detok: dict[
+            str, tuple[int, dict, str]
+        ] = {}  # detokenizer: rid -> (first output ns, trace headers, rid)
         # scheduler: every request from its arrival to its finish, whatever ENGINE_TRACE_STEPS keeps, so
         # the stop hook can make the spans of those a shutdown cuts off, queued ones too
         self.live: dict[str, object] = {}
-        self.links: dict[str, tuple] = {}  # scheduler: rid -> (link to its root span, Req), while it runs
+        self.links: dict[
+            str, tuple
+        ] = {}  # scheduler: rid -> (link to its root span, Req), while it runs
         self.stopped = False  # the stop hook made the spans of what was still running
         self.dirty = False  # user process: spans ended since the last flush
         self.step_every = 1  # scheduler: trace one step in this many (ENGINE_TRACE_STEPS; 0: none)
@@ -154,7 +174,9 @@ class TracingPlugin:
         at interpreter shutdown, where the user process's last flush runs), it flushes in this thread."""
         self.dirty = False
         if self.provider is not None:
-            worker = threading.Thread(target=self.provider.force_flush, name="engine-trace-flush", daemon=True)
+            worker = threading.Thread(
+                target=self.provider.force_flush, name="engine-trace-flush", daemon=True
+            )
             try:
                 worker.start()
             except RuntimeError:
@@ -165,21 +187,32 @@ class TracingPlugin:
     # ------------------------------------------------------------------ user process
 
     @hookimpl
-    def engine_request_submitted(self, rid: str, request, sampling, trace_context: dict, seq: int) -> None:
+    def engine_request_submitted(
+        self, rid: str, request, sampling, trace_context: dict, seq: int
+    ) -> None:
         if self.tracer is None:
             return
-        parent = _propagator.extract(trace_context) if "traceparent" in trace_context else None  # None: current
+        parent = (
+            _propagator.extract(trace_context) if "traceparent" in trace_context else None
+        )  # None: current
         operation = "chat" if request.messages is not None else "text_completion"
         model = getattr(request, "model", "") or self.model  # the request's own engine's model
         attrs = _request_attributes(sampling, model, operation)
         attrs["engine.request_id"] = attrs["gen_ai.response.id"] = rid
         start = request.tokenize_start_ns or time.time_ns()
-        root = self.tracer.start_span(f"{operation} {model}".strip(), context=parent, attributes=attrs, start_time=start)
+        root = self.tracer.start_span(
+            f"{operation} {model}".strip(), context=parent, attributes=attrs, start_time=start
+        )
         ctx = set_span_in_context(root)
         tokenize = self.tracer.start_span(
-            "tokenize", context=ctx, start_time=start,
-            attributes={"engine.request_id": rid, "gen_ai.usage.input_tokens": len(request.input_ids or ())},
-        )  # fmt: skip
+            "tokenize",
+            context=ctx,
+            start_time=start,
+            attributes={
+                "engine.request_id": rid,
+                "gen_ai.usage.input_tokens": len(request.input_ids or ()),
+            },
+        )
         tokenize.end(end_time=request.tokenize_end_ns or time.time_ns())
         for key in ("traceparent", "tracestate"):
             trace_context.pop(key, None)
@@ -195,17 +228,30 @@ class TracingPlugin:
         if root is None:
             return
         finish = meta_info.get("finish_reason") or {}
-        root.set_attributes({
-            "gen_ai.usage.input_tokens": meta_info.get("prompt_tokens", 0),
-            "gen_ai.usage.output_tokens": meta_info.get("completion_tokens", 0),
-            "gen_ai.response.finish_reasons": [finish.get("type", "error" if error else "unknown")],
-            "engine.cached_tokens": meta_info.get("cached_tokens", 0),
-            "engine.time_to_first_token_s": float(meta_info.get("first_token_latency", 0.0)),
-        })  # fmt: skip
+        root.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": meta_info.get("prompt_tokens", 0),
+                "gen_ai.usage.output_tokens": meta_info.get("completion_tokens", 0),
+                "gen_ai.response.finish_reasons": [
+                    finish.get("type", "error" if error else "unknown")
+                ],
+                "engine.cached_tokens": meta_info.get("cached_tokens", 0),
+                "engine.time_to_first_token_s": float(meta_info.get("first_token_latency", 0.0)),
+            }
+        )
         if "beam_width" in meta_info:  # a beam search
-            root.set_attributes({"engine.beam.width": meta_info["beam_width"], "engine.beam.steps": meta_info["steps"]})
-        if error is not None:  # never sent (a later hook or check failed), or the engine stopped first
-            _set_error(root, error, "not_sent" if error.startswith("not sent:") else "engine_stopped")
+            root.set_attributes(
+                {
+                    "engine.beam.width": meta_info["beam_width"],
+                    "engine.beam.steps": meta_info["steps"],
+                }
+            )
+        if (
+            error is not None
+        ):  # never sent (a later hook or check failed), or the engine stopped first
+            _set_error(
+                root, error, "not_sent" if error.startswith("not sent:") else "engine_stopped"
+            )
         elif finish.get("type") == "abort":
             _set_error(root, str(finish.get("message", "aborted")))
         root.end()
@@ -228,8 +274,12 @@ class TracingPlugin:
         except HookError as exc:
             if sc is not None and self.tracer is not None:
                 rid = result.get("meta_info", {}).get("id", "")
-                span = self.tracer.start_span("output", context=set_span_in_context(NonRecordingSpan(sc)),
-                                              start_time=start, attributes={"engine.request_id": rid})  # fmt: skip
+                span = self.tracer.start_span(
+                    "output",
+                    context=set_span_in_context(NonRecordingSpan(sc)),
+                    start_time=start,
+                    attributes={"engine.request_id": rid},
+                )
                 _set_error(span, str(exc))
                 span.end()
                 self.dirty = True
@@ -242,7 +292,10 @@ class TracingPlugin:
         entry = self.links.get(req.rid)
         if entry is None:
             sc = remote_span_context(req.trace_context)
-            entry = (None if sc is None else Link(sc), req)  # no link attributes: they triple a link's cost
+            entry = (
+                None if sc is None else Link(sc),
+                req,
+            )  # no link attributes: they triple a link's cost
             if req.finished is None:  # cached while it runs; dropped when it finishes
                 self.links[req.rid] = entry
         return entry[0]
@@ -265,7 +318,9 @@ class TracingPlugin:
                 return
             if self.live.get(req.rid) is req:  # a rid reused after this one is another request
                 del self.live[req.rid]
-            self._request_spans(req, finish_reason)  # under the lock: before the stop hook's flush, not after
+            self._request_spans(
+                req, finish_reason
+            )  # under the lock: before the stop hook's flush, not after
 
     def _request_spans(self, req, finish_reason: dict | None) -> None:
         """queue, prefill, decode from the request's recorded times; finish_reason None: cut by shutdown."""
@@ -275,18 +330,40 @@ class TracingPlugin:
         queue_end = req.admitted_ns or now
         stages = [("queue", req.arrived_ns or queue_end, queue_end, {"engine.request_id": rid})]
         if req.admitted_ns:
-            stages.append(("prefill", req.admitted_ns, req.first_token_ns or now, {
-                "engine.request_id": rid, "gen_ai.usage.input_tokens": req.prompt_len,
-                "engine.cached_tokens": req.cached_tokens,
-            }))  # fmt: skip
+            stages.append(
+                (
+                    "prefill",
+                    req.admitted_ns,
+                    req.first_token_ns or now,
+                    {
+                        "engine.request_id": rid,
+                        "gen_ai.usage.input_tokens": req.prompt_len,
+                        "engine.cached_tokens": req.cached_tokens,
+                    },
+                )
+            )
         if req.beam is not None and req.first_token_ns:  # one span for the whole search
-            stages.append(("beam_search", req.first_token_ns, now, {
-                "engine.request_id": rid, "engine.beam.width": req.beam.width, "engine.beam.steps": req.beam_steps,
-                "gen_ai.response.finish_reasons": [kind],
-            }))  # fmt: skip
-        elif req.first_token_ns and (len(req.output_ids) > 1 or kind != "stop" and kind != "length"):
-            decode = {"engine.request_id": rid, "gen_ai.usage.output_tokens": len(req.output_ids),
-                      "engine.retractions": max(req.admissions - 1, 0)}  # fmt: skip
+            stages.append(
+                (
+                    "beam_search",
+                    req.first_token_ns,
+                    now,
+                    {
+                        "engine.request_id": rid,
+                        "engine.beam.width": req.beam.width,
+                        "engine.beam.steps": req.beam_steps,
+                        "gen_ai.response.finish_reasons": [kind],
+                    },
+                )
+            )
+        elif req.first_token_ns and (
+            len(req.output_ids) > 1 or kind != "stop" and kind != "length"
+        ):
+            decode = {
+                "engine.request_id": rid,
+                "gen_ai.usage.output_tokens": len(req.output_ids),
+                "engine.retractions": max(req.admissions - 1, 0),
+            }
             if finish_reason is not None:
                 decode["gen_ai.response.finish_reasons"] = [kind]
             stages.append(("decode", req.first_token_ns, now, decode))
@@ -309,29 +386,42 @@ class TracingPlugin:
         if step.error is None and (not self.step_every or self.steps_seen % self.step_every):
             return  # one step in step_every (0: none), and every failed step
         with self.lock:  # the stop hook sets `stopped` under this lock, then flushes: a step ends
-            if not self.stopped:  # wholly before that flush, or is not traced (the process exits after it)
+            if (
+                not self.stopped
+            ):  # wholly before that flush, or is not traced (the process exits after it)
                 self._step_spans(step)
 
     def _step_spans(self, step) -> None:
         links = [link for link in map(self._link, step.reqs) if link is not None]
-        attrs = {"engine.step.mode": step.mode, "engine.batch_size": len(step.reqs), "engine.step.tokens": step.tokens}
+        attrs = {
+            "engine.step.mode": step.mode,
+            "engine.batch_size": len(step.reqs),
+            "engine.step.tokens": step.tokens,
+        }
         root = self.tracer.start_span(
-            f"{step.mode} step", context=otel_context.Context(), start_time=step.schedule_start_ns,
-            attributes={**attrs, "engine.request_ids": [r.rid for r in step.reqs]}, links=links,
-        )  # fmt: skip
+            f"{step.mode} step",
+            context=otel_context.Context(),
+            start_time=step.schedule_start_ns,
+            attributes={**attrs, "engine.request_ids": [r.rid for r in step.reqs]},
+            links=links,
+        )
         if not root.is_recording():
             return
         ctx = set_span_in_context(root)
         end = step.end_ns
-        stages = [("schedule", step.schedule_start_ns, step.forward_start_ns),
-                  ("forward", step.forward_start_ns, step.sample_start_ns or end)]  # fmt: skip
+        stages = [
+            ("schedule", step.schedule_start_ns, step.forward_start_ns),
+            ("forward", step.forward_start_ns, step.sample_start_ns or end),
+        ]
         if step.sample_start_ns is not None:
             stages.append(("sample", step.sample_start_ns, step.results_start_ns or end))
         if step.results_start_ns is not None:
             stages.append(("process_results", step.results_start_ns, end))
         for name, start, stop in stages:
             linked = links if name in LINKED_STAGES else None
-            span = self.tracer.start_span(name, context=ctx, start_time=start, attributes=attrs, links=linked)
+            span = self.tracer.start_span(
+                name, context=ctx, start_time=start, attributes=attrs, links=linked
+            )
             if step.error is not None and name == stages[-1][0]:
                 _set_error(span, step.error, "step_failed")
             span.end(end_time=stop)
@@ -355,18 +445,26 @@ class TracingPlugin:
                         self.detok[rid] = (now, header.trace_context, rid)
             for i in [i for i, f in enumerate(output.finished) if f is not None]:
                 started = self.detok.pop(output.rids[i], None)
-                if started is not None:  # its span made under the lock: before the stop hook's flush
+                if (
+                    started is not None
+                ):  # its span made under the lock: before the stop hook's flush
                     start, headers, rid = started
-                    self._detokenize_span(rid, start, headers, output.finished[i], output.meta[i], now)
+                    self._detokenize_span(
+                        rid, start, headers, output.finished[i], output.meta[i], now
+                    )
 
-    def _detokenize_span(self, rid: str, start: int, headers: dict, finish, meta, end: int | None = None) -> None:
+    def _detokenize_span(
+        self, rid: str, start: int, headers: dict, finish, meta, end: int | None = None
+    ) -> None:
         parent = _parent_context(headers)
         attrs: dict = {"engine.request_id": rid}
         if finish is not None:
             attrs["gen_ai.response.finish_reasons"] = [finish.type]
         if meta is not None:
             attrs["gen_ai.usage.output_tokens"] = meta.completion_tokens
-        span = self.tracer.start_span("detokenize", context=parent, start_time=start, attributes=attrs)
+        span = self.tracer.start_span(
+            "detokenize", context=parent, start_time=start, attributes=attrs
+        )
         if finish is None:
             span.set_attribute(CUT, True)
         elif finish.type == "abort":

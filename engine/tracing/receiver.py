@@ -26,8 +26,14 @@ ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 class OTLPReceiver:
     """with OTLPReceiver() as rx: ... rx.grpc_endpoint, rx.http_endpoint, rx.spans()"""
 
-    def __init__(self, grpc_port: int = 0, http_port: int = 0, out_path: str | None = None, host: str = "127.0.0.1",
-                 keep: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        grpc_port: int = 0,
+        http_port: int = 0,
+        out_path: str | None = None,
+        host: str = "127.0.0.1",
+        keep: bool = True,
+    ) -> None:
         """keep=False: the messages are written to out_path (if any) and counted, not kept (`engine trace
         receive`, which may run for days: spans() then has nothing)."""
         self.host = host
@@ -45,15 +51,21 @@ class OTLPReceiver:
         try:  # grpcio raises RuntimeError for a port in use (older versions returned 0)
             self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
         except RuntimeError as exc:
-            raise OSError(f"cannot listen for OTLP/gRPC on {host}:{grpc_port} (in use?): {exc}") from None
+            raise OSError(
+                f"cannot listen for OTLP/gRPC on {host}:{grpc_port} (in use?): {exc}"
+            ) from None
         if not self.grpc_port:
             raise OSError(f"cannot listen for OTLP/gRPC on {host}:{grpc_port}")
         try:
             self._http = ThreadingHTTPServer((host, http_port), _handler(self))
         except OSError as exc:
-            raise OSError(f"cannot listen for OTLP/HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
+            raise OSError(
+                f"cannot listen for OTLP/HTTP on {host}:{http_port}: {exc.strerror or exc}"
+            ) from None
         self.http_port = self._http.server_address[1]
-        self._http_thread = threading.Thread(target=self._http.serve_forever, name="otlp-http", daemon=True)
+        self._http_thread = threading.Thread(
+            target=self._http.serve_forever, name="otlp-http", daemon=True
+        )
 
     @property
     def grpc_endpoint(self) -> str:
@@ -147,7 +159,9 @@ def _handler(receiver: OTLPReceiver):
             if body is None:
                 return
             encoding = (self.headers.get("Content-Encoding") or "").lower()
-            as_json = "json" in (self.headers.get("Content-Type") or "")  # the reply is encoded the same way
+            as_json = "json" in (
+                self.headers.get("Content-Type") or ""
+            )  # the reply is encoded the same way
             request = ExportRequest()
             try:
                 if encoding == "gzip":
@@ -161,7 +175,11 @@ def _handler(receiver: OTLPReceiver):
                 else:
                     request.ParseFromString(body)
             except Exception as exc:  # noqa: BLE001 - a bad body is the client's problem
-                self._reply(400, as_json, status_pb2.Status(code=3, message=f"not an ExportTraceServiceRequest: {exc}"))
+                self._reply(
+                    400,
+                    as_json,
+                    status_pb2.Status(code=3, message=f"not an ExportTraceServiceRequest: {exc}"),
+                )
                 return
             receiver.add(request, "http")
             self._reply(200, as_json, trace_service_pb2.ExportTraceServiceResponse())
@@ -176,7 +194,9 @@ def _handler(receiver: OTLPReceiver):
                     try:
                         size = int(line, 16)
                     except ValueError:
-                        self.send_error(400, f"chunk size {line[:32]!r} is not a hexadecimal length")
+                        self.send_error(
+                            400, f"chunk size {line[:32]!r} is not a hexadecimal length"
+                        )
                         return None
                     if size == 0:
                         while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
@@ -197,7 +217,10 @@ def _handler(receiver: OTLPReceiver):
             """OTLP/HTTP: the response's Content-Type is the request's (JSON or protobuf); an error
             carries a google.rpc.Status."""
             if as_json:
-                body, kind = json.dumps(json_format.MessageToDict(message)).encode(), "application/json"
+                body, kind = (
+                    json.dumps(json_format.MessageToDict(message)).encode(),
+                    "application/json",
+                )
             else:
                 body, kind = message.SerializeToString(), "application/x-protobuf"
             self.send_response(code)

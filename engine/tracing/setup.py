@@ -39,7 +39,9 @@ def _env(*names: str, default: str = "") -> str:
 
 
 def _otlp_exporter() -> SpanExporter:
-    protocol = _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL", default="grpc").lower()
+    protocol = _env(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL", default="grpc"
+    ).lower()
     return _otlp_for(protocol)
 
 
@@ -63,7 +65,10 @@ def make_exporters() -> list[SpanExporter]:
     from engine.tracing.file_exporter import FileSpanExporter
 
     path = envvars.read(FILE_ENV)
-    names = [n.strip().lower() for n in _env("OTEL_TRACES_EXPORTER", default="none" if path else "otlp").split(",")]
+    names = [
+        n.strip().lower()
+        for n in _env("OTEL_TRACES_EXPORTER", default="none" if path else "otlp").split(",")
+    ]
     exporters: list[SpanExporter] = []
     for name in names:
         if name == "otlp":
@@ -86,7 +91,9 @@ def step_sampling() -> int:
     """ENGINE_TRACE_STEPS: trace one step in this many (0: none). Failed steps are always traced."""
     raw = envvars.read(STEPS_ENV) or "1"
     if not raw.isdigit():
-        raise ValueError(f"{STEPS_ENV}={raw!r}: give a whole number of steps (1: every step, 0: none)")
+        raise ValueError(
+            f"{STEPS_ENV}={raw!r}: give a whole number of steps (1: every step, 0: none)"
+        )
     return int(raw)
 
 
@@ -101,8 +108,12 @@ def make_resource(role: str, pid: int) -> Resource:
 def make_provider(role: str, pid: int) -> TracerProvider:
     # no shutdown at interpreter exit: spans of requests that the engine's own exit handler ends would
     # be dropped by a provider shut down before it; the plugin flushes instead
-    limits = None if os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT") else SpanLimits(max_links=MAX_LINKS)
-    provider = TracerProvider(resource=make_resource(role, pid), shutdown_on_exit=False, span_limits=limits)
+    limits = (
+        None if os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT") else SpanLimits(max_links=MAX_LINKS)
+    )
+    provider = TracerProvider(
+        resource=make_resource(role, pid), shutdown_on_exit=False, span_limits=limits
+    )
     for exporter in make_exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider

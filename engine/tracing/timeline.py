@@ -16,11 +16,22 @@ ERROR = (217, 48, 37)
 
 def request_traces(spans: list[SpanRecord]) -> list[tuple[str, str, str]]:
     """(trace id, request id, root span name) of every request trace, in start order."""
-    roots = [s for s in spans if "engine.request_id" in s.attributes and s.role == "user" and "gen_ai.operation.name" in s.attributes]
-    return [(s.trace_id, str(s.attributes["engine.request_id"]), s.name) for s in sorted(roots, key=lambda s: s.start_ns)]
+    roots = [
+        s
+        for s in spans
+        if "engine.request_id" in s.attributes
+        and s.role == "user"
+        and "gen_ai.operation.name" in s.attributes
+    ]
+    return [
+        (s.trace_id, str(s.attributes["engine.request_id"]), s.name)
+        for s in sorted(roots, key=lambda s: s.start_ns)
+    ]
 
 
-def pick(spans: list[SpanRecord], request_id: str | None = None, trace_id: str | None = None) -> tuple[str, str | None]:
+def pick(
+    spans: list[SpanRecord], request_id: str | None = None, trace_id: str | None = None
+) -> tuple[str, str | None]:
     """(trace id, request id or None: the whole trace) to draw; default the first request."""
     traces = request_traces(spans)
     if trace_id:
@@ -34,7 +45,9 @@ def pick(spans: list[SpanRecord], request_id: str | None = None, trace_id: str |
         listed = ", ".join(r for _, r, _ in traces[:10]) + (", ..." if len(traces) > 10 else "")
         raise ValueError(f"no request {request_id!r} in the file (requests: {listed or 'none'})")
     if not traces:
-        raise ValueError("no request trace in the file (is it from an engine run with ENGINE_TRACING=1?)")
+        raise ValueError(
+            "no request trace in the file (is it from an engine run with ENGINE_TRACING=1?)"
+        )
     return traces[0][0], traces[0][1]
 
 
@@ -62,16 +75,30 @@ def _font(size: int):
         return ImageFont.load_default()
 
 
-def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = None, trace_id: str | None = None,
-                  width: int = 1400) -> str:  # fmt: skip
+def draw_timeline(
+    spans: list[SpanRecord],
+    path: str,
+    request_id: str | None = None,
+    trace_id: str | None = None,
+    width: int = 1400,
+) -> str:
     """Draw the chosen request's spans (default: the first request), or a whole trace, to `path`;
     returns the trace id. Requests sharing a caller's trace are told apart by their request id."""
     tid, rid = pick(spans, request_id, trace_id)
-    mine = [s for s in spans if s.trace_id == tid and (rid is None or s.attributes.get("engine.request_id") == rid)]
+    mine = [
+        s
+        for s in spans
+        if s.trace_id == tid and (rid is None or s.attributes.get("engine.request_id") == rid)
+    ]
     rows = _tree(mine)
     span_ids = {s.span_id for s in mine}
-    steps = [s for s in spans if "engine.step.mode" in s.attributes and not s.parent_span_id
-             and any(ln["trace_id"] == tid and ln["span_id"] in span_ids for ln in s.links)]  # fmt: skip
+    steps = [
+        s
+        for s in spans
+        if "engine.step.mode" in s.attributes
+        and not s.parent_span_id
+        and any(ln["trace_id"] == tid and ln["span_id"] in span_ids for ln in s.links)
+    ]
     t0 = min(s.start_ns for s in mine)
     t1 = max([s.end_ns for s in mine] + [s.end_ns for s in steps])
     span_ns = max(t1 - t0, 1)
@@ -91,7 +118,14 @@ def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = N
     d.text((pad, 12), f"{root.name}   request {shown}   trace {tid}", fill="black", font=font)
     # time axis: about 8 ticks at a round number of ms
     total_ms = span_ns / 1e6
-    step_ms = next((m for m in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000) if total_ms / m <= 8), 20000)
+    step_ms = next(
+        (
+            m
+            for m in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+            if total_ms / m <= 8
+        ),
+        20000,
+    )
     axis_y = top + n_rows * row_h + 8
     d.line([(label_w, axis_y), (label_w + plot_w, axis_y)], fill="black")
     tick = 0.0
@@ -107,7 +141,12 @@ def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = N
         d.text((pad + depth * 16, y + 5), name, fill="black", font=font)
         d.text((label_w - 95, y + 6), f"{s.role}", fill=color, font=small)
         x0, x1 = x(s.start_ns), max(x(s.end_ns), x(s.start_ns) + 2)
-        d.rectangle([x0, y + 4, x1, y + row_h - 4], fill=color, outline=ERROR if s.status_code == 2 else None, width=2)
+        d.rectangle(
+            [x0, y + 4, x1, y + row_h - 4],
+            fill=color,
+            outline=ERROR if s.status_code == 2 else None,
+            width=2,
+        )
         ms = s.duration_ns / 1e6
         label = f"{ms:.1f} ms" if ms >= 0.1 else f"{s.duration_ns / 1e3:.0f} us"
         if x1 + 70 < label_w + plot_w:
@@ -124,8 +163,15 @@ def draw_timeline(spans: list[SpanRecord], path: str, request_id: str | None = N
             color = STEP_COLORS.get(str(s.attributes.get("engine.step.mode")), (128, 128, 128))
             if k % 2:  # every other step a shade lighter, so neighbours stay apart at any scale
                 color = tuple(min(255, c + 45) for c in color)
-            d.rectangle([x(s.start_ns), y + 4, max(x(s.end_ns) - 1, x(s.start_ns) + 1), y + row_h - 4], fill=color)
-    legend = [("user", COLORS["user"]), ("scheduler", COLORS["scheduler"]), ("detokenizer", COLORS["detokenizer"])]
+            d.rectangle(
+                [x(s.start_ns), y + 4, max(x(s.end_ns) - 1, x(s.start_ns) + 1), y + row_h - 4],
+                fill=color,
+            )
+    legend = [
+        ("user", COLORS["user"]),
+        ("scheduler", COLORS["scheduler"]),
+        ("detokenizer", COLORS["detokenizer"]),
+    ]
     if steps:
         legend += [("prefill step", STEP_COLORS["prefill"]), ("decode step", STEP_COLORS["decode"])]
     lx = label_w

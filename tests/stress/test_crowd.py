@@ -9,7 +9,15 @@ import asyncio
 
 import pytest
 
-from engine.bench.crowd import busy, greedy_alone, greedy_mismatches, make_crowd, problems, run_crowd, wait_idle
+from engine.bench.crowd import (
+    busy,
+    greedy_alone,
+    greedy_mismatches,
+    make_crowd,
+    problems,
+    run_crowd,
+    wait_idle,
+)
 from engine.bench.prompts import build_corpus
 
 
@@ -18,7 +26,9 @@ def corpus_ids(tokenizer) -> list[int]:
     return tokenizer(build_corpus()[:60_000])["input_ids"]
 
 
-def check_crowd(engine, tokenizer, corpus_ids, n: int, seed: int, max_prompt: int | None = None) -> None:
+def check_crowd(
+    engine, tokenizer, corpus_ids, n: int, seed: int, max_prompt: int | None = None
+) -> None:
     specs = make_crowd(n, seed, corpus_ids, len(tokenizer), max_prompt=max_prompt)
     before = engine.get_stats()
     outcomes, wall = asyncio.run(run_crowd(engine, specs))
@@ -29,14 +39,18 @@ def check_crowd(engine, tokenizer, corpus_ids, n: int, seed: int, max_prompt: in
     done = stats["finished_requests"] - before["finished_requests"]
     aborted = stats["aborted_requests"] - before["aborted_requests"]
     samples = sum(s.params.get("n", 1) for s in specs)
-    assert done + aborted >= samples - sum(o.cancelled or (o.spec.early == "leave_stream") for o in outcomes)
+    assert done + aborted >= samples - sum(
+        o.cancelled or (o.spec.early == "leave_stream") for o in outcomes
+    )
     alone = greedy_alone(engine, specs)
     assert len(alone) >= n // 5  # the mix keeps a third greedy
     mismatched = greedy_mismatches(outcomes, alone)
     assert not mismatched, "\n".join(mismatched[:10])
     early = [o for o in outcomes if o.spec.early]
     assert len(early) >= n // 20 and any(o.cancelled for o in early)
-    assert engine.flush_cache() >= 0 and engine.get_stats()["free_tokens"] == stats["max_total_tokens"]
+    assert (
+        engine.flush_cache() >= 0 and engine.get_stats()["free_tokens"] == stats["max_total_tokens"]
+    )
 
 
 def test_a_crowd_ends_every_request_once_and_leaves_nothing_behind(engine, tokenizer, corpus_ids):
@@ -59,7 +73,9 @@ def test_stats_are_idle_at_once_after_requests_that_end_in_their_prefill(engine)
 
 
 def test_a_crowd_capped_for_short_runs_draws_only_short_prompts():
-    lengths = {len(s.input_ids) for s in make_crowd(200, 3, list(range(1000)), 49152, max_prompt=80)}
+    lengths = {
+        len(s.input_ids) for s in make_crowd(200, 3, list(range(1000)), 49152, max_prompt=80)
+    }
     assert max(lengths) == 80 and min(lengths) == 1
     with pytest.raises(ValueError, match="max_prompt must be at least 1, got 0"):
         make_crowd(1, 0, [1], 10, max_prompt=0)

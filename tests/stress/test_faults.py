@@ -20,23 +20,54 @@ from engine.errors import EngineDeadError
 from engine.hooks import HookError
 from engine.hooks.loader import unload_plugins
 
-PLUGIN = "raising_plugin:"  # the module itself (tests/stress is on sys.path, which the children inherit)
-PER_REQUEST_HOOKS = ("engine_tokenize_before", "engine_tokenize_after", "engine_request_submitted", "engine_schedule",
-                     "engine_request_admitted", "engine_forward_before", "engine_forward_after", "engine_process_logits",
-                     "engine_sample_after", "engine_step_end", "engine_request_finished", "engine_detokenize",
-                     "engine_detokenize_after", "engine_detokenize_output", "engine_output", "engine_request_done",
-                     "engine_stats", "engine_beam_step")  # fmt: skip
+PLUGIN = (
+    "raising_plugin:"  # the module itself (tests/stress is on sys.path, which the children inherit)
+)
+PER_REQUEST_HOOKS = (
+    "engine_tokenize_before",
+    "engine_tokenize_after",
+    "engine_request_submitted",
+    "engine_schedule",
+    "engine_request_admitted",
+    "engine_forward_before",
+    "engine_forward_after",
+    "engine_process_logits",
+    "engine_sample_after",
+    "engine_step_end",
+    "engine_request_finished",
+    "engine_detokenize",
+    "engine_detokenize_after",
+    "engine_detokenize_output",
+    "engine_output",
+    "engine_request_done",
+    "engine_stats",
+    "engine_beam_step",
+)
 PARAMS = {"max_new_tokens": 6, "temperature": 0}
 # What each fault does to its request. The call raises for the user process's hooks before anything is
 # queued; the request aborts, naming the hook, where the hook's result was needed; the request completes
 # and the error is printed where the hook only watches what already happened; engine_stats's error is
 # recorded in the figures, in place of that plugin's own (docs/plugins.md).
-EXPECTED = {"engine_tokenize_before": "raised", "engine_tokenize_after": "raised", "engine_request_submitted": "raised",
-            "engine_schedule": "abort", "engine_request_admitted": "abort", "engine_forward_before": "abort",
-            "engine_forward_after": "abort", "engine_process_logits": "abort", "engine_sample_after": "abort",
-            "engine_step_end": "length", "engine_request_finished": "length", "engine_detokenize": "abort",
-            "engine_detokenize_after": "abort", "engine_detokenize_output": "length", "engine_output": "abort",
-            "engine_request_done": "length", "engine_stats": "recorded", "engine_beam_step": "abort"}  # fmt: skip
+EXPECTED = {
+    "engine_tokenize_before": "raised",
+    "engine_tokenize_after": "raised",
+    "engine_request_submitted": "raised",
+    "engine_schedule": "abort",
+    "engine_request_admitted": "abort",
+    "engine_forward_before": "abort",
+    "engine_forward_after": "abort",
+    "engine_process_logits": "abort",
+    "engine_sample_after": "abort",
+    "engine_step_end": "length",
+    "engine_request_finished": "length",
+    "engine_detokenize": "abort",
+    "engine_detokenize_after": "abort",
+    "engine_detokenize_output": "length",
+    "engine_output": "abort",
+    "engine_request_done": "length",
+    "engine_stats": "recorded",
+    "engine_beam_step": "abort",
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +92,19 @@ def outcome(eng, hook: str) -> str:
             reason = out["meta_info"]["finish_reason"]
             assert reason["type"] != "abort" or hook in reason["message"], reason
             return reason["type"]
-        if hook == "engine_stats":  # a plugin's error is its entry in the figures; the others' stay (docs/plugins.md)
+        if (
+            hook == "engine_stats"
+        ):  # a plugin's error is its entry in the figures; the others' stay (docs/plugins.md)
             plugins = eng.get_stats()["plugins"]
-            errors = [entry["error"] for figures in plugins.values() for entry in figures.values()
-                      if isinstance(entry, dict) and "error" in entry]  # fmt: skip
-            assert len(errors) == len(plugins) == 3, plugins  # the plugin runs in all three processes
+            errors = [
+                entry["error"]
+                for figures in plugins.values()
+                for entry in figures.values()
+                if isinstance(entry, dict) and "error" in entry
+            ]
+            assert len(errors) == len(plugins) == 3, (
+                plugins
+            )  # the plugin runs in all three processes
             assert all(hook in e and "on purpose" in e for e in errors), errors
             return "recorded"
         out = eng.generate("Hello there", PARAMS)
@@ -82,24 +121,34 @@ def test_a_plugin_raising_in_each_hook_in_turn(faulty, hook):
     eng, control = faulty
     control.write_text(hook)
     try:
-        met = outcome(eng, hook)  # returns: a clear error or a result, never a hang (pytest's timeout is the CI's)
+        met = outcome(
+            eng, hook
+        )  # returns: a clear error or a result, never a hang (pytest's timeout is the CI's)
     finally:
         control.write_text("")
-    assert met == EXPECTED[hook], (hook, met)  # an unloaded plugin would show as "length" everywhere
+    assert met == EXPECTED[hook], (
+        hook,
+        met,
+    )  # an unloaded plugin would show as "length" everywhere
     assert eng.alive
     out = eng.generate("Hello there", PARAMS)  # the engine serves on
     assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
     assert not busy(wait_idle(eng, timeout=10))
 
 
-@pytest.mark.parametrize("processor,ends", [("nan_logits", "served"), ("wrong_shape", "abort"), ("not_a_tensor", "abort")])
+@pytest.mark.parametrize(
+    "processor,ends",
+    [("nan_logits", "served"), ("wrong_shape", "abort"), ("not_a_tensor", "abort")],
+)
 def test_a_misbehaving_logit_processor_harms_only_its_request(faulty, processor, ends):
     """NaN logits still give ids of the vocabulary; a wrong shape or no tensor fails the request, naming
     the processor; its neighbour in the same batch is unharmed, and equal to it run alone."""
     eng, _ = faulty
     plain = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     alone = eng.generate("Hello there", plain)["output_ids"]
-    outs = eng.generate(["Hello there", "Hello there"], [dict(plain, custom_logit_processor=processor), plain])
+    outs = eng.generate(
+        ["Hello there", "Hello there"], [dict(plain, custom_logit_processor=processor), plain]
+    )
     bad, good = outs
     assert good["output_ids"] == alone and good["meta_info"]["finish_reason"]["type"] == "length"
     if ends == "served":
@@ -114,7 +163,12 @@ def test_a_misbehaving_logit_processor_harms_only_its_request(faulty, processor,
 def _generate_in_thread(eng, results: list, n: int = 48) -> threading.Thread:
     def run() -> None:
         try:
-            results.append(eng.generate(["Once upon a time"] * 3, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}))
+            results.append(
+                eng.generate(
+                    ["Once upon a time"] * 3,
+                    {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results.append(exc)
 
@@ -159,7 +213,9 @@ def test_a_stopped_child_does_not_hang_shutdown(tiny_llama_dir, role):
     took = time.monotonic() - start
     thread.join(30)
     assert not thread.is_alive() and results
-    assert isinstance(results[0], EngineDeadError) or all(o["meta_info"]["finish_reason"]["type"] == "length" for o in results[0])
+    assert isinstance(results[0], EngineDeadError) or all(
+        o["meta_info"]["finish_reason"]["type"] == "length" for o in results[0]
+    )
     for name in ("scheduler", "detokenizer"):
         assert not _alive(pids[name]), f"{name} left behind after shutdown ({took:.1f} s)"
 
@@ -169,7 +225,11 @@ def test_detokenizer_sigkill_mid_generation_raises_engine_dead_and_leaves_nothin
     let a fast machine finish the whole generation before the kill)."""
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
     try:
-        stream = eng.generate("Once upon a time", {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}, stream=True)
+        stream = eng.generate(
+            "Once upon a time",
+            {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True},
+            stream=True,
+        )
         first = next(stream)
         assert first["meta_info"]["finish_reason"] is None, first
         pids = dict(eng.pids)
@@ -178,7 +238,9 @@ def test_detokenizer_sigkill_mid_generation_raises_engine_dead_and_leaves_nothin
         with pytest.raises(EngineDeadError, match="detokenizer"):
             for chunk in stream:
                 got.append(chunk)
-        assert not got or got[-1]["meta_info"]["finish_reason"] is None, got[-1]  # it never claims to have finished
+        assert not got or got[-1]["meta_info"]["finish_reason"] is None, got[
+            -1
+        ]  # it never claims to have finished
         with pytest.raises(EngineDeadError):
             eng.generate("Hi", {"max_new_tokens": 2})
     finally:
@@ -202,7 +264,9 @@ def test_children_stopped_at_random_points_many_times(tiny_llama_dir):
     """The short form's stop-and-resume, twenty times at random points, both children in turn."""
     rng = random.Random(7)
     with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024) as eng:
-        want = eng.generate(["Once upon a time"] * 3, {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
+        want = eng.generate(
+            ["Once upon a time"] * 3, {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+        )
         for attempt in range(20):
             results: list = []
             thread = _generate_in_thread(eng, results)

@@ -29,16 +29,30 @@ SECRET_PROMPT = "purple-elephant-7731 says"
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir):
-    srv = start_server("--model-path", tiny_llama_dir, "--context-length", "96", "--max-total-tokens", "8192",
-                       "--api-key", KEY, "--served-model-name", "tiny")  # fmt: skip
+    srv = start_server(
+        "--model-path",
+        tiny_llama_dir,
+        "--context-length",
+        "96",
+        "--max-total-tokens",
+        "8192",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+    )
     yield srv
     assert stop_server(srv) == 0, srv.output()[-3000:]
     out = srv.output()
-    assert KEY not in out and SECRET_PROMPT not in out, "the key or a prompt reached the server's output"
+    assert KEY not in out and SECRET_PROMPT not in out, (
+        "the key or a prompt reached the server's output"
+    )
 
 
 def stats(server) -> dict:
-    return httpx.get(server.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    return httpx.get(
+        server.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    ).json()
 
 
 async def wait_idle(server, timeout: float = 30.0) -> dict:
@@ -56,9 +70,16 @@ def http_crowd(n: int, seed: int) -> list[dict]:
     words = "the a cat dog sat on mat under tree river blue green seven quickly".split()
     specs = []
     for i in range(n):
-        text = SECRET_PROMPT + " " + " ".join(rng.choice(words) for _ in range(rng.choice((1, 5, 20, 50))))
-        body = {"max_tokens": rng.choice((1, 4, 12)), "temperature": 0.0 if rng.random() < 0.35 else rng.choice((0.7, 1.0)),
-                "seed": rng.randrange(1000)}  # fmt: skip
+        text = (
+            SECRET_PROMPT
+            + " "
+            + " ".join(rng.choice(words) for _ in range(rng.choice((1, 5, 20, 50))))
+        )
+        body = {
+            "max_tokens": rng.choice((1, 4, 12)),
+            "temperature": 0.0 if rng.random() < 0.35 else rng.choice((0.7, 1.0)),
+            "seed": rng.randrange(1000),
+        }
         if body["temperature"] and rng.random() < 0.2:
             body["n"] = 2
         if rng.random() < 0.2:
@@ -69,8 +90,16 @@ def http_crowd(n: int, seed: int) -> list[dict]:
         if kind == "chat" and rng.random() < 0.2:
             body.update(logprobs=True, top_logprobs=2)
         leave = rng.random() < 0.1
-        specs.append({"kind": kind, "text": text, "body": body, "stream": leave or rng.random() < 0.5,
-                      "leave": leave, "leave_after": rng.randrange(0, 3)})  # fmt: skip
+        specs.append(
+            {
+                "kind": kind,
+                "text": text,
+                "body": body,
+                "stream": leave or rng.random() < 0.5,
+                "leave": leave,
+                "leave_after": rng.randrange(0, 3),
+            }
+        )
     return specs
 
 
@@ -114,7 +143,9 @@ def check_http_crowd(server, n: int, seed: int) -> None:
     async def main():
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         outs = await asyncio.gather(*(call(client, s) for s in specs))
-        greedy = [i for i, s in enumerate(specs) if s["body"]["temperature"] == 0 and not s["leave"]][:20]
+        greedy = [
+            i for i, s in enumerate(specs) if s["body"]["temperature"] == 0 and not s["leave"]
+        ][:20]
         alone = [await call(client, dict(specs[i], stream=False)) for i in greedy]
         idle = await wait_idle(server)
         await client.close()
@@ -127,7 +158,10 @@ def check_http_crowd(server, n: int, seed: int) -> None:
         if o["spec"]["leave"]:
             continue
         want = o["spec"]["body"].get("n", 1)
-        assert sorted(o["finish"]) == list(range(want)) and set(o["finish"].values()) <= {"length", "stop"}, o
+        assert sorted(o["finish"]) == list(range(want)) and set(o["finish"].values()) <= {
+            "length",
+            "stop",
+        }, o
     assert len(greedy) >= min(10, n // 10)
     for i, a in zip(greedy, alone):
         assert outs[i]["texts"] == a["texts"], (specs[i], outs[i]["texts"], a["texts"])
@@ -145,14 +179,18 @@ def test_a_thousand_concurrent_http_clients(tiny_server):
 
 
 def test_every_route_but_health_needs_the_key(tiny_server):
-    schema = httpx.get(tiny_server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    schema = httpx.get(
+        tiny_server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    ).json()
     routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
     routes += [("GET", "/openapi.json"), ("GET", "/metrics")]
     assert len(routes) >= 8
     for method, path in routes:
         url = tiny_server.url + path.replace("{model_id}", "tiny")
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-            r = httpx.request(method, url, headers=headers, json={} if method == "POST" else None, timeout=30)
+            r = httpx.request(
+                method, url, headers=headers, json={} if method == "POST" else None, timeout=30
+            )
             if path == "/health":
                 assert r.status_code == 200
             else:
@@ -172,7 +210,9 @@ def test_the_server_listens_on_loopback_only(tiny_server):
                 local, state = line.split()[1], line.split()[3]
                 if local.endswith(":" + port) and state == "0A":  # LISTEN
                     listening.append(local.split(":")[0])
-    assert listening == ["0100007F"], listening  # 127.0.0.1, little-endian hex; nothing on 0.0.0.0 or ::
+    assert listening == ["0100007F"], (
+        listening
+    )  # 127.0.0.1, little-endian hex; nothing on 0.0.0.0 or ::
 
 
 EXAMPLES = int(os.environ.get("ENGINE_HYPOTHESIS_EXAMPLES", "25"))
@@ -182,17 +222,30 @@ def test_no_generated_request_gets_a_5xx(tiny_server):
     """schemathesis generates requests for every operation of the server's OpenAPI schema (valid and
     not); none may get a 5xx. Driven here rather than by schemathesis' pytest plugin (its lazy fixture
     loader does not work under pytest 9)."""
-    schema = schemathesis.openapi.from_url(tiny_server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    schema = schemathesis.openapi.from_url(
+        tiny_server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}
+    )
     tried: dict[str, int] = {}
     for result in schema.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
         @given(case=operation.as_strategy())
         def no_5xx(case) -> None:
             response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
             tried[operation.label] = tried.get(operation.label, 0) + 1
-            assert response.status_code < 500, (case.method, case.path, case.body, response.status_code, response.text[:500])
+            assert response.status_code < 500, (
+                case.method,
+                case.path,
+                case.body,
+                response.status_code,
+                response.text[:500],
+            )
 
         no_5xx()
     print("schemathesis requests per operation:", tried)

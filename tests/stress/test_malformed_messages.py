@@ -17,8 +17,20 @@ import zmq
 
 from engine import Engine
 from engine.bench.crowd import busy, wait_idle
-from engine.ipc.messages import (AbortRequest, BatchTextOut, BatchTokenOut, Codec, FinishReason, GenerateBatch, Stats,
-                                 StatsRequest, TokenizedRequest, ToDetokenizer, ToScheduler, ToTokenizer)  # fmt: skip
+from engine.ipc.messages import (
+    AbortRequest,
+    BatchTextOut,
+    BatchTokenOut,
+    Codec,
+    FinishReason,
+    GenerateBatch,
+    Stats,
+    StatsRequest,
+    TokenizedRequest,
+    ToDetokenizer,
+    ToScheduler,
+    ToTokenizer,
+)
 from engine.sampling_params import SamplingParams
 from helpers import deeply_nested
 
@@ -42,23 +54,49 @@ def victim(tiny_llama_dir, tmp_path_factory):
 
 def hostile_messages(seed: int) -> list[bytes]:
     rng = random.Random(seed)
-    good = [Codec(ToScheduler).encode(StatsRequest("x")), Codec(ToDetokenizer).encode(BatchTokenOut(["r"], [5], [None], [None])),
-            Codec(ToTokenizer).encode(BatchTextOut(["r"], ["t"], [5], [None], [None]))]  # fmt: skip
-    out = [b"", b"\x00", rng.randbytes(64), b"\xc1" * 10, msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode([1, 2, 3]),
-           msgspec.msgpack.encode(["generate", [["rid", [-1, 10**12], None]]]),  # a GenerateBatch with bad fields
-           msgspec.msgpack.encode(["tokens", ["a", "b"], [1], [None], [None]]),  # lists of unequal length
-           msgspec.msgpack.encode(["tokens", ["a"], [2**40], [None], [None]]),  # a token id no vocabulary has
-           msgspec.msgpack.encode(["text", ["a"], ["x"], [1], [None]]), msgspec.msgpack.encode(["abort", [], "x", []]),
-           msgspec.msgpack.encode(["text", ["a", "b"], ["x"], [1], [None], [None]]),  # lists of unequal length
-           rng.randbytes(8 << 20)]  # fmt: skip
+    good = [
+        Codec(ToScheduler).encode(StatsRequest("x")),
+        Codec(ToDetokenizer).encode(BatchTokenOut(["r"], [5], [None], [None])),
+        Codec(ToTokenizer).encode(BatchTextOut(["r"], ["t"], [5], [None], [None])),
+    ]
+    out = [
+        b"",
+        b"\x00",
+        rng.randbytes(64),
+        b"\xc1" * 10,
+        msgspec.msgpack.encode({"a": 1}),
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode(
+            ["generate", [["rid", [-1, 10**12], None]]]
+        ),  # a GenerateBatch with bad fields
+        msgspec.msgpack.encode(
+            ["tokens", ["a", "b"], [1], [None], [None]]
+        ),  # lists of unequal length
+        msgspec.msgpack.encode(
+            ["tokens", ["a"], [2**40], [None], [None]]
+        ),  # a token id no vocabulary has
+        msgspec.msgpack.encode(["text", ["a"], ["x"], [1], [None]]),
+        msgspec.msgpack.encode(["abort", [], "x", []]),
+        msgspec.msgpack.encode(
+            ["text", ["a", "b"], ["x"], [1], [None], [None]]
+        ),  # lists of unequal length
+        rng.randbytes(8 << 20),
+    ]
     for g in good:
         out += [g[: len(g) // 2], g + b"\x00", g[:1]]
     out += good  # well-formed, but for another socket, or naming requests that do not exist
-    out += [Codec(ToDetokenizer).encode(BatchTokenOut(["ghost"], [3], [FinishReason("length", length=1)], [None])),
-            Codec(ToScheduler).encode(AbortRequest(["ghost"], "x", [0]))]  # fmt: skip
+    out += [
+        Codec(ToDetokenizer).encode(
+            BatchTokenOut(["ghost"], [3], [FinishReason("length", length=1)], [None])
+        ),
+        Codec(ToScheduler).encode(AbortRequest(["ghost"], "x", [0])),
+    ]
     # nested past msgspec's depth in a field of any value: RecursionError, not a DecodeError, killed the detokenizer
     ghost = TokenizedRequest("ghost", [1], SamplingParams(custom_params={"k": "NEST"}))
-    out += [deeply_nested(GenerateBatch([ghost])), deeply_nested(Stats("x", 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, {}, plugins={"p": "NEST"}))]
+    out += [
+        deeply_nested(GenerateBatch([ghost])),
+        deeply_nested(Stats("x", 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, {}, plugins={"p": "NEST"})),
+    ]
     return out
 
 
@@ -70,7 +108,9 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, caplog):
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(endpoint)
-    codec = Codec({"scheduler": ToScheduler, "detokenizer": ToDetokenizer, "tokenizer": ToTokenizer}[target])
+    codec = Codec(
+        {"scheduler": ToScheduler, "detokenizer": ToDetokenizer, "tokenizer": ToTokenizer}[target]
+    )
     params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
     user, line = "", f"engine::{role}: dropped a malformed message"
     err = ""  # the user process's log records (the tokenizer manager's: pytest takes them), then the children's stderr
@@ -99,7 +139,10 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, caplog):
         sock.close()
         ctx.term()
     err = caplog.text + victim.stderr_log.read_text(errors="replace")
-    if target in ("detokenizer", "tokenizer"):  # well-typed, but lists of unequal length: refused, not cut short
+    if target in (
+        "detokenizer",
+        "tokenizer",
+    ):  # well-typed, but lists of unequal length: refused, not cut short
         assert "rids but lists of" in err, err[-2000:]
 
 

@@ -34,16 +34,26 @@ def run_traced(tmp_path, tiny_llama_dir, env: dict) -> tuple[subprocess.Complete
     script = tmp_path / "traced.py"
     script.write_text(SCRIPT)
     full = dict(os.environ, ENGINE_TRACING="1", OTEL_BSP_SCHEDULE_DELAY="200", **env)
-    run = subprocess.run([sys.executable, str(script), tiny_llama_dir], env=full, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(script), tiny_llama_dir],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    result = json.loads(
+        next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:]
+    )
     assert result["tokens"] == [8] * 5
     assert not wait_gone(result["pids"].values(), 10), "a process was left behind"
     return run, result
 
 
-def test_an_otlp_endpoint_that_hangs_does_not_hold_up_requests_or_shutdown(tmp_path, tiny_llama_dir):
+def test_an_otlp_endpoint_that_hangs_does_not_hold_up_requests_or_shutdown(
+    tmp_path, tiny_llama_dir
+):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
@@ -62,10 +72,16 @@ def test_an_otlp_endpoint_that_hangs_does_not_hold_up_requests_or_shutdown(tmp_p
     thread.start()
     try:
         start = time.monotonic()
-        run, result = run_traced(tmp_path, tiny_llama_dir, {
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{listener.getsockname()[1]}", "OTEL_EXPORTER_OTLP_TIMEOUT": "2",
-        })  # fmt: skip
+        run, result = run_traced(
+            tmp_path,
+            tiny_llama_dir,
+            {
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{listener.getsockname()[1]}",
+                "OTEL_EXPORTER_OTLP_TIMEOUT": "2",
+            },
+        )
         took = time.monotonic() - start
     finally:
         stop.set()
@@ -85,4 +101,7 @@ def test_a_trace_file_on_a_full_disk_does_not_stop_serving(tmp_path, tiny_llama_
         pytest.skip("no /dev/full on this system")
     run, result = run_traced(tmp_path, tiny_llama_dir, {"ENGINE_TRACE_FILE": "/dev/full"})
     assert result["generate_s"] < 20, result
-    assert "ENGINE_TRACE_FILE='/dev/full' cannot be written" in run.stderr and "No space left" in run.stderr, run.stderr[-2000:]
+    assert (
+        "ENGINE_TRACE_FILE='/dev/full' cannot be written" in run.stderr
+        and "No space left" in run.stderr
+    ), run.stderr[-2000:]

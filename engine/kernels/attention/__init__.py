@@ -17,7 +17,12 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
         from engine.kernels.cpu import NATIVE_MAX_HEADS, NATIVE_MAX_HEAD_DIM, load_native
 
         heads, kv_heads, head_dim = kwargs["num_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
-        fits = heads <= NATIVE_MAX_HEADS and head_dim <= NATIVE_MAX_HEAD_DIM and kv_heads > 0 and heads % kv_heads == 0
+        fits = (
+            heads <= NATIVE_MAX_HEADS
+            and head_dim <= NATIVE_MAX_HEAD_DIM
+            and kv_heads > 0
+            and heads % kv_heads == 0
+        )
         if not fits and name == "cpu_native":
             raise ValueError(
                 f"attention_backend='cpu_native' supports up to {NATIVE_MAX_HEADS} heads and head_dim "
@@ -25,14 +30,24 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
             )
         lib = load_native() if fits else None
         if lib is not None:
-            from engine.kernels.attention.cpu_native_backend import DECODE, CpuNativeAttentionBackend, native_support
+            from engine.kernels.attention.cpu_native_backend import (
+                DECODE,
+                CpuNativeAttentionBackend,
+                native_support,
+            )
 
-            if native_support(lib, heads, kv_heads, head_dim) & DECODE:  # asked once: no failures per request
+            if (
+                native_support(lib, heads, kv_heads, head_dim) & DECODE
+            ):  # asked once: no failures per request
                 return CpuNativeAttentionBackend(lib, **kwargs)
             if name == "cpu_native":
-                raise ValueError(f"attention_backend='cpu_native' does not handle {heads} heads of {head_dim} here")
+                raise ValueError(
+                    f"attention_backend='cpu_native' does not handle {heads} heads of {head_dim} here"
+                )
         if name == "cpu_native":
-            raise RuntimeError("attention_backend='cpu_native' needs a working C compiler (cc) with OpenMP")
+            raise RuntimeError(
+                "attention_backend='cpu_native' needs a working C compiler (cc) with OpenMP"
+            )
     elif name == "cpu_native":
         raise ValueError(f"attention_backend='cpu_native' runs on the CPU only, not on {device!r}")
     from engine.kernels.attention.torch_backend import TorchAttentionBackend

@@ -40,7 +40,9 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                 f"head_dim {self.head_dim}"
             )
         self.native_extend = bool(support & EXTEND) and envvars.read("ENGINE_NATIVE_EXTEND") != "0"
-        pool = self.kv_pool.k_buffers[0].dtype  # the one-call decode's storage types: float32, bfloat16
+        pool = self.kv_pool.k_buffers[
+            0
+        ].dtype  # the one-call decode's storage types: float32, bfloat16
         self._one_call_dtype = pool if pool in (torch.float32, torch.bfloat16) else None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -48,9 +50,16 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             self._lens = batch.seq_lens.contiguous()
             self._out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
-            table = self.req_to_token  # what every layer's _decode_rows passes, looked up once a step
-            self._step_args = (self._out_loc.data_ptr(), table.data_ptr(), table.stride(0), self._slots.data_ptr(),
-                               self._lens.data_ptr())  # fmt: skip
+            table = (
+                self.req_to_token
+            )  # what every layer's _decode_rows passes, looked up once a step
+            self._step_args = (
+                self._out_loc.data_ptr(),
+                table.data_ptr(),
+                table.stride(0),
+                self._slots.data_ptr(),
+                self._lens.data_ptr(),
+            )
         elif not self.native_extend:
             super().init_forward_metadata(batch)
         else:
@@ -66,14 +75,24 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if batch.mode is not ForwardMode.DECODE or not self._one_row_layout(q, k, v):
             return super().forward(q, k, v, layer_id, batch)
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._store_and_decode(layer_id, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), out.data_ptr(),
-                               q.shape[0], int(q.dtype == torch.bfloat16))  # fmt: skip
+        self._store_and_decode(
+            layer_id,
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            q.stride(0),
+            out.data_ptr(),
+            q.shape[0],
+            int(q.dtype == torch.bfloat16),
+        )
         return out
 
     def _one_row_layout(self, q, k, v) -> bool:
         return (
             q.dtype == k.dtype == v.dtype == self._one_call_dtype
-            and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))  # one row: its stride is unused
+            and (
+                q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0)
+            )  # one row: its stride is unused
             and all(t.stride(-1) == 1 and t.stride(-2) == self.head_dim for t in (q, k, v))
         )
 
@@ -84,10 +103,23 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(q)
         table = self.req_to_token
         rc = self.lib.extend_attention(
-            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), table.data_ptr(), table.stride(0),
-            self._slots.data_ptr(), self._prefix.data_ptr(), self._ext.data_ptr(), self._q_start.data_ptr(),
-            self._ext.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-            int(q.dtype == torch.bfloat16), self.num_threads,
+            q.data_ptr(),
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            out.data_ptr(),
+            table.data_ptr(),
+            table.stride(0),
+            self._slots.data_ptr(),
+            self._prefix.data_ptr(),
+            self._ext.data_ptr(),
+            self._q_start.data_ptr(),
+            self._ext.shape[0],
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            int(q.dtype == torch.bfloat16),
+            self.num_threads,
         )
         if rc != 0:
             raise RuntimeError(f"native extend attention failed with code {rc}")
@@ -98,9 +130,21 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(q)
         table = self.req_to_token
         rc = self.lib.decode_attention(
-            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), table.data_ptr(), table.stride(0),
-            self._slots.data_ptr(), self._lens.data_ptr(), q.shape[0], self.num_heads, self.num_kv_heads,
-            self.head_dim, self.scale, int(q.dtype == torch.bfloat16), self.num_threads,
+            q.data_ptr(),
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            out.data_ptr(),
+            table.data_ptr(),
+            table.stride(0),
+            self._slots.data_ptr(),
+            self._lens.data_ptr(),
+            q.shape[0],
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            int(q.dtype == torch.bfloat16),
+            self.num_threads,
         )
         if rc != 0:
             raise RuntimeError(f"native decode attention failed with code {rc}")
@@ -114,7 +158,9 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             return None
         is_bf16 = int(self._one_call_dtype == torch.bfloat16)
 
-        def decode_rows(layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int) -> None:
+        def decode_rows(
+            layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int
+        ) -> None:
             self._store_and_decode(layer_id, q, k, v, row_stride, out, rows, is_bf16)
 
         return decode_rows
@@ -125,21 +171,50 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         life), the threads and scale every layer's call passes; None unless the pool is float32."""
         if self._one_call_dtype != torch.float32:
             return None
-        return {"k": [b.data_ptr() for b in self.kv_pool.k_buffers], "v": [b.data_ptr() for b in self.kv_pool.v_buffers],
-                "threads": self.num_threads, "scale": self.scale}  # fmt: skip
+        return {
+            "k": [b.data_ptr() for b in self.kv_pool.k_buffers],
+            "v": [b.data_ptr() for b in self.kv_pool.v_buffers],
+            "threads": self.num_threads,
+            "scale": self.scale,
+        }
 
     def step_args(self) -> tuple[int, int, int, int, int]:
         """(out_loc, req_to_token, its row stride, slots, lens) of the decode step init_forward_metadata
         prepared, as the addresses decode_attention_store takes."""
         return self._step_args
 
-    def _store_and_decode(self, layer_id: int, q: int, k: int, v: int, row_stride: int, out: int, rows: int,
-                          is_bf16: int) -> None:  # fmt: skip
+    def _store_and_decode(
+        self,
+        layer_id: int,
+        q: int,
+        k: int,
+        v: int,
+        row_stride: int,
+        out: int,
+        rows: int,
+        is_bf16: int,
+    ) -> None:
         out_loc, table, stride, slots, lens = self._step_args
         rc = self.lib.decode_attention_store(
-            q, k, v, row_stride, out_loc, self.kv_pool.k_buffers[layer_id].data_ptr(),
-            self.kv_pool.v_buffers[layer_id].data_ptr(), out, table, stride, slots, lens, rows, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.scale, is_bf16, self.num_threads,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            row_stride,
+            out_loc,
+            self.kv_pool.k_buffers[layer_id].data_ptr(),
+            self.kv_pool.v_buffers[layer_id].data_ptr(),
+            out,
+            table,
+            stride,
+            slots,
+            lens,
+            rows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            is_bf16,
+            self.num_threads,
+        )
         if rc != 0:
             raise RuntimeError(f"native decode attention failed with code {rc}")

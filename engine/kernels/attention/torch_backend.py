@@ -15,7 +15,9 @@ from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_pool, req_to_token):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kv_pool, req_to_token
+    ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -31,7 +33,9 @@ class TorchAttentionBackend(AttentionBackend):
             max_len = batch.max_seq_len
             self._gather_idx = self.req_to_token[batch.req_slots, :max_len]  # [B, L]
             arange = torch.arange(max_len, device=batch.seq_lens.device)
-            self._mask = (arange[None, :] < batch.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            self._mask = (arange[None, :] < batch.seq_lens[:, None])[
+                :, None, None, :
+            ]  # [B, 1, 1, L]
         else:
             slots = batch.req_slots.tolist()
             start = 0
@@ -56,7 +60,12 @@ class TorchAttentionBackend(AttentionBackend):
         keys = k_buf[idx].transpose(1, 2).to(compute)  # [B, Hkv, L, D]
         values = v_buf[idx].transpose(1, 2).to(compute)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(compute), keys, values, attn_mask=self._mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2).to(compute),
+            keys,
+            values,
+            attn_mask=self._mask,
+            scale=self.scale,
+            enable_gqa=True,
         )  # [B, H, 1, D]
         return out.squeeze(2).to(q.dtype)
 

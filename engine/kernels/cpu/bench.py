@@ -40,7 +40,9 @@ def _time_library(path: str, repeats: int) -> dict:
         n_pool = 64 * 400
         k = torch.randn(n_pool, HKV, D, generator=gen).to(dtype)
         v = torch.randn(n_pool, HKV, D, generator=gen).to(dtype)
-        table = torch.randperm(n_pool, generator=gen).reshape(64, 400).contiguous()  # scattered rows
+        table = (
+            torch.randperm(n_pool, generator=gen).reshape(64, 400).contiguous()
+        )  # scattered rows
         # decode: 64 requests, 370 tokens each
         q = torch.randn(64, H, D, generator=gen).to(dtype)
         o = torch.empty_like(q)
@@ -49,20 +51,53 @@ def _time_library(path: str, repeats: int) -> dict:
 
         def decode() -> int:
             return lib.decode_attention(
-                q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), table.data_ptr(), table.stride(0),
-                slots.data_ptr(), lens.data_ptr(), 64, H, HKV, D, scale, bf16, threads,
-            )  # fmt: skip
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                o.data_ptr(),
+                table.data_ptr(),
+                table.stride(0),
+                slots.data_ptr(),
+                lens.data_ptr(),
+                64,
+                H,
+                HKV,
+                D,
+                scale,
+                bf16,
+                threads,
+            )
 
-        layers = [(torch.randn(n_pool, HKV, D, generator=gen).to(dtype), torch.randn(n_pool, HKV, D, generator=gen).to(dtype))
-                  for _ in range(LAYERS - 1)] + [(k, v)]  # fmt: skip
+        layers = [
+            (
+                torch.randn(n_pool, HKV, D, generator=gen).to(dtype),
+                torch.randn(n_pool, HKV, D, generator=gen).to(dtype),
+            )
+            for _ in range(LAYERS - 1)
+        ] + [(k, v)]
 
-        def decode_layers() -> int:  # a step's pass over every layer: each pool out of cache when its turn comes
+        def decode_layers() -> (
+            int
+        ):  # a step's pass over every layer: each pool out of cache when its turn comes
             rc = 0
             for lk, lv in layers:
                 rc |= lib.decode_attention(
-                    q.data_ptr(), lk.data_ptr(), lv.data_ptr(), o.data_ptr(), table.data_ptr(), table.stride(0),
-                    slots.data_ptr(), lens.data_ptr(), 64, H, HKV, D, scale, bf16, threads,
-                )  # fmt: skip
+                    q.data_ptr(),
+                    lk.data_ptr(),
+                    lv.data_ptr(),
+                    o.data_ptr(),
+                    table.data_ptr(),
+                    table.stride(0),
+                    slots.data_ptr(),
+                    lens.data_ptr(),
+                    64,
+                    H,
+                    HKV,
+                    D,
+                    scale,
+                    bf16,
+                    threads,
+                )
             return rc
 
         # extend: 8 prompts of 300 new tokens, no prefix
@@ -75,14 +110,31 @@ def _time_library(path: str, repeats: int) -> dict:
 
         def extend() -> int:
             return lib.extend_attention(
-                qe.data_ptr(), k.data_ptr(), v.data_ptr(), oe.data_ptr(), table.data_ptr(), table.stride(0),
-                eslots.data_ptr(), prefix.data_ptr(), ext.data_ptr(), q_start.data_ptr(), 8, H, HKV, D, scale,
-                bf16, threads,
-            )  # fmt: skip
+                qe.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                oe.data_ptr(),
+                table.data_ptr(),
+                table.stride(0),
+                eslots.data_ptr(),
+                prefix.data_ptr(),
+                ext.data_ptr(),
+                q_start.data_ptr(),
+                8,
+                H,
+                HKV,
+                D,
+                scale,
+                bf16,
+                threads,
+            )
 
         name = "bf16" if bf16 else "f32"
-        for key, fn, calls, per in ((f"decode_{name}", decode, repeats, 1), (f"extend_{name}", extend, repeats, 1),
-                                    (f"decode_{name}_{LAYERS}_layers", decode_layers, 3, LAYERS)):  # fmt: skip
+        for key, fn, calls, per in (
+            (f"decode_{name}", decode, repeats, 1),
+            (f"extend_{name}", extend, repeats, 1),
+            (f"decode_{name}_{LAYERS}_layers", decode_layers, 3, LAYERS),
+        ):
             if fn() != 0:  # warm-up, and: does this build have the kernel at all
                 out[key] = None
                 continue
@@ -117,17 +169,25 @@ def main(argv: list[str]) -> None:
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise SystemExit(f"no such library: {', '.join(missing)}\n{__doc__}")
-    paths = [os.path.abspath(p) for p in paths]  # ctypes looks a bare name up on the library path, not here
+    paths = [
+        os.path.abspath(p) for p in paths
+    ]  # ctypes looks a bare name up on the library path, not here
     rounds: dict[str, list[dict]] = {p: [] for p in paths}
     for _ in range(5):
         for p in paths:
-            res = subprocess.run([sys.executable, "-m", "engine.kernels.cpu.bench", "--one", p], capture_output=True, text=True)
+            res = subprocess.run(
+                [sys.executable, "-m", "engine.kernels.cpu.bench", "--one", p],
+                capture_output=True,
+                text=True,
+            )
             if res.returncode != 0:
                 raise SystemExit(res.stderr)
             rounds[p].append(json.loads(res.stdout))
     print(f"CPU: {_cpu()}")
-    print("ms per call: the fastest of 5 alternating rounds x 30 calls (the 30-layer rows: x 3 passes, per layer), "
-          "each library in its own process")
+    print(
+        "ms per call: the fastest of 5 alternating rounds x 30 calls (the 30-layer rows: x 3 passes, per layer), "
+        "each library in its own process"
+    )
     keys = list(rounds[paths[0]][0])
     print(f"{'kernel':<24}" + "".join(f"{p[-28:]:>30}" for p in paths))
     for key in keys:

@@ -29,13 +29,23 @@ from pathlib import Path
 
 from engine import envvars
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # every kernel: attention, elementwise, the decode step, linear layers
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # every header the sources include: part of the cache key, as the sources
+SOURCES = sorted(
+    Path(__file__).parent.glob("*.c")
+)  # every kernel: attention, elementwise, the decode step, linear layers
+HEADERS = sorted(
+    Path(__file__).parent.glob("*.h")
+)  # every header the sources include: part of the cache key, as the sources
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp",
-    "-shared", "-fPIC",
-]  # fmt: skip
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=fast",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
 
 
 def _cpuinfo_line(prefix: str) -> str:
@@ -94,8 +104,11 @@ def unsafe_reason(path: Path) -> str | None:
 def _object(command: list[str], source: Path, folder: Path) -> bool:
     """Compile one source into folder/<name>.o; whether that worked (-shared is the link's alone)."""
     flags = [f for f in FLAGS if f != "-shared"]
-    result = subprocess.run([*command, *flags, "-c", str(source), "-o", str(folder / f"{source.stem}.o")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    result = subprocess.run(
+        [*command, *flags, "-c", str(source), "-o", str(folder / f"{source.stem}.o")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return result.returncode == 0
 
 
@@ -117,10 +130,22 @@ def _compile(command: list[str], folder: Path) -> Path | None:
         jobs = max(1, len(os.sched_getaffinity(0)))
         longest_first = sorted(SOURCES, key=lambda p: p.stat().st_size, reverse=True)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            compiled = list(pool.map(lambda source: _object(command, source, objects), longest_first))
+            compiled = list(
+                pool.map(lambda source: _object(command, source, objects), longest_first)
+            )
         if all(compiled):
-            linked = subprocess.run([*command, *FLAGS, *(str(objects / f"{p.stem}.o") for p in SOURCES), "-o", tmp,
-                                     "-lm"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            linked = subprocess.run(
+                [
+                    *command,
+                    *FLAGS,
+                    *(str(objects / f"{p.stem}.o") for p in SOURCES),
+                    "-o",
+                    tmp,
+                    "-lm",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             ok = linked.returncode == 0 and os.path.getsize(tmp) > 0
     except Exception:  # noqa: BLE001 - no compiler, no threads, a full disk: torch's kernels instead, nothing left
         ok = False
@@ -139,7 +164,9 @@ def source_bytes() -> bytes:
 
 def cache_key() -> str:
     """Sources, flags and CPU: a change to any of them builds a new library."""
-    return hashlib.sha256(source_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        source_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
 
 
 def cached_library() -> Path:
@@ -159,7 +186,12 @@ def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
     except OSError:
         pass
     problem = next(
-        (f"{p}: {why}" for p in (target.parent.parent, target.parent) if (why := unsafe_reason(p)) is not None), None
+        (
+            f"{p}: {why}"
+            for p in (target.parent.parent, target.parent)
+            if (why := unsafe_reason(p)) is not None
+        ),
+        None,
     )
     if problem is None and not rebuild and target.exists() and unsafe_reason(target) is None:
         return target, False
@@ -179,7 +211,10 @@ def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
         os.replace(built, target)
         remove_stale(target.parent, ("tmp*.so", ".objects-*"))  # builds a killed process left
         return target, False
-    print(f"engine: not using the kernel cache ({problem}); building in a private directory", file=sys.stderr)
+    print(
+        f"engine: not using the kernel cache ({problem}); building in a private directory",
+        file=sys.stderr,
+    )
     private = Path(tempfile.mkdtemp(prefix="engine-kernels-"))
     built = _compile(command, private)
     if built is None:
@@ -193,22 +228,64 @@ def bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     which it calls on AVX2 builds, has only these)."""
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]  # fmt: skip
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.decode_attention_store.restype = ctypes.c_int
     lib.decode_attention_store.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]  # fmt: skip
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.extend_attention.restype = ctypes.c_int
     lib.extend_attention.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]  # fmt: skip
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     return lib
 
 
@@ -217,96 +294,230 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     bind_attention(lib)
     lib.int8_linear.restype = ctypes.c_int
     lib.int8_linear.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-    ]  # fmt: skip
-    if hasattr(lib, "int8_panel_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    if hasattr(
+        lib, "int8_panel_linear"
+    ):  # absent from libraries built before it (the kernel bench loads old builds)
         lib.int8_panel_linear.restype = ctypes.c_int
         lib.int8_panel_linear.argtypes = lib.int8_linear.argtypes
         lib.int8_panel_vectorized.restype = ctypes.c_int
         lib.int8_panel_vectorized.argtypes = []
     lib.gguf_linear.restype = ctypes.c_int
     lib.gguf_linear.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-    ]  # fmt: skip
-    if hasattr(lib, "gguf_panel_linear"):  # absent from libraries built before it, as int8_panel_linear
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    if hasattr(
+        lib, "gguf_panel_linear"
+    ):  # absent from libraries built before it, as int8_panel_linear
         lib.gguf_panel_linear.restype = ctypes.c_int
         lib.gguf_panel_linear.argtypes = lib.gguf_linear.argtypes
         lib.gguf_panel_vectorized.restype = ctypes.c_int
         lib.gguf_panel_vectorized.argtypes = []
-    if hasattr(lib, "gguf_q8_linear"):  # quantization="gguf-q8" (absent from libraries built before it)
+    if hasattr(
+        lib, "gguf_q8_linear"
+    ):  # quantization="gguf-q8" (absent from libraries built before it)
         lib.gguf_q8_bytes.restype = ctypes.c_int64
         lib.gguf_q8_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         lib.gguf_q8_pack.restype = ctypes.c_int
-        lib.gguf_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.gguf_q8_pack.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        ]
         lib.gguf_q8_linear.restype = ctypes.c_int
         lib.gguf_q8_linear.argtypes = lib.gguf_linear.argtypes
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-    ]  # fmt: skip
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
     lib.add_rms_norm.restype = None
-    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     lib.rotary_qkv.restype = None
-    lib.rotary_qkv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    lib.rotary_qkv.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     lib.silu_mul.restype = None
-    lib.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.silu_mul.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
     lib.add_rms_norm_bf16.restype = None
-    lib.add_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.add_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     lib.rotary_qkv_bf16.restype = None
-    lib.rotary_qkv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    lib.rotary_qkv_bf16.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     lib.silu_mul_bf16.restype = None
-    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    if hasattr(lib, "bf16_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+    lib.silu_mul_bf16.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    if hasattr(
+        lib, "bf16_linear"
+    ):  # absent from libraries built before it (the kernel bench loads old builds)
         lib.bf16_linear_support.restype = ctypes.c_int
         lib.bf16_linear_support.argtypes = []
         lib.bf16_linear_pack.restype = ctypes.c_int
-        lib.bf16_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.bf16_linear_pack.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         lib.bf16_linear.restype = ctypes.c_int
         lib.bf16_linear.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int,
-        ]  # fmt: skip
-    if hasattr(lib, "bf16_logits"):  # a bfloat16 model's float32 logits (absent from libraries built before it)
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+    if hasattr(
+        lib, "bf16_logits"
+    ):  # a bfloat16 model's float32 logits (absent from libraries built before it)
         lib.bf16_logits_support.restype = ctypes.c_int
         lib.bf16_logits_support.argtypes = []
         lib.bf16_logits_pack.restype = ctypes.c_int
-        lib.bf16_logits_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.bf16_logits_pack.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         lib.bf16_logits.restype = ctypes.c_int
-        lib.bf16_logits.argtypes = lib.bf16_linear.argtypes  # (x, m, k, packed, n, nr, y, threads), y float32
-    if hasattr(lib, "f32_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+        lib.bf16_logits.argtypes = (
+            lib.bf16_linear.argtypes
+        )  # (x, m, k, packed, n, nr, y, threads), y float32
+    if hasattr(
+        lib, "f32_linear"
+    ):  # absent from libraries built before it (the kernel bench loads old builds)
         lib.f32_linear_support.restype = ctypes.c_int
         lib.f32_linear_support.argtypes = []
         lib.f32_linear_pack.restype = ctypes.c_int
-        lib.f32_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.f32_linear_pack.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
         lib.f32_linear.restype = ctypes.c_int
         lib.f32_linear.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-        ]  # fmt: skip
-    if hasattr(lib, "f32_block_linear"):  # absent from libraries built before it (the kernel bench loads old builds)
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+    if hasattr(
+        lib, "f32_block_linear"
+    ):  # absent from libraries built before it (the kernel bench loads old builds)
         lib.f32_blocks_support.restype = ctypes.c_int
         lib.f32_blocks_support.argtypes = []
         lib.f32_blocks_bytes.restype = ctypes.c_int64
         lib.f32_blocks_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         lib.f32_blocks_pack.restype = ctypes.c_int
         lib.f32_blocks_pack.argtypes = [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-        ]  # fmt: skip
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
         lib.f32_block_linear.restype = ctypes.c_int
         lib.f32_block_linear.argtypes = [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_int,
-        ]  # fmt: skip
-    if hasattr(lib, "decode_layers"):  # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+    if hasattr(
+        lib, "decode_layers"
+    ):  # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p,
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
     if hasattr(lib, "native_support"):
         lib.native_support.restype = ctypes.c_int
         lib.native_support.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -324,10 +535,15 @@ def load_native() -> ctypes.CDLL | None:
     path, private = found
     try:
         return bind(ctypes.CDLL(str(path)))
-    except OSError as exc:  # a cached library cut short (a crash as it was written): built again, once
+    except (
+        OSError
+    ) as exc:  # a cached library cut short (a crash as it was written): built again, once
         if private:
             raise
-        print(f"engine: the cached kernel library does not load ({exc}); building it again", file=sys.stderr)
+        print(
+            f"engine: the cached kernel library does not load ({exc}); building it again",
+            file=sys.stderr,
+        )
         found = library_path(rebuild=True)
         if found is None:
             return None
