@@ -278,7 +278,7 @@ def test_corrupt_weights_report_child_error_promptly(tmp_path, model_dir):
 def test_an_engine_whose_ready_hook_fails_is_shut_down(tiny_llama_dir):
     """engine_process_ready ran after the engine counted as started: its HookError left Engine() with
     both children running, no handle to stop them, and the engine among live_engines()."""
-    from engine.entrypoint import live_engines
+    from engine.frontend.engine import live_engines
     from engine.hooks import HookError, hookimpl
     from engine.hooks.runtime import plugin_manager
 

@@ -571,7 +571,7 @@ class _Reporter:
 
 def test_a_failing_user_stats_hook_breaks_neither_get_stats_nor_the_shutdown_report(probe):
     """Before: get_stats() raised the HookError, and with it the shutdown report (no plugin got one)."""
-    from engine.entrypoint import _shutdown_report
+    from engine.frontend.engine import _shutdown_report
 
     eng, _ = probe
     eng.generate(PROMPTS[0], {"max_new_tokens": 2})  # figures for stagetimer in every process

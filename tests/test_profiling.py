@@ -372,7 +372,7 @@ def test_thread_frames_keep_their_name_and_id_in_every_output(tmp_path):
 def _stacks(**stage_counts) -> Counter:
     functions = {
         "detokenize": "DetokenizerManager.detokenize (engine/detokenizer/manager.py:1)",
-        "tokenize": "TokenizerManager.tokenize (engine/tokenizer_manager.py:1)",
+        "tokenize": "TokenizerManager.tokenize (engine/frontend/tokenizer_manager.py:1)",
         "forward": "Scheduler.forward (engine/scheduler/scheduler.py:1)",
         "wait": "poll (zmq/sugar/poll.py:1)",
         "other": "something_else (x.py:1)",
@@ -480,7 +480,7 @@ def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
     )
     assert b["stage_samples"]["other"] == 0 and b["stage_samples"]["forward"] == 100
     # the user process: every thread that ran the engine's code counts (the callers, the receiver)
-    from engine.tokenizer_manager import TokenizerManager
+    from engine.frontend.tokenizer_manager import TokenizerManager
 
     polls = _line(TokenizerManager._recv_loop, "poller.poll(")
     user = Counter(
@@ -488,13 +488,13 @@ def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
             (
                 "thread (1): MainThread",
                 "<module> (run.py:5)",
-                "Engine.generate (engine/entrypoint.py:193)",
+                "Engine.generate (engine/frontend/engine.py:193)",
                 "Event.wait (threading.py:622)",
             ): 50,
             (
                 "thread (2): engine-recv",
                 "Thread._bootstrap (threading.py:1002)",
-                f"TokenizerManager._recv_loop (engine/tokenizer_manager.py:{polls})",
+                f"TokenizerManager._recv_loop (engine/frontend/tokenizer_manager.py:{polls})",
             ): 50,
             (
                 otel,

@@ -578,7 +578,7 @@ def test_a_chat_turn_without_content_is_rendered_as_transformers_does(tokenizer)
     needed 'content'. (SmolLM2's template needs content: both then refuse it.)"""
     import copy
 
-    from engine.tokenize_stage import render_chat
+    from engine.frontend.tokenize_stage import render_chat
 
     messages = [
         {"role": "user", "content": "What is 2+2?"},
@@ -745,7 +745,7 @@ def test_the_sequence_count_of_each_input_shape():
     """prompts x n, each entry's own n in a list of sampling_params, beam_width per prompt; values the
     later checks refuse by name (n out of range, a malformed input) count as one."""
     from engine.ipc.messages import BeamParams
-    from engine.request_checks import check_call_size
+    from engine.frontend.request_checks import check_call_size
 
     def fits(limit: int, **call) -> bool:
         call.setdefault("sampling_params", None)

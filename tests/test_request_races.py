@@ -136,7 +136,7 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     asyncio.run(
         eng.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
     )  # a submit worker starts
-    from engine.streaming import _submitters
+    from engine.frontend.streaming import _submitters
 
     workers = list(_submitters[eng._resources.tokenizer_manager]._threads)
     assert workers

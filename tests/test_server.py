@@ -1193,7 +1193,7 @@ def test_metrics_count_a_prompt_once_and_never_a_request_never_sent(server, clie
 def test_the_queue_time_histogram_never_goes_down(monkeypatch):
     """It was the sum over the live engines read at each scrape: an engine shut down, or one whose
     get_stats failed once, took its counts away, and Prometheus read the drop as a counter reset."""
-    import engine.entrypoint as entrypoint
+    import engine.frontend.engine as entrypoint
     from engine.plugins import metrics
 
     class Fake:
@@ -1335,7 +1335,7 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(engine):
     """Many models' templates raise on some role orders (raise_exception): that is the caller's error."""
     import copy
 
-    from engine.tokenize_stage import render_chat
+    from engine.frontend.tokenize_stage import render_chat
 
     tokenizer = copy.copy(engine.tokenizer)
     tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"

@@ -32,7 +32,7 @@ import torch
 from engine.bench.prompts import build_prompts
 
 ENGINE_TOP_LOGPROBS = (
-    100  # the most top_logprobs_num a request may ask for (engine.tokenizer_manager)
+    100  # the most top_logprobs_num a request may ask for (engine/frontend/request_checks.py)
 )
 
 

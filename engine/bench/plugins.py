@@ -21,7 +21,7 @@ from engine.bench.prompts import build_prompts
 HOOK_SITES_PER_STEP = 11  # forward before/after, process_logits, sample_after, step_end, detokenize, detokenize_after, detokenize_output, ...
 
 
-def _throughput(eng, prompts: list[list[int]], new_tokens: int) -> float:
+def throughput(eng, prompts: list[list[int]], new_tokens: int) -> float:
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     eng.flush_cache()
     t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def hook_cost(args: argparse.Namespace) -> dict:
                 else (("noop", noop), ("none", plain))
             ):
                 print(f"[plugins] hook cost round {r + 1}: {label} ...", flush=True)
-                rates[label].append(_throughput(eng, prompts, args.plugin_new_tokens))
+                rates[label].append(throughput(eng, prompts, args.plugin_new_tokens))
         steps = plain.get_stats()["decode_steps"] + plain.get_stats()["prefill_steps"]
     n = 200_000
     t0 = time.perf_counter()

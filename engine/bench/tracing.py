@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 
-from engine.bench.plugins import _throughput
+from engine.bench.plugins import throughput
 from engine.bench.prompts import build_prompts
 
 TIMED_RUNS = 2  # per engine start
@@ -32,7 +32,7 @@ def _child(args: argparse.Namespace) -> None:
         eng.generate(
             input_ids=[p[::-1][:32] for p in prompts[:2]], sampling_params={"max_new_tokens": 4}
         )
-        rates = [_throughput(eng, prompts, args.plugin_new_tokens) for _ in range(TIMED_RUNS)]
+        rates = [throughput(eng, prompts, args.plugin_new_tokens) for _ in range(TIMED_RUNS)]
         stats = eng.get_stats()
     print(
         "RESULT "

@@ -170,7 +170,7 @@ class _ScrapeCollector:
     def _collect(self):
         from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-        from engine.entrypoint import live_engines
+        from engine.frontend.engine import live_engines
 
         running = GaugeMetricFamily(
             PREFIX + "num_requests_running", "Requests in the running batch"
@@ -292,7 +292,7 @@ def engine_process_stop(role: str, pid: int) -> None:
     global _http
     if role != "user":
         return
-    from engine.entrypoint import live_engines
+    from engine.frontend.engine import live_engines
 
     with _http_lock:
         if _http is None or live_engines():

@@ -61,7 +61,7 @@ def _blocking_lines() -> set[str]:
     from engine.detokenizer.manager import DetokenizerManager
     from engine.scheduler import receive
     from engine.scheduler.scheduler import Scheduler
-    from engine.tokenizer_manager import TokenizerManager
+    from engine.frontend.tokenizer_manager import TokenizerManager
 
     out = set()
     for func, marker in (

@@ -11,7 +11,7 @@ from engine.sampling_params import MAX_N, SamplingParams
 MAX_TOP_LOGPROBS = 100
 
 
-def _check_logprob_options(
+def check_logprob_options(
     return_logprob, top_logprobs_num, logprob_start_len, vocab_size: int
 ) -> None:
     if not isinstance(return_logprob, bool):
@@ -36,7 +36,7 @@ def _check_logprob_options(
         raise ValueError("top_logprobs_num and logprob_start_len need return_logprob=True")
 
 
-def _check_unique_rids(rids: list[str]) -> None:
+def check_unique_rids(rids: list[str]) -> None:
     """ValueError naming the ids a call would use twice once n > 1 expands them (rid ["x", "x-0"], the
     first with n=2): the user process keeps one state per id, so the other request's caller waited forever."""
     seen: set[str] = set()
@@ -104,7 +104,7 @@ def check_call_size(
         )
 
 
-def _unicode(text: str, where: str) -> str:
+def unicode_text(text: str, where: str) -> str:
     """text itself, or a ValueError naming where it holds what UTF-8 cannot encode (a lone surrogate such
     as "\\ud800", which json.loads and surrogateescape decoding both produce): the tokenizer raised a
     TypeError that named nothing."""
@@ -118,12 +118,12 @@ def _unicode(text: str, where: str) -> str:
     return text
 
 
-def _unicode_messages(messages: list, where: str) -> list:
-    """Every string in the messages, content given as a list of parts included, checked by _unicode."""
+def unicode_messages(messages: list, where: str) -> list:
+    """Every string in the messages, content given as a list of parts included, checked by unicode_text."""
 
     def walk(value, at: str) -> None:
         if isinstance(value, str):
-            _unicode(value, at)
+            unicode_text(value, at)
         elif isinstance(value, dict):
             for key, item in value.items():
                 walk(item, f"{at}[{key!r}]")
@@ -136,7 +136,7 @@ def _unicode_messages(messages: list, where: str) -> list:
     return messages
 
 
-def _malformed(message) -> str | None:
+def malformed_text_message(message) -> str | None:
     """Why a well-typed text message is one the detokenizer could not have sent (lists of unequal
     length, which zip would silently cut), or None."""
     if isinstance(message, BatchTextOut):

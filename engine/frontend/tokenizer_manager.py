@@ -43,14 +43,14 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
-from engine.request_checks import (
-    _check_logprob_options,
-    _check_unique_rids,
-    _malformed,
+from engine.frontend.request_checks import (
+    check_logprob_options,
+    check_unique_rids,
+    malformed_text_message,
     check_call_size,
 )
-from engine.request_state import ReqState
-from engine.tokenize_stage import tokenize_stage
+from engine.frontend.request_state import ReqState
+from engine.frontend.tokenize_stage import tokenize_stage
 from engine.tracing.context import normalize_trace_context
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class TokenizerManager:
         self._seq = _SEQ  # one count for every engine of the process: (rid, seq) names one request
         self.send_codec = Codec(ToScheduler)
         self.inbox = Inbox(
-            self.recv_sock, Codec(ToTokenizer), "engine::tokenizer_manager", _malformed
+            self.recv_sock, Codec(ToTokenizer), "engine::tokenizer_manager", malformed_text_message
         )
         self.send_lock = threading.Lock()
         self.states: dict[str, ReqState] = {}
@@ -330,7 +330,7 @@ class TokenizerManager:
     def tokenize(
         self, prompt=None, input_ids=None, messages=None
     ) -> tuple[list[list[int]], bool, list[PromptRequest]]:
-        """The tokenize stage (engine/tokenize_stage.py) for this engine's tokenizer and model."""
+        """The tokenize stage (engine/frontend/tokenize_stage.py) for this engine's tokenizer and model."""
         return tokenize_stage(self.tokenizer, self.model, prompt, input_ids, messages)
 
     def validate(self, ids: list[int], params: SamplingParams, index: int | None) -> SamplingParams:
@@ -408,7 +408,7 @@ class TokenizerManager:
                     raise ValueError(f"sampling_params[{i}]: {exc}") from None
         else:
             params = [self.parse_params(sampling_params)] * n_prompts
-        _check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, self.vocab_size)
+        check_logprob_options(return_logprob, top_logprobs_num, logprob_start_len, self.vocab_size)
         params = [
             self.validate(ids, p, i if is_batch else None)
             for i, (ids, p) in enumerate(zip(id_lists, params))
@@ -466,7 +466,7 @@ class TokenizerManager:
                         beam=beam,
                     )
                 )
-        _check_unique_rids([s.rid for s in states])
+        check_unique_rids([s.rid for s in states])
         names = _names(states)
         with (
             self.states_lock

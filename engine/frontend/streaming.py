@@ -21,8 +21,8 @@ import weakref
 from typing import AsyncIterator, Callable, Iterator
 
 from engine.errors import EngineDeadError
-from engine.request_state import ReqState, lp_tuples, top_tuples
-from engine.tokenizer_manager import TokenizerManager
+from engine.frontend.request_state import ReqState, lp_tuples, top_tuples
+from engine.frontend.tokenizer_manager import TokenizerManager
 
 Event = tuple  # (state, chunk dict) or (state, None) when the engine died
 

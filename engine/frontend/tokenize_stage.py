@@ -8,7 +8,7 @@ import time
 
 from engine import hooks
 from engine.hooks.types import PromptRequest
-from engine.request_checks import _unicode, _unicode_messages
+from engine.frontend.request_checks import unicode_text, unicode_messages
 
 
 def tokenize_stage(
@@ -49,10 +49,11 @@ def prompt_items(prompt, input_ids, messages) -> tuple[list[PromptRequest], bool
         )
     if prompt is not None:
         if isinstance(prompt, str):
-            return [PromptRequest(0, prompt=_unicode(prompt, "prompt"))], False
+            return [PromptRequest(0, prompt=unicode_text(prompt, "prompt"))], False
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             return [
-                PromptRequest(i, prompt=_unicode(p, f"prompt[{i}]")) for i, p in enumerate(prompt)
+                PromptRequest(i, prompt=unicode_text(p, f"prompt[{i}]"))
+                for i, p in enumerate(prompt)
             ], True
         raise ValueError("prompt must be a string or a non-empty list of strings")
     if input_ids is not None:
@@ -66,10 +67,10 @@ def prompt_items(prompt, input_ids, messages) -> tuple[list[PromptRequest], bool
             return [PromptRequest(0, input_ids=list(input_ids))], False
         raise ValueError("input_ids must be a list of token ids or a list of such lists")
     if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-        return [PromptRequest(0, messages=_unicode_messages(messages, "messages"))], False
+        return [PromptRequest(0, messages=unicode_messages(messages, "messages"))], False
     if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
         return [
-            PromptRequest(i, messages=_unicode_messages(m, f"messages[{i}]"))
+            PromptRequest(i, messages=unicode_messages(m, f"messages[{i}]"))
             for i, m in enumerate(messages)
         ], True
     raise ValueError("messages must be a list of {'role', 'content'} dicts or a list of such lists")

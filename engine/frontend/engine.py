@@ -21,9 +21,9 @@ from engine.model.embedded import is_converted
 from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
-from engine.streaming import async_collect, async_stream, stop_submitter, sync_stream
+from engine.frontend.streaming import async_collect, async_stream, stop_submitter, sync_stream
 from engine.tokenizer import PromptTokenizer
-from engine.tokenizer_manager import TokenizerManager
+from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.tracing.switch import tracing_enabled
 
 logger = logging.getLogger(__name__)
