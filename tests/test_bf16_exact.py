@@ -204,7 +204,7 @@ def test_native_bf16_silu_saturates_as_torch():
 )  # panels of 48, 32 and 16 columns
 def test_float32_head_against_float64(kernel, rows, out):
     """Float32Head: bfloat16 weights, float32 rows and logits, within float32 rounding of float64."""
-    from engine.model.float32_head import Float32Head
+    from engine.linear.f32_head import Float32Head
 
     lib = load_native() if kernel else None
     if kernel and (lib is None or lib.bf16_logits_support() != 1):

@@ -11,7 +11,7 @@ import torch
 from engine.model.embedded import conversion_source, install_conversion, prune_conversions
 from engine.model.safetensors_io import read_metadata, write_safetensors
 from engine.quantization import cache
-from engine.quantization.gguf import gguf_source
+from engine.linear.gguf import gguf_source
 
 HEX = "0123456789abcdef"
 

@@ -1,5 +1,5 @@
 """The exact float32 mode computed from the GGUF blocks its weights were converted from
-(engine/model/f32_block_linear.py, engine/kernels/cpu/f32_block_linear.c): bitwise F32Linear on the
+(engine/linear/f32_blocks.py, engine/kernels/cpu/f32_block_linear.c): bitwise F32Linear on the
 converted weights, for random blocks of every type the kernel reads, for every layer of the embedded model,
 and for a whole engine's tokens and logprobs."""
 
@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from engine.kernels.cpu import load_native
-from engine.model import f32_block_linear, f32_linear
+from engine.linear import f32_blocks, f32_panels
 from engine.model.config import load_hf_config
-from engine.model.f32_block_linear import F32BlockLinear
-from engine.model.f32_linear import F32Linear
+from engine.linear.f32_blocks import F32BlockLinear
+from engine.linear.f32_panels import F32Linear
 from engine.model.loader import load_model
-from engine.model.packed_linear import float32_panels_here
-from engine.quantization.gguf import BLOCK_BYTES, dequantize
+from engine.linear.onednn import float32_panels_here
+from engine.linear.gguf import BLOCK_BYTES, dequantize
 
 LIB = load_native()
 pytestmark = pytest.mark.skipif(
-    not (f32_block_linear.runs_here(LIB) and f32_linear.runs_here(LIB)),
+    not (f32_blocks.runs_here(LIB) and f32_panels.runs_here(LIB)),
     reason="f32_block_linear needs AVX2, FMA and F16C and a C compiler",
 )
 

@@ -1,4 +1,4 @@
-"""Our float32 linear kernel (engine/model/f32_linear.py, engine/kernels/cpu/f32_linear.c): the exact product
+"""Our float32 linear kernel (engine/linear/f32_panels.py, engine/kernels/cpu/f32_linear.c): the exact product
 within float32's rounding, a row's output bitwise the same alone or in any batch, and the shapes it refuses.
 The loader's choice of it is in tests/test_packed_linear.py."""
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from engine.kernels.cpu import load_native
-from engine.model import f32_linear
-from engine.model.f32_linear import F32Linear
+from engine.linear import f32_panels
+from engine.linear.f32_panels import F32Linear
 
 # SmolLM2-135M's qkv, gate_up, down and lm_head as (in, out); then an input width over two of the kernel's
 # 512-wide K blocks and not a multiple of 8, and one of 3
@@ -35,7 +35,7 @@ def _within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
 @pytest.fixture(scope="module")
 def lib():
     lib = load_native()
-    if not f32_linear.runs_here(lib):
+    if not f32_panels.runs_here(lib):
         pytest.skip(
             "this build has no f32_linear (no AVX2 and FMA here): float32 keeps oneDNN or MKL"
         )
@@ -56,7 +56,7 @@ def test_the_kernel_is_built_exactly_where_the_cpu_has_avx2_and_fma():
     if lib is None:
         pytest.fail("no C compiler: the native kernels could not be built on this machine")
     flags = Path("/proc/cpuinfo").read_text().split()
-    assert f32_linear.runs_here(lib) == ("avx2" in flags and "fma" in flags)
+    assert f32_panels.runs_here(lib) == ("avx2" in flags and "fma" in flags)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 97, 300])
@@ -66,7 +66,7 @@ def test_f32_kernel_is_torch_linear_within_rounding(lib, rows):
     gen = torch.Generator().manual_seed(rows)
     for k, n in SHAPES:
         lin = _layer(k, n, gen)
-        assert f32_linear.fits(lin)
+        assert f32_panels.fits(lin)
         ours = F32Linear(lin, lib)
         x = torch.randn(rows, k, generator=gen)
         got = ours(x)
@@ -101,9 +101,9 @@ def test_a_rows_output_is_the_same_alone_or_in_any_batch(lib):
 
 
 def test_f32_kernel_refuses_what_it_cannot_take(lib):
-    assert not f32_linear.fits(nn.Linear(64, 48, bias=True))  # a bias: oneDNN's
-    assert not f32_linear.fits(nn.Linear(64, 40, bias=False))  # N not a multiple of 16
-    assert not f32_linear.fits(nn.Linear(64, 48, bias=False).bfloat16())
+    assert not f32_panels.fits(nn.Linear(64, 48, bias=True))  # a bias: oneDNN's
+    assert not f32_panels.fits(nn.Linear(64, 40, bias=False))  # N not a multiple of 16
+    assert not f32_panels.fits(nn.Linear(64, 48, bias=False).bfloat16())
     with pytest.raises(ValueError, match="cannot pack a 40 x 64"):
         F32Linear(nn.Linear(64, 40, bias=False), lib)
     ours = F32Linear(nn.Linear(64, 48, bias=False), lib)

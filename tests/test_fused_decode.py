@@ -160,7 +160,7 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     go through fused_decode.py, and every step's logits are bitwise those of llama.py's forward (the same
     kernels in the same order), at batch 4 and 3; its greedy tokens then cannot differ from the plain path's.
     Elsewhere the plain forward stays."""
-    from engine.model import bf16_linear
+    from engine.linear import bf16
 
     run = InProcess(model_dir, dtype="bfloat16", max_total_tokens=2048)
     try:
@@ -173,9 +173,7 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
         )  # any of them 0: plain
         switched_off = any(os.environ.get(name) == "0" for name in switches)
         assert installed == (
-            bf16_linear.runs_here(load_native())
-            and run.sched.dtype == torch.bfloat16
-            and not switched_off
+            bf16.runs_here(load_native()) and run.sched.dtype == torch.bfloat16 and not switched_off
         )
         if not installed:
             pytest.skip(
@@ -206,8 +204,8 @@ def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     is packed): decode steps go through fused_decode.py as one C call (decode_layers.c), and every step's
     logits are bitwise those of llama.py's forward and of the Python loop, at batch 4 and 3; its greedy tokens
     then cannot differ from the plain path's, which the float32 parity tests hold to transformers'."""
-    from engine.model import f32_linear
-    from engine.model.packed_linear import packing_available
+    from engine.linear import f32_panels
+    from engine.linear.onednn import packing_available
 
     run = InProcess(model_dir, dtype="float32", max_total_tokens=2048)
     try:
@@ -219,7 +217,7 @@ def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
             "ENGINE_PACK_WEIGHTS",
         )  # any of them 0: plain
         switched_off = any(os.environ.get(name) == "0" for name in switches)
-        here = f32_linear.runs_here(load_native()) and packing_available(torch.float32, "cpu")
+        here = f32_panels.runs_here(load_native()) and packing_available(torch.float32, "cpu")
         assert installed == (here and not switched_off)
         if not installed:
             pytest.skip(

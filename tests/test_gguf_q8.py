@@ -19,7 +19,7 @@ from engine.bench.quality import (
     prompt_perplexity,
 )
 from engine.kernels.cpu import load_native
-from engine.quantization.gguf import GGUFLinear, dequantize
+from engine.linear.gguf import GGUFLinear, dequantize
 from test_gguf_quantization import _want, block_mins, blockwise_x, random_blocks
 
 needs_kernel = pytest.mark.skipif(

@@ -16,7 +16,7 @@ from engine.bench.quality import (
     parity_inputs,
     prompt_perplexity,
 )
-from engine.quantization.gguf import (
+from engine.linear.gguf import (
     BLOCK_BYTES,
     DIRECT_MAX_ROWS,
     GGUFLinear,
@@ -279,7 +279,7 @@ def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path)
 
 @needs_kernel
 def test_a_block_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch):
-    import engine.quantization.linear as linear
+    import engine.linear.quantized as linear
 
     monkeypatch.setattr(
         linear, "SCRATCH_MAX_ELEMENTS", 64 * 7
@@ -312,7 +312,7 @@ def test_embedded_gguf_blocks_are_the_converted_weights(model_dir):
     from engine.model.llama import LlamaForCausalLM, weight_plan
     from engine.model.loader import index_weights, read_planned
     from engine.quantization import linear_shapes
-    from engine.quantization.gguf import read_blocks
+    from engine.linear.gguf import read_blocks
     from transformers import AutoConfig
 
     cfg = model_config_from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
@@ -450,7 +450,7 @@ def test_a_directory_not_made_from_a_gguf_is_refused(tmp_path, model_dir):
     and by the reader (what the scheduler's start reports) naming why."""
     import shutil
 
-    from engine.quantization.gguf import gguf_source, read_blocks
+    from engine.linear.gguf import gguf_source, read_blocks
 
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns(".complete"))
@@ -583,7 +583,7 @@ def _tiny_gguf(tmp_path, permuted: bool):
 def test_q_and_k_rows_in_either_order_are_read_into_ours(tmp_path, permuted):
     """llama.cpp permutes q/k rows for Llama; other architectures' files keep them as stored. Both come out
     in our order in every layer (not only the first, which decides the order)."""
-    from engine.quantization.gguf import read_blocks
+    from engine.linear.gguf import read_blocks
 
     model_dir, cfg, shapes, reference, floats = _tiny_gguf(tmp_path, permuted)
     blocks = read_blocks(model_dir, cfg, shapes, reference)
@@ -599,7 +599,7 @@ def test_q_and_k_rows_in_either_order_are_read_into_ours(tmp_path, permuted):
 
 
 def test_a_truncated_gguf_is_refused_naming_the_tensor(tmp_path):
-    from engine.quantization.gguf import read_blocks
+    from engine.linear.gguf import read_blocks
 
     model_dir, cfg, shapes, reference, _ = _tiny_gguf(tmp_path, True)
     path = tmp_path / "tiny.gguf"

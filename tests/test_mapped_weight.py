@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from engine.model.config import load_hf_config
-from engine.model import f32_linear
-from engine.model.f32_linear import F32Linear
-from engine.model.llama import Linear
+from engine.linear import f32_panels
+from engine.linear.f32_panels import F32Linear
+from engine.linear.torch import Linear
 from engine.model.loader import index_weights, load_model
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.model.packed_linear import PackedLinear, float32_panels_here, packing_available
+from engine.linear.onednn import PackedLinear, float32_panels_here, packing_available
 from engine.kernels.cpu import load_native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
@@ -46,7 +46,7 @@ def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
     weights = index_weights(tiny_llama_dir)
     entry = weights["model.embed_tokens.weight"]
     embed, file = model.embed_tokens.weight, os.path.realpath(entry.path)
-    ours = f32_linear.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
+    ours = f32_panels.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
     kind = (
         (F32Linear if ours else PackedLinear) if float32_panels_here("cpu") else Linear
     )  # AVX-512: MKL's

@@ -1,5 +1,5 @@
-"""Linear layers with oneDNN-packed weights (engine/model/packed_linear.py) and our bfloat16 kernel
-(engine/model/bf16_linear.py): the same products as torch's linear within the dtype's rounding, taken
+"""Linear layers with oneDNN-packed weights (engine/linear/onednn.py) and our bfloat16 kernel
+(engine/linear/bf16.py): the same products as torch's linear within the dtype's rounding, taken
 by the loader for float32 and bfloat16 on the CPU."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from torch import nn
 
 from engine.model.config import load_hf_config
 from engine.kernels.cpu import load_native
-from engine.model import bf16_linear, f32_linear
-from engine.model.bf16_linear import Bf16Linear
-from engine.model.f32_linear import F32Linear
-from engine.model.llama import Linear  # the model's plain layers: nn.Linear without its random init
+from engine.linear import bf16, f32_panels
+from engine.linear.bf16 import Bf16Linear
+from engine.linear.f32_panels import F32Linear
+from engine.linear.torch import (
+    Linear,
+)  # the model's plain layers: nn.Linear without its random init
 from engine.model.loader import load_model
-from engine.model.packed_linear import (
+from engine.linear.onednn import (
     PackedLinear,
     float32_panels_here,
     pack_linears,
@@ -76,7 +78,7 @@ def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
 
 def _bf16_kernel_here() -> bool:
     lib = load_native()
-    return bf16_linear.runs_here(lib)
+    return bf16.runs_here(lib)
 
 
 def test_bf16_kernel_is_taken_exactly_where_the_cpu_has_avx512_bf16_and_no_amx():
@@ -104,9 +106,9 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        assert bf16_linear.fits(lin)
+        assert bf16.fits(lin)
         ours = Bf16Linear(lin, lib)
-        assert ours.nr == bf16_linear.panel_columns(n) and n % (16 * ours.nr) == 0
+        assert ours.nr == bf16.panel_columns(n) and n % (16 * ours.nr) == 0
         got = ours(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, None)
@@ -138,11 +140,11 @@ def test_bf16_kernel_refuses_what_it_cannot_take():
         pytest.skip(
             "this CPU has no AVX512_BF16, or has AMX: bfloat16 keeps oneDNN (the test above)"
         )
-    assert bf16_linear.fits(nn.Linear(64, 48, bias=False).bfloat16())
-    assert not bf16_linear.fits(nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
-    assert not bf16_linear.fits(nn.Linear(63, 48, bias=False).bfloat16())  # odd K
-    assert not bf16_linear.fits(nn.Linear(64, 40, bias=False).bfloat16())  # N not a multiple of 16
-    assert not bf16_linear.fits(nn.Linear(64, 48, bias=False))  # float32
+    assert bf16.fits(nn.Linear(64, 48, bias=False).bfloat16())
+    assert not bf16.fits(nn.Linear(64, 48, bias=True).bfloat16())  # a bias: oneDNN's
+    assert not bf16.fits(nn.Linear(63, 48, bias=False).bfloat16())  # odd K
+    assert not bf16.fits(nn.Linear(64, 40, bias=False).bfloat16())  # N not a multiple of 16
+    assert not bf16.fits(nn.Linear(64, 48, bias=False))  # float32
     ours = Bf16Linear(nn.Linear(64, 48, bias=False).bfloat16(), lib)
     with pytest.raises(TypeError, match="bfloat16"):
         ours(torch.randn(2, 64))
@@ -165,7 +167,7 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
     if float32_panels_here(
         "cpu"
     ):  # float32: packed too, a tied lm_head as its own copy (AVX2; AVX-512 keeps MKL)
-        ours = f32_linear.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
+        ours = f32_panels.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
         assert kinds == ({F32Linear} if ours else {PackedLinear})  # AVX2: ours
         ids = torch.tensor([[3, 17, 99]])
         _within_rounding(

@@ -1,4 +1,4 @@
-"""The exact float32 mode's panels kept on disk (engine/model/panel_cache.py) and the cache files' upkeep
+"""The exact float32 mode's panels kept on disk (engine/linear/panel_cache.py) and the cache files' upkeep
 (engine/quantization/cache.py): a second load maps the panels the first packed, never reading the layers'
 weights, and computes the same bits; a damaged or ill-fitting file is packed again and replaced; files a
 newer one replaces, or whose model directory is gone, are removed."""
@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from engine.model import weight_views
 from engine.model.config import load_hf_config
-from engine.model.f32_linear import F32Linear
+from engine.linear.f32_panels import F32Linear
 from engine.model.loader import load_model
-from engine.model.panel_cache import mapped_panels, panel_file
+from engine.linear.panel_cache import mapped_panels, panel_file
 from engine.model.safetensors_io import read_metadata, write_safetensors
 from engine.quantization import cache
 
@@ -70,10 +70,10 @@ def test_the_cached_layout_is_f32_linear_s_panels():
     """panel p, k, j holds W[16 p + j, k]: if f32_linear.c's packing ever changes, panel_cache.FORMAT must be
     bumped (older files would otherwise pass the shape checks)."""
     from engine.kernels.cpu import load_native
-    from engine.model import f32_linear
+    from engine.linear import f32_panels
 
     lib = load_native()
-    if not f32_linear.runs_here(lib):
+    if not f32_panels.runs_here(lib):
         pytest.skip("f32_linear is not built for this CPU")
     linear = torch.nn.Linear(24, 48, bias=False)
     packed = F32Linear(linear, lib).packed.view(3, 24, 16)

@@ -21,7 +21,7 @@ from engine.bench.quality import (
     prompt_perplexity,
 )
 from engine.hooks.loader import unload_plugins
-from engine.quantization.int8 import DIRECT_MAX_ROWS, Int8Linear, panels, quantize_rows, rows_of
+from engine.linear.int8 import DIRECT_MAX_ROWS, Int8Linear, panels, quantize_rows, rows_of
 from engine.kernels.cpu import load_native
 
 needs_kernel = pytest.mark.skipif(
@@ -160,7 +160,7 @@ def test_int8_panels_hold_the_row_major_weights():
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch, bias):
-    import engine.quantization.linear as linear
+    import engine.linear.quantized as linear
 
     monkeypatch.setattr(
         linear, "SCRATCH_MAX_ELEMENTS", 40 * 7

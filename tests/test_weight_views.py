@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.model.config import load_hf_config, model_config_from_hf
-from engine.model.f32_linear import F32Linear
+from engine.linear.f32_panels import F32Linear
 from engine.model.llama import weight_plan
 from engine.model.loader import index_weights, load_model, read_planned
-from engine.model.packed_linear import PackedLinear, packing_available
+from engine.linear.onednn import PackedLinear, packing_available
 from engine.model.weight_views import WeightViews
 
 

@@ -1,6 +1,6 @@
 """The cost of float32 logits in bfloat16: the model's lm_head with bfloat16 logits against Float32Head.
 
-Why: a bfloat16 model computes its logits in float32 (engine/model/float32_head.py); this times that head
+Why: a bfloat16 model computes its logits in float32 (engine/linear/f32_head.py); this times that head
 against the bfloat16 layer the loader would otherwise pick here (our bf16 kernel, or oneDNN's packed one),
 alternating, at a decode step's row counts, on the embedded model's shape (random weights).
 
@@ -24,17 +24,17 @@ def run_logits_head(args: argparse.Namespace) -> dict:
     from engine.bench.machine import machine_line
     from engine.cores import usable_cores
     from engine.kernels.cpu import load_native
-    from engine.model import bf16_linear
-    from engine.model.float32_head import Float32Head
-    from engine.model.packed_linear import PackedLinear, packing_available
+    from engine.linear import bf16
+    from engine.linear.f32_head import Float32Head
+    from engine.linear.onednn import PackedLinear, packing_available
 
     torch.set_num_threads(usable_cores())
     gen = torch.Generator().manual_seed(args.seed)
     linear = nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)
     linear.weight.data = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).bfloat16()
     lib = load_native()
-    if bf16_linear.runs_here(lib):
-        before = bf16_linear.Bf16Linear(linear, lib)
+    if bf16.runs_here(lib):
+        before = bf16.Bf16Linear(linear, lib)
     elif packing_available(torch.bfloat16, "cpu"):
         before = PackedLinear(linear)
     else:

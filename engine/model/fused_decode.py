@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from engine import envvars
-from engine.model.bf16_linear import Bf16Linear
+from engine.linear.bf16 import Bf16Linear
 from engine.model.decode_layers import DecodeLayers
 from engine.model.decode_layers import build as build_decode_layers
-from engine.model.f32_block_linear import F32BlockLinear
-from engine.model.f32_linear import F32Linear
+from engine.linear.f32_blocks import F32BlockLinear
+from engine.linear.f32_panels import F32Linear
 from engine.model.llama import LlamaForCausalLM
 from engine.kernels.attention import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode

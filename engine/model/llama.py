@@ -13,15 +13,7 @@ from engine.model.config import ModelConfig
 from engine.kernels.attention import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.ops import add_rms_norm, rms_norm, rotate_qkv, silu_and_mul
-
-
-class Linear(nn.Linear):
-    """nn.Linear without its random init. The model is built on the meta device and the loader fills every
-    weight (one left unread is an error), yet nn.Linear's init still ran through the meta device: 40-120 ms
-    of start-up for SmolLM2's 121 layers on an AMD EPYC Zen 1."""
-
-    def reset_parameters(self) -> None:
-        pass
+from engine.linear.torch import Linear
 
 
 class RMSNorm(nn.Module):

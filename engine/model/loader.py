@@ -18,13 +18,13 @@ from typing import Callable
 import torch
 
 from engine.model.config import ModelConfig, model_config_from_hf
-from engine.model.f32_block_linear import exact_blocks
+from engine.linear.f32_blocks import exact_blocks
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.model.float32_head import Float32Head
+from engine.linear.f32_head import Float32Head
 from engine.model.fused_decode import install_exact
-from engine.model.packed_linear import our_kernel_library, pack_linears, packing_available
-from engine.model.panel_cache import keep_panels, mapped_panels
+from engine.linear.onednn import our_kernel_library, pack_linears, packing_available
+from engine.linear.panel_cache import keep_panels, mapped_panels
 from engine.model.rope import rotary_tables
 from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews

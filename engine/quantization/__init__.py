@@ -9,7 +9,7 @@ from torch import nn
 from typing import Callable
 
 from engine.config import GGUF_MODES, QUANTIZATIONS
-from engine.model.swap import release_freed_memory, replace_linears
+from engine.linear.swap import release_freed_memory, replace_linears
 
 
 def check_quantization(mode: str, device: str, dtype: torch.dtype) -> None:
@@ -69,13 +69,13 @@ def load_stored(
     if mode == "none":
         return None
     if mode in GGUF_MODES:
-        from engine.quantization.gguf import read_blocks
+        from engine.linear.gguf import read_blocks
 
         return read_blocks(
             model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"])
         )
     from engine.quantization import cache
-    from engine.quantization.int8 import stored_shape
+    from engine.linear.int8 import stored_shape
 
     stored = cache.load_cached(cache.cache_file(model_dir, mode))
     if stored is None:
@@ -106,7 +106,7 @@ def quantize_model(
 
     lib, threads = load_native(), torch.get_num_threads()
     if mode in GGUF_MODES:
-        from engine.quantization.gguf import GGUFLinear
+        from engine.linear.gguf import GGUFLinear
 
         int8 = (
             mode == "gguf-q8"
@@ -131,7 +131,7 @@ def _swap_int8(
 ) -> None:
     """int8 layers, from the stored weights or quantized here and then kept on disk for the next start."""
     from engine.quantization import cache
-    from engine.quantization.int8 import Int8Linear
+    from engine.linear.int8 import Int8Linear
 
     fresh: dict[str, torch.Tensor] = {}
 

@@ -1,6 +1,6 @@
 """Quantized weights kept on disk between starts: quantizing SmolLM2-135M's 135M weights costs about
 2 s of CPU, reading them back from a memory-mapped file almost nothing (the pages come in as used).
-The exact mode's float32 panels use the same files' naming, trust and upkeep (engine/model/panel_cache.py).
+The exact mode's float32 panels use the same files' naming, trust and upkeep (engine/linear/panel_cache.py).
 
 One safetensors file per (model files, mode, format) in the user cache directory (ENGINE_CACHE_DIR/quantized
 where that is set); written to a temporary name and renamed, so a half-written file is never read. Each
@@ -35,7 +35,7 @@ def cache_dir(kind: str = "quantized") -> Path:
 
 def cache_file(model_dir: str, mode: str, fmt: int = FORMAT, kind: str = "quantized") -> Path:
     """The file for this model's files (by name, size and time), mode and format, under cache_dir(kind)
-    (engine/model/panel_cache.py keeps float32 panels under "packed")."""
+    (engine/linear/panel_cache.py keeps float32 panels under "packed")."""
     folder = Path(model_dir).resolve()
     parts = [str(folder), mode, str(fmt)]
     for p in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
