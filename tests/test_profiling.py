@@ -408,11 +408,17 @@ def test_readings_say_when_samples_are_too_few_or_idle_was_not_sampled():
 
 
 def _line(func, marker: str) -> int:
-    """The line of `func` holding `marker`, as py-spy names it in a frame."""
+    """The line of `func` holding `marker`, as py-spy names it in a frame: the line that holds it, or
+    where a call the formatter split over lines (`time.sleep(` / `0.001` / `)`) begins."""
     import inspect
 
     lines, first = inspect.getsourcelines(func)
-    return first + next(i for i, text in enumerate(lines) if marker in text)
+    flat = [text.strip() for text in lines]
+    return first + next(
+        i
+        for i in range(len(flat))
+        if marker in flat[i] or "".join(flat[i : i + 3]).startswith(marker)
+    )
 
 
 def _serve_forever_line(marker: str) -> int:

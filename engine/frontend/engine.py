@@ -15,15 +15,15 @@ from engine.cache_upkeep import hold_lease
 from engine.config import EngineConfig
 from engine.detokenizer.process import run_detokenizer_process
 from engine.errors import EngineDeadError
+from engine.frontend.streaming import async_collect, async_stream, stop_submitter, sync_stream
+from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.hooks.loader import ENV, load_plugins, parse_spec
 from engine.ipc.channels import Endpoints
 from engine.model.embedded import is_converted
 from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
 from engine.scheduler.process import run_scheduler_process
-from engine.frontend.streaming import async_collect, async_stream, stop_submitter, sync_stream
 from engine.tokenizer import PromptTokenizer
-from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.tracing.switch import tracing_enabled
 
 logger = logging.getLogger(__name__)
@@ -31,10 +31,8 @@ logger = logging.getLogger(__name__)
 
 def _child_env(plugins: str) -> dict[str, str]:
     """With plugins: ENGINE_PLUGINS for the children, and our sitecustomize first on their path."""
-    if not plugins:
-        return {
-            ENV: ""
-        }  # none: also when the variable is set but Engine(plugins="") says otherwise
+    if not plugins:  # none: also when the variable is set but Engine(plugins="") says otherwise
+        return {ENV: ""}
     path = os.environ.get("PYTHONPATH", "")
     return {ENV: plugins, "PYTHONPATH": SITECUSTOMIZE_DIR + (os.pathsep + path if path else "")}
 
@@ -102,12 +100,10 @@ class _Resources:
         self.lock = threading.Lock()
         self.closed = False
         self.started = False  # every process is ready and serving
-        self.pid = (
-            os.getpid()
-        )  # a fork of this process (os.fork) inherits the finalizer but owns nothing
-        self.lease = (
-            None  # a converted model's lease, held while this engine runs (engine/cache_upkeep.py)
-        )
+        # a fork of this process (os.fork) inherits the finalizer but owns nothing
+        self.pid = os.getpid()
+        # a converted model's lease, held while this engine runs (engine/cache_upkeep.py)
+        self.lease = None
 
     def kill_children(self, reason: str) -> None:
         """Called by the tokenizer manager when a child died: the rest must not linger."""
@@ -164,9 +160,8 @@ class Engine:
         envvars.check_switches()  # the children read them: a misspelt value stops here, named
         plugins = self.config.plugins if self.config.plugins is not None else envvars.read(ENV)
         if tracing_enabled() and "tracing" not in parse_spec(plugins):
-            plugins = ",".join(
-                parse_spec(plugins) + ["tracing"]
-            )  # ENGINE_TRACING=1: the tracing plugin, everywhere
+            # ENGINE_TRACING=1: the tracing plugin, everywhere
+            plugins = ",".join(parse_spec(plugins) + ["tracing"])
         load_plugins(plugins)  # an unknown name stops here, listing the available plugins
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role="user", pid=os.getpid())
@@ -176,9 +171,8 @@ class Engine:
         try:
             announce = print if self.config.show_progress else None
             self.model_dir = resolve_model_dir(self.config.model_path, announce)
-            if is_converted(
-                Path(self.model_dir)
-            ):  # a newer conversion's upkeep leaves it while we run
+            # a newer conversion's upkeep leaves the folder while we run
+            if is_converted(Path(self.model_dir)):
                 res.lease = hold_lease(Path(self.model_dir))
             res.endpoints = Endpoints.create()
             ends, parent = res.endpoints.to_dict(), os.getpid()
@@ -190,10 +184,9 @@ class Engine:
                     child_env,
                 )
             )
-            # While the scheduler imports torch and loads the model: the tokenizer, and the sockets (a child
-            # connecting before they are bound is fine: ZeroMQ connects when the other side appears). The
-            # detokenizer (ready in a second) starts after them: on two cores, three processes starting at
-            # once slowed the scheduler, the one that takes longest.
+            # While the scheduler loads the model: the tokenizer and the sockets (ZeroMQ connects once
+            # the other side binds). The detokenizer starts after them so that its start-up does not
+            # compete for the CPU with the scheduler's, the longest.
             tokenizer = PromptTokenizer(self.model_dir)
             res.tokenizer_manager = TokenizerManager(tokenizer, res.endpoints)
             res.children.append(
@@ -204,9 +197,7 @@ class Engine:
                     child_env,
                 )
             )
-            if (
-                self.config.preload_tokenizer
-            ):  # this process would only wait for the scheduler meanwhile
+            if self.config.preload_tokenizer:  # this process would only wait for the scheduler
                 tokenizer.hf
             with _LoadProgress(self.config.show_progress) as bar:
                 wait_ready(res.children, self.config.startup_timeout, bar.update)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from engine import hooks
+from engine.frontend.request_checks import unicode_messages, unicode_text
 from engine.hooks.types import PromptRequest
-from engine.frontend.request_checks import unicode_text, unicode_messages
 
 
 def tokenize_stage(

@@ -22,15 +22,23 @@ import zmq
 from engine import hooks
 from engine.beam_search.params import beam_problem
 from engine.errors import EngineDeadError
+from engine.frontend.request_checks import (
+    check_call_size,
+    check_logprob_options,
+    check_unique_rids,
+    malformed_text_message,
+)
+from engine.frontend.request_state import ReqState
+from engine.frontend.tokenize_stage import tokenize_stage
 from engine.hooks.types import PromptRequest
 from engine.ipc.channels import MAX_MESSAGE_BYTES, Endpoints, pull_socket, push_socket
 from engine.ipc.inbox import Inbox
 from engine.ipc.messages import (
+    AbortRequest,
     BatchTextOut,
     BeamParams,
     BeamTextOut,
     Codec,
-    AbortRequest,
     FinishReason,
     FlushCache,
     GenerateBatch,
@@ -43,14 +51,6 @@ from engine.ipc.messages import (
 )
 from engine.sampling.processors import get_logit_processor
 from engine.sampling_params import SamplingParams, copy_seed, parse_sampling_params
-from engine.frontend.request_checks import (
-    check_logprob_options,
-    check_unique_rids,
-    malformed_text_message,
-    check_call_size,
-)
-from engine.frontend.request_state import ReqState
-from engine.frontend.tokenize_stage import tokenize_stage
 from engine.tracing.context import normalize_trace_context
 
 logger = logging.getLogger(__name__)
