@@ -17,9 +17,9 @@ LEASE = ".lease"  # in a converted model's folder: engines running on it hold a 
 
 
 def make_private_dirs(path: Path) -> None:
-    """path and every missing folder above it, each 0700: mkdir's mode covers only the last, and under a
-    umask of 002 the others came out group-writable, which the caches' trust check then refused at
-    every start (engine/kernels/cpu/build.py's unsafe_reason)."""
+    """path and every missing folder above it, each 0700: mkdir's mode covers only the last, and a
+    group-writable parent (umask 002) fails the caches' trust check (engine/kernels/cpu/build.py's
+    unsafe_reason)."""
     missing = []
     while not path.exists() and path != path.parent:
         missing.append(path)
@@ -80,9 +80,8 @@ def hold_lease(folder: Path) -> IO | None:
     lease = _locked(
         folder, fcntl.LOCK_SH
     )  # a removal holds it exclusively for a rename's time: waited for
-    if (
-        lease is not None and not (folder / ".complete").exists()
-    ):  # removed while we waited (renamed away)
+    # removed while we waited (renamed away)
+    if lease is not None and not (folder / ".complete").exists():
         lease.close()
         return None
     return lease

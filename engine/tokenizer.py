@@ -1,10 +1,10 @@
 """Tokenizers for the user process and the detokenizer, light where they can be.
 
-transformers' AutoTokenizer imports torch (about 2.7 s and 250 MB on a 2-core machine, plus 1.2 s to
-load), which was most of Engine()'s start-up. The user process encodes text with the Rust `tokenizers`
-library alone (PromptTokenizer) and loads transformers' tokenizer only when something needs it: a chat
-template (rendered exactly as transformers renders it), or `engine.tokenizer`. The detokenizer decodes
-with `tokenizers` alone (BatchDecoder).
+transformers' AutoTokenizer imports torch, which would be most of Engine()'s start-up. The user
+process encodes text with the Rust `tokenizers` library alone (PromptTokenizer) and loads
+transformers' tokenizer only when something needs it: a chat template (rendered exactly as
+transformers renders it), or `engine.tokenizer`. The detokenizer decodes with `tokenizers` alone
+(BatchDecoder).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._fast is None:
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
-        # encode_batch lets go of the GIL while it works (encode holds it: a megabyte held every
-        # other thread, an async caller's event loop included, for a second or two); same ids
+        # encode_batch lets go of the GIL while it works (encode holds it, stalling every other
+        # thread, an async caller's event loop included, on a long text); same ids
         return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def __len__(self) -> int:

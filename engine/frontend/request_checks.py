@@ -81,7 +81,7 @@ def check_call_size(
 ) -> None:
     """ValueError when one call would create more than `limit` sequences: prompts x n, a list of
     sampling_params each entry's n, a beam search beam_width per prompt. Read from the inputs' shapes
-    before anything is tokenized or built (1,000 prompts x n=128, a 5 KB body, queued 128,000 requests)."""
+    before anything is tokenized or built, since a small body can ask for a huge number of requests."""
     name, prompts = _prompt_count(prompt, input_ids, messages)
     each = f" for each of {prompts:,} prompts" if prompts > 1 else ""
     if beam is not None:

@@ -40,9 +40,8 @@ class ReqState:
 
     rid: str
     prompt_ids: list[int]
-    seq: int = (
-        0  # this submission's number: aborts name it, so a reused rid is never hit by an old abort
-    )
+    # this submission's number: aborts name it, so a reused rid is never hit by an old abort
+    seq: int = 0
     index: int = 0  # position in the caller's result list
     group: str | None = None  # the rid the caller gave, for the copies of an n > 1 request
     return_logprob: bool = False

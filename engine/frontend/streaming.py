@@ -5,9 +5,9 @@ goes to a queue.SimpleQueue (sync streams) or, through call_soon_threadsafe, an 
 stream abandoned by its consumer, and an async call cancelled while it waits, abort their requests.
 
 An async call submits on a worker thread, not on the event loop: tokenizing a long prompt, a chat
-template or a grammar check takes seconds for a megabyte, and every stream of the loop would wait.
-Up to eight at once, each sent when its own submission is done, so a long one holds up no other; a
-call cancelled while its submission runs has its requests aborted once they are sent.
+template or a grammar check would hold up every stream of the loop. Up to eight at once, each sent
+when its own submission is done, so a long one holds up no other; a call cancelled while its
+submission runs has its requests aborted once they are sent.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextvars
 import queue
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Iterator
 
 from engine.errors import EngineDeadError
@@ -38,9 +39,8 @@ def make_chunk(state: ReqState, delta: str, ids: list[int]) -> dict:
             "prompt_tokens": state.prompt_tokens,
             "completion_tokens": len(state.output_ids),
         }
-        if (
-            state.return_logprob and ids
-        ):  # the logprobs (and top alternatives) of this chunk's own tokens
+        # the logprobs (and top alternatives) of this chunk's own tokens
+        if state.return_logprob and ids:
             k = len(ids)
             meta["output_token_logprobs"] = lp_tuples(state.output_logprobs[-k:], ids)
             tops = state.output_top[-k:]
@@ -149,17 +149,19 @@ def _sync_chunks(
         _abort_left(tm, remaining)
 
 
-SUBMIT_WORKERS = (
-    8  # calls tokenized at once (threads start as needed): more long ones at once queue the rest
+# calls tokenized at once (threads start as needed): more long ones at once queue the rest
+SUBMIT_WORKERS = 8
+# each tokenizer manager's pool of submitting threads
+_submitters: "weakref.WeakKeyDictionary[TokenizerManager, ThreadPoolExecutor]" = (
+    weakref.WeakKeyDictionary()
 )
-_submitters: "weakref.WeakKeyDictionary[TokenizerManager, concurrent.futures.ThreadPoolExecutor]" = weakref.WeakKeyDictionary()
 _submitters_lock = threading.Lock()
 
 
 def _submitter(tm: TokenizerManager) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that submit tm's async calls (made on first use; they end with tm). Several, so that
-    a call whose tokenizing takes seconds (a megabyte prompt, a batch of thousands) holds up no other
-    call: each is sent when its own tokenizing is done, as SGLang's and vLLM's servers do."""
+    """The threads that submit tm's async calls (made on first use; they end with tm). Several, so
+    that a call with a long tokenizing (a huge prompt, a batch of thousands) holds up no other call:
+    each is sent when its own tokenizing is done."""
     with _submitters_lock:
         if tm.dead is not None:  # shut down (stop_submitter ran or is about to): no new pool for it
             raise EngineDeadError(tm.dead)
@@ -192,9 +194,8 @@ async def _async_submit(
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     listener = _listener(lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-    context = (
-        contextvars.copy_context()
-    )  # the caller's (its current span parents the request's, when traced)
+    # the caller's (its current span parents the request's, when traced)
+    context = contextvars.copy_context()
     try:
         future = _submitter(tm).submit(context.run, lambda: tm.submit(**submit, listener=listener))
     except RuntimeError as exc:  # the pool was shut down by a shutdown() racing this call

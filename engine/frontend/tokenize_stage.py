@@ -80,9 +80,8 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     """The model's chat template over the messages, with the generation prompt, as token ids (the text
     transformers' apply_chat_template renders, encoded without adding special tokens again)."""
     for j, m in enumerate(messages):
-        if (
-            not isinstance(m, dict) or "role" not in m
-        ):  # content may be left out (a turn of tool calls)
+        # content may be left out (a turn of tool calls)
+        if not isinstance(m, dict) or "role" not in m:
             raise ValueError(
                 f"each chat message needs 'role' (and most need 'content'), got {m!r:.200}"
             )

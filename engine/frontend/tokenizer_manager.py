@@ -66,7 +66,7 @@ def _done_hook(state: "ReqState", error: str | None) -> None:
             error=error,
             seq=state.seq,
         )
-    except BaseException as exc:  # noqa: BLE001 - the receiver must go on (a fatal error too: it would hang callers)
+    except BaseException as exc:  # noqa: BLE001 - the receiver must go on, or callers hang
         logger.error("engine: %s", exc)
 
 
@@ -168,9 +168,8 @@ class TokenizerManager:
             thread.join(5)
         with self.send_lock:
             self.send_sock.close(linger=0)
-        if (
-            thread is not None and thread.is_alive()
-        ):  # stuck in a caller's listener: leave its socket be
+        # stuck in a caller's listener: leave its socket be
+        if thread is not None and thread.is_alive():
             logger.warning("engine: the receiver thread did not stop; its socket is left open")
             return
         self.recv_sock.close(linger=0)
@@ -315,9 +314,8 @@ class TokenizerManager:
                 and any(m is state for m in members)
                 and not any(states.get(m.rid) is m for m in members)
             ):
-                self.groups.pop(
-                    state.group, None
-                )  # its last copy ended (a copy's rid reused since is not one)
+                # its last copy ended (a copy's rid reused since is not one)
+                self.groups.pop(state.group, None)
         if hooks.has("engine_request_done"):  # before the caller wakes: its spans end first
             _done_hook(state, None)
         state.done.set()
@@ -351,9 +349,8 @@ class TokenizerManager:
                 "(a prompt must leave room for at least one new token)"
             )
         room = self.context_length - len(ids)
-        if (
-            params.max_new_tokens > room
-        ):  # min_new_tokens with it: it may never exceed max_new_tokens
+        # min_new_tokens with it: it may never exceed max_new_tokens
+        if params.max_new_tokens > room:
             # more than the context leaves can only mean "as many as fit": what the KV pool holds too
             room = max(1, min(room, self.max_total_tokens + 1 - len(ids)))
             params = msgspec.structs.replace(
@@ -424,7 +421,8 @@ class TokenizerManager:
             if logprob_start_len >= len(ids):
                 where = f"request {i}: " if is_batch else ""
                 raise ValueError(
-                    f"{where}logprob_start_len must be -1 or in [0, {len(ids)}) for a {len(ids)}-token prompt, got {logprob_start_len}"
+                    f"{where}logprob_start_len must be -1 or in [0, {len(ids)}) for a "
+                    f"{len(ids)}-token prompt, got {logprob_start_len}"
                 )
         base_rids = self._rids(rid, n_prompts, is_batch)
         reqs: list[TokenizedRequest] = []
@@ -468,9 +466,8 @@ class TokenizerManager:
                 )
         check_unique_rids([s.rid for s in states])
         names = _names(states)
-        with (
-            self.states_lock
-        ):  # taken before the hooks see them, until registered (or the call fails)
+        # taken before the hooks see them, until registered (or the call fails)
+        with self.states_lock:
             self._check_clash(names)
             self._reserved.update(names)
         announced: list[TokenizedRequest] = []
@@ -478,9 +475,8 @@ class TokenizerManager:
         try:
             if hooks.has("engine_request_submitted"):
                 for req, item in zip(reqs, items_of):
-                    announced.append(
-                        req
-                    )  # first: a plugin called before the one that raises saw it
+                    # first: a plugin called before the one that raises saw it
+                    announced.append(req)
                     hooks.call(
                         "engine_request_submitted",
                         rid=req.rid,
@@ -489,8 +485,8 @@ class TokenizerManager:
                         trace_context=req.trace_context,
                         seq=req.seq,
                     )
-            # registered and sent under one lock: an abort that finds the requests reaches the socket after
-            # them (before, one could overtake them and match nothing), and nothing stays registered unsent
+            # registered and sent under one lock: an abort that finds the requests reaches the socket
+            # after them (not before, matching nothing), and nothing stays registered unsent
             with self.send_lock:
                 self._register(states)  # EngineDeadError if the engine died or shut down meanwhile
                 registered = True
@@ -507,16 +503,16 @@ class TokenizerManager:
                     raise ValueError(
                         f"the request cannot be sent to the scheduler: {exc}"
                     ) from None
-                if (
-                    len(payload) > MAX_MESSAGE_BYTES
-                ):  # the scheduler's socket would drop it, silently
+                # the scheduler's socket would drop it, silently
+                if len(payload) > MAX_MESSAGE_BYTES:
                     raise ValueError(
                         f"the call's {len(reqs)} requests encode to {len(payload):,} bytes, more than one "
                         f"message may carry ({MAX_MESSAGE_BYTES:,}): split it into several calls"
                     )
                 self.send_sock.send(payload)
                 sent = True
-        except BaseException as exc:  # a hook, Ctrl-C while waiting for the socket or encoding, a value no check caught
+        # a hook, Ctrl-C while waiting for the socket or encoding, a value no check caught
+        except BaseException as exc:
             if sent:
                 raise
             if registered:
@@ -541,9 +537,8 @@ class TokenizerManager:
 
     def _register(self, states: list[ReqState]) -> None:
         with self.states_lock:
-            if (
-                self.dead is not None
-            ):  # checked under the lock that _mark_dead takes: no state is orphaned
+            # checked under the lock that _mark_dead takes: no state is orphaned
+            if self.dead is not None:
                 raise EngineDeadError(self.dead)  # (the caller then gives up the rids it reserved)
             self._reserved.difference_update(_names(states))
             for state in states:
@@ -579,9 +574,8 @@ class TokenizerManager:
         if live:
             message_out = AbortRequest([s.rid for s in live], message, [s.seq for s in live])
             with self.send_lock:
-                if (
-                    self.dead is None
-                ):  # else the socket may be closed; the requests have failed already
+                # else the socket may be closed; the requests have failed already
+                if self.dead is None:
                     self.send_sock.send(self.send_codec.encode(message_out))
 
     def abort_soon(self, states: list[ReqState], message: str = "aborted by the caller") -> None:
@@ -621,9 +615,7 @@ class TokenizerManager:
         try:
             for state in states:
                 state.done.wait()
-        except (
-            BaseException
-        ):  # Ctrl-C in the caller: its requests must not run on (as a closed stream's)
+        except BaseException:  # Ctrl-C in the caller: its requests must not run on
             self.abort_requests(states)
             raise
         return [self.output(s.result(), s.seq) for s in states]
