@@ -1193,7 +1193,7 @@ def test_metrics_count_a_prompt_once_and_never_a_request_never_sent(server, clie
 def test_the_queue_time_histogram_never_goes_down(monkeypatch):
     """It was the sum over the live engines read at each scrape: an engine shut down, or one whose
     get_stats failed once, took its counts away, and Prometheus read the drop as a counter reset."""
-    import engine.frontend.engine as entrypoint
+    import engine.frontend.engine as frontend_engine
     from engine.plugins import metrics
 
     class Fake:
@@ -1212,7 +1212,7 @@ def test_the_queue_time_histogram_never_goes_down(monkeypatch):
 
     a, b = Fake(3), Fake(5)
     live = [a, b]
-    monkeypatch.setattr(entrypoint, "live_engines", lambda: list(live))
+    monkeypatch.setattr(frontend_engine, "live_engines", lambda: list(live))
     monkeypatch.setattr(metrics, "_queue_seen", {}, raising=False)
     monkeypatch.setattr(
         metrics,
