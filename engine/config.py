@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -70,9 +70,17 @@ class EngineConfig:
     # sequences one generate or beam_search call may create (prompts x n; a beam search's beams): a few KB of
     # input must not queue a hundred thousand requests; 4,096 holds the suite's 1,000-request crowd 4 times
     max_sequences_per_call: int = 4096
+    # A/B runs of the kernels: {row of engine/linear/choose.py's table: "off", or "on" for an opt-in row},
+    # e.g. {"f32-blocks": "off"}; `engine info` prints the rows. Empty: the table's own choice.
+    kernel_overrides: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        if not isinstance(self.kernel_overrides, dict):
+            raise ValueError(f"kernel_overrides must be a dict, got {self.kernel_overrides!r}")
+        from engine.linear.choose import check_overrides  # no torch: the row names alone
+
+        check_overrides(self.kernel_overrides)
         if self.model_path is not None and not isinstance(self.model_path, (str, os.PathLike)):
             raise ValueError(
                 f"model_path must be a path string, got {type(self.model_path).__name__}"

@@ -14,7 +14,6 @@ from engine.model.config import load_hf_config
 from engine.linear.f32_blocks import F32BlockLinear
 from engine.linear.f32_panels import F32Linear
 from engine.model.loader import load_model
-from engine.linear.onednn import float32_panels_here
 from engine.linear.gguf import BLOCK_BYTES, dequantize
 
 LIB = load_native()
@@ -93,8 +92,10 @@ def test_shapes_and_types_it_does_not_take_are_refused():
 
 
 def _linears(model_dir: str, monkeypatch, blocks: bool) -> dict[str, torch.nn.Module]:
-    monkeypatch.setenv("ENGINE_EXACT_BLOCKS", "1" if blocks else "0")
-    model, _ = load_model(model_dir, load_hf_config(model_dir), torch.float32, "cpu", 64)
+    overrides = {} if blocks else {"f32-blocks": "off"}
+    model, _ = load_model(
+        model_dir, load_hf_config(model_dir), torch.float32, "cpu", 64, kernel_overrides=overrides
+    )
     kept = {
         n: m
         for n, m in model.named_modules()
@@ -146,14 +147,15 @@ def test_the_engine_on_blocks_gives_the_float_panels_tokens_and_logprobs(engine,
             for o in one + many
         ]
 
-    if not float32_panels_here("cpu"):
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
         pytest.skip(
             "the float panels run on AVX2 CPUs only (AVX-512 keeps MKL, another summation order): "
             "the layers' bitwise test above compares the blocks with them here"
         )
     engine.flush_cache()
     mine = run(engine)
-    monkeypatch.setenv("ENGINE_EXACT_BLOCKS", "0")
-    with Engine(dtype="float32", max_total_tokens=4096) as floats:
+    with Engine(
+        dtype="float32", max_total_tokens=4096, kernel_overrides={"f32-blocks": "off"}
+    ) as floats:
         assert floats.server_info["linear_layers"] == ["F32Linear"]
         assert run(floats) == mine

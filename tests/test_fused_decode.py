@@ -5,7 +5,6 @@ mode on our linear kernels (bitwise: bfloat16, and float32 in one C call)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -106,10 +105,10 @@ def _both_ways(
 
 
 def _ran_in_one_call(model) -> None:
-    """The float32 fused steps ran as decode_layers.c's one call, unless ENGINE_DECODE_LAYERS=0 kept the loop."""
-    assert (model.__dict__["_decode_layers"][1] is not None) == (
-        os.environ.get("ENGINE_DECODE_LAYERS") != "0"
-    )
+    """The float32 fused steps ran as decode_layers.c's one call, as the choice table chose
+    (its decode-layers-c row off keeps the loop, which _both_ways runs beside it anyway)."""
+    assert model.decode_choice.row == "decode-layers-c"
+    assert model.__dict__["_decode_layers"][1] is not None
 
 
 @needs_kernel
@@ -165,19 +164,11 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     run = InProcess(model_dir, dtype="bfloat16", max_total_tokens=2048)
     try:
         model = run.sched.model
-        installed = model.decode_path is not None  # fused_decode.install sets it
-        switches = (
-            "ENGINE_FUSED_DECODE",
-            "ENGINE_BF16_LINEAR",
-            "ENGINE_PACK_WEIGHTS",
-        )  # any of them 0: plain
-        switched_off = any(os.environ.get(name) == "0" for name in switches)
-        assert installed == (
-            bf16.runs_here(load_native()) and run.sched.dtype == torch.bfloat16 and not switched_off
-        )
+        installed = model.decode_path is not None  # llama.py's choose_decode_path sets it
+        assert installed == (bf16.runs_here(load_native()) and run.sched.dtype == torch.bfloat16)
         if not installed:
             pytest.skip(
-                "no fused bfloat16 decode here (no AVX512_BF16, AMX, or switched off): checked it is not installed"
+                "no fused bfloat16 decode here (no AVX512_BF16, or AMX): checked it is not installed"
             )
         assert (
             run.sched.backend.rows_decoder() is not None
@@ -210,18 +201,12 @@ def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
     run = InProcess(model_dir, dtype="float32", max_total_tokens=2048)
     try:
         model = run.sched.model
-        installed = model.decode_path is not None  # fused_decode.install sets it
-        switches = (
-            "ENGINE_FUSED_DECODE",
-            "ENGINE_F32_LINEAR",
-            "ENGINE_PACK_WEIGHTS",
-        )  # any of them 0: plain
-        switched_off = any(os.environ.get(name) == "0" for name in switches)
+        installed = model.decode_path is not None  # llama.py's choose_decode_path sets it
         here = f32_panels.runs_here(load_native()) and packing_available(torch.float32, "cpu")
-        assert installed == (here and not switched_off)
+        assert installed == here
         if not installed:
             pytest.skip(
-                "no fused float32 decode here (float32 not packed on this CPU, or switched off): checked it is not installed"
+                "no fused float32 decode here (float32 not packed on this CPU): checked it is not installed"
             )
         done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.float32

@@ -16,7 +16,7 @@ from engine.linear.f32_panels import F32Linear
 from engine.linear.torch import Linear
 from engine.model.loader import index_weights, load_model
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.linear.onednn import PackedLinear, float32_panels_here, packing_available
+from engine.linear.onednn import PackedLinear, packing_available
 from engine.kernels.cpu import load_native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
@@ -46,9 +46,11 @@ def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
     weights = index_weights(tiny_llama_dir)
     entry = weights["model.embed_tokens.weight"]
     embed, file = model.embed_tokens.weight, os.path.realpath(entry.path)
-    ours = f32_panels.runs_here(load_native()) and os.environ.get("ENGINE_F32_LINEAR") != "0"
+    ours = f32_panels.runs_here(load_native())
     kind = (
-        (F32Linear if ours else PackedLinear) if float32_panels_here("cpu") else Linear
+        (F32Linear if ours else PackedLinear)
+        if torch.backends.cpu.get_cpu_capability() == "AVX2"
+        else Linear
     )  # AVX-512: MKL's
     assert _mapped_file(embed.data_ptr()) == file and type(model.lm_head) is kind  # its own copy
     assert _mapped_file(getattr(model.lm_head, "weight", model.norm.weight).data_ptr()) != file
@@ -67,12 +69,19 @@ def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
 
 
 def test_a_tied_lm_head_left_plain_reads_the_embedding_into_memory(tiny_llama_dir, monkeypatch):
-    """Unpacked (ENGINE_PACK_WEIGHTS=0, or float32 on an AVX-512 CPU) the tied lm_head multiplies the
+    """Unpacked (the table's torch-plain row, or float32 on an AVX-512 CPU) the tied lm_head multiplies the
     embedding itself every step: mapped, that would stream file pages; it is read instead. Quantized, the
     lm_head has its own weights and the embedding is mapped again."""
     file = os.path.realpath(index_weights(tiny_llama_dir)["model.embed_tokens.weight"].path)
-    monkeypatch.setenv("ENGINE_PACK_WEIGHTS", "0")
-    model, _ = load_model(tiny_llama_dir, load_hf_config(tiny_llama_dir), torch.float32, "cpu", 64)
+    plain = {"torch-plain": "on"}
+    model, _ = load_model(
+        tiny_llama_dir,
+        load_hf_config(tiny_llama_dir),
+        torch.float32,
+        "cpu",
+        64,
+        kernel_overrides=plain,
+    )
     assert model.lm_head.weight is model.embed_tokens.weight
     assert _mapped_file(model.embed_tokens.weight.data_ptr()) != file
     if load_native() is None:

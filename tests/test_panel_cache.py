@@ -21,14 +21,16 @@ from engine.model.safetensors_io import read_metadata, write_safetensors
 from engine.quantization import cache
 
 
-def _load(model_dir: str):
-    model, _ = load_model(model_dir, load_hf_config(model_dir), torch.float32, "cpu", 64)
+def _load(model_dir: str, cached: bool = True):
+    overrides = {"f32-panels-cached": "on"} if cached else {}  # an opt-in row of the choice table
+    model, _ = load_model(
+        model_dir, load_hf_config(model_dir), torch.float32, "cpu", 64, kernel_overrides=overrides
+    )
     return {name: m for name, m in model.named_modules() if isinstance(m, F32Linear)}
 
 
 def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("ENGINE_PANEL_CACHE", "1")  # opt-in (panel_cache.enabled)
     first = _load(tiny_llama_dir)
     path = panel_file(tiny_llama_dir)
     if (
@@ -59,11 +61,8 @@ def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, t
     assert all(torch.equal(third[n].packed, first[n].packed) for n in first)
     assert set(load_file(str(path))) == set(first)
 
-    monkeypatch.delenv(
-        "ENGINE_PANEL_CACHE"
-    )  # off by default: packed at every start, nothing read or written
-    path.unlink()
-    assert set(_load(tiny_llama_dir)) == set(first) and not path.exists()
+    path.unlink()  # off by default: packed at every start, nothing read or written
+    assert set(_load(tiny_llama_dir, cached=False)) == set(first) and not path.exists()
 
 
 def test_the_cached_layout_is_f32_linear_s_panels():

@@ -1,14 +1,11 @@
 """A float32 decode step's decoder layers as one C call (engine/kernels/cpu/decode_layers.c), for
-fused_decode.py: the quantized modes, and the exact mode on F32Linear.
+fused_decode.py: the quantized modes, and the exact mode on F32Linear or F32BlockLinear.
 
-Why: fused_decode.py's loop calls nine kernels a layer through ctypes, about 270 calls a step, each a few
-microseconds of Python and ctypes around a kernel that at batch 1 runs for tens of them. The C loop calls
-the same kernels in the same order on the same rows with the same threads, so the rows it leaves are
-bitwise those of the Python loop (tests/test_fused_decode.py runs both). ENGINE_DECODE_LAYERS=0 keeps the
-Python loop (A/B runs). float32 rows only: the quantized modes, where it was measured (one stream's steps
-11-16% shorter on an AMD EPYC Zen 1), and the exact mode in float32 on F32Linear (bitwise its plain
-forward); the exact mode's bfloat16 decode keeps the loop, since no machine with AVX512_BF16 was at hand to
-measure and test it on.
+fused_decode.py's loop calls nine kernels a layer through ctypes, each a few microseconds of Python around
+a kernel that at batch 1 runs for tens of them. The C loop calls the same kernels in the same order on
+the same rows with the same threads, so the rows it leaves are bitwise those of the Python loop
+(tests/test_fused_decode.py runs both; the choice table's decode-layers-c row turns it off). float32
+rows only: bfloat16 decode keeps the loop, not yet measured and tested on a CPU with AVX512_BF16.
 
 The layers are described once, at the first decode step: the weights' addresses (the linear layers'
 buffers are made at load and never replaced by the engine), the norms' and the pool's K/V buffers'.
@@ -21,7 +18,6 @@ from ctypes import c_float, c_int32, c_int64, c_void_p
 
 import torch
 
-from engine import envvars
 
 KINDS = {"int8": 1, "gguf": 2, "f32": 3, "f32blocks": 4}  # LINEAR_* in decode_layers.c
 STAGES = ("qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj")
@@ -166,10 +162,9 @@ class DecodeLayers:
 
 
 def build(lib, model, backend, buffers: dict[str, torch.Tensor]) -> DecodeLayers | None:
-    """The C step for this model and attention backend, or None where it does not run (switched off, rows not
-    float32, an attention backend without the one-call K/V store for them, a linear layer without
-    decode_linear)."""
-    if envvars.read("ENGINE_DECODE_LAYERS") == "0" or buffers["qkv"].dtype != torch.float32:
+    """The C step for this model and attention backend, or None where it does not run (rows not float32,
+    an attention backend without the one-call K/V store for them, a linear layer without decode_linear)."""
+    if buffers["qkv"].dtype != torch.float32:
         return None
     args = getattr(backend, "layers_decoder_args", None)
     attention = args() if args is not None else None

@@ -1,61 +1,41 @@
 """Decode steps with their elementwise work in C and each linear layer's kernel called straight into reused
 rows: the quantized modes (float32, engine/kernels/cpu/elementwise.c) and the exact mode where its linear
-layers run on our own kernels (bfloat16: Bf16Linear, elementwise_bf16.c; float32: F32Linear).
+layers run on our own kernels (bfloat16: Bf16Linear, elementwise_bf16.c; float32: F32Linear, F32BlockLinear).
+llama.py's choose_decode_path picks this path from the choice table (engine/linear/choose.py).
 
-Why: at batch 1 the norms, rotary, residual adds and SiLU of 30 layers are about a thousand torch calls
-per step, each a few microseconds of dispatch on a few hundred floats: 8 ms of a 25 ms step. Here each
-layer makes four C calls for them, and each residual add is fused into the next norm. Only decode steps
-of up to MAX_ROWS rows take this path. In the quantized modes the elementwise kernels are float32 ones
-the plain forward does not use (those modes promise no token parity). In the exact mode they are the
-very kernels llama.py's operations call (engine/kernels/ops.py), in the same order on the same rows:
-the logits are bitwise the plain forward's, so token parity with transformers does not depend on this
-path; what it removes is the Python and the fresh tensors around them. In float32 (the quantized modes and
-the exact mode on F32Linear) the loop of decode_forward runs as one C call a step
-(engine/model/decode_layers.py), the same kernels in the same order; the loop stays for bfloat16 and
-ENGINE_DECODE_LAYERS=0.
+At batch 1 the norms, rotary, residual adds and SiLU of every layer are about a thousand torch calls a
+step, each mostly dispatch; here each layer makes four C calls for them, and each residual add is fused
+into the next norm. Only decode steps of up to MAX_ROWS rows take this path. In the quantized modes the
+elementwise kernels are float32 ones the plain forward does not use (those modes promise no token
+parity). In the exact mode they are the very kernels llama.py's operations call (engine/kernels/ops.py),
+in the same order on the same rows: the logits are bitwise the plain forward's. In float32 the loop of
+decode_forward can run as one C call a step (engine/model/decode_layers.py), the same kernels in the same
+order; the loop stays for bfloat16 and where the table's decode-layers-c row is off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine import envvars
-from engine.linear.bf16 import Bf16Linear
+from typing import TYPE_CHECKING
+
+from engine.kernels.attention import AttentionBackend
 from engine.model.decode_layers import DecodeLayers
 from engine.model.decode_layers import build as build_decode_layers
-from engine.linear.f32_blocks import F32BlockLinear
-from engine.linear.f32_panels import F32Linear
-from engine.model.llama import LlamaForCausalLM
-from engine.kernels.attention import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
+
 MAX_ROWS = 64
-
-
-def install_exact(model: LlamaForCausalLM) -> bool:
-    """Where every decoder layer's linear layers run on one of our exact kernels (pack_linears chose Bf16Linear
-    for all of them, or F32Linear or F32BlockLinear for all), the exact mode's decode steps take this path: bitwise the plain
-    forward's logits (the same kernels in the same order), without the Python and fresh tensors of each op
-    (ENGINE_FUSED_DECODE=0: the plain forward). Whether it did."""
-    if envvars.read("ENGINE_FUSED_DECODE") == "0":
-        return False
-    kinds = set()
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        kinds.update(type(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    if kinds != {Bf16Linear} and not (kinds and kinds <= {F32Linear, F32BlockLinear}):
-        return False
-    from engine.kernels.cpu import load_native
-
-    install(model, load_native())  # the library the layers were made with (loaded once, cached)
-    return True
 
 
 class FusedDecode:
     """A model's decode_path: decode steps of up to MAX_ROWS rows through decode_forward."""
 
-    def __init__(self, lib) -> None:
+    def __init__(self, lib, one_call: bool) -> None:
         self.lib = lib
+        self.one_call = one_call  # float32: every layer in one C call where the backend allows
 
     def takes(self, batch: ForwardBatch) -> bool:
         return batch.mode is ForwardMode.DECODE and batch.input_ids.shape[0] <= MAX_ROWS
@@ -64,14 +44,7 @@ class FusedDecode:
     def __call__(
         self, model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
-        return decode_forward(model, batch, backend, self.lib)
-
-
-def install(model: LlamaForCausalLM, lib) -> LlamaForCausalLM:
-    """Set the model's decode_path to the fused step. Every decoder layer's linear layers must have a
-    kernel_call (QuantizedLinear, GGUFLinear, Bf16Linear, F32Linear, F32BlockLinear)."""
-    model.decode_path = FusedDecode(lib)
-    return model
+        return decode_forward(model, batch, backend, self.lib, self.one_call)
 
 
 class _Layer:
@@ -139,12 +112,15 @@ def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
     return cache[t]
 
 
-def _native(model: LlamaForCausalLM, backend: AttentionBackend, lib) -> DecodeLayers | None:
+def _native(
+    model: LlamaForCausalLM, backend: AttentionBackend, lib, one_call: bool
+) -> DecodeLayers | None:
     """The one-call C step for this model and backend (decode_layers.py), described once; None where it
     cannot run, and the loop of decode_forward does the step."""
     cached = model.__dict__.get("_decode_layers")
     if cached is None or cached[0] is not backend:
-        native = build_decode_layers(lib, model, backend, model.__dict__["_fused_buffers"])
+        buffers = model.__dict__["_fused_buffers"]
+        native = build_decode_layers(lib, model, backend, buffers) if one_call else None
         cached = model.__dict__["_decode_layers"] = (backend, native)
     return cached[1]
 
@@ -159,7 +135,11 @@ def _kernels(lib, dtype: torch.dtype) -> tuple:
 
 
 def decode_forward(
-    model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend, lib
+    model: LlamaForCausalLM,
+    batch: ForwardBatch,
+    backend: AttentionBackend,
+    lib,
+    one_call: bool = True,
 ) -> torch.Tensor:
     """What LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused and the
     linear layers' kernels called straight into reused rows."""
@@ -171,7 +151,7 @@ def decode_forward(
     t, hidden = h.shape
     rows = _rows(model, t, h.dtype)
     threads = torch.get_num_threads()
-    native = _native(model, backend, lib)
+    native = _native(model, backend, lib, one_call)
     if (
         native is not None
     ):  # every layer in one C call: the same kernels, order and rows as the loop below

@@ -13,7 +13,9 @@ from engine.model.config import ModelConfig
 from engine.kernels.attention import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.ops import add_rms_norm, rms_norm, rotate_qkv, silu_and_mul
+from engine.linear.choose import Choice, Where, choose_decode_path
 from engine.linear.torch import Linear
+from engine.model.fused_decode import FusedDecode
 
 
 class RMSNorm(nn.Module):
@@ -92,13 +94,22 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
         self.requires_grad_(False)
-        # the fused decode step the loader sets where the linear layers have direct kernel calls
-        # (engine/model/fused_decode.py): the same logits as plain_forward, fewer Python calls a step
-        self.decode_path = None
+        self.linear_choices: dict[str, Choice] = {}  # the choice table's pick for each linear layer
+        self.decode_choice = Choice("plain", "plain", "llama.py's forward, op by op")
+        self.decode_path: FusedDecode | None = None  # set by choose_decode_path
+
+    def choose_decode_path(self, where: Where, lib) -> None:
+        """Decode steps go through fused_decode.FusedDecode (each layer's kernel called directly, the
+        elementwise ops fused; for float32, all layers in one C call) where the table puts every decoder
+        layer on a kernel with a direct call: the same logits as plain_forward, less Python a step."""
+        impls = {c.impl for n, c in self.linear_choices.items() if n.startswith("layers.")}
+        self.decode_choice = choose_decode_path(where, impls)
+        fused = self.decode_choice.impl in ("fused", "fused-c")
+        self.decode_path = FusedDecode(lib, self.decode_choice.impl == "fused-c") if fused else None
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits [B, vocab] in float32 for each request's last new token: small decode steps on the fused
-        decode path where the loader set one, everything else on plain_forward."""
+        decode path where choose_decode_path chose it, everything else on plain_forward."""
         fused = self.decode_path
         if fused is not None and fused.takes(batch):
             return fused(self, batch, backend)

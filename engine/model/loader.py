@@ -17,18 +17,19 @@ from typing import Callable
 
 import torch
 
-from engine.model.config import ModelConfig, model_config_from_hf
+from engine.linear import panel_cache
+from engine.linear.build import FROM_FILE, NO_FLOATS, Sources, make
+from engine.linear.choose import Choice, Layer, Where, choose, may_use
 from engine.linear.f32_blocks import exact_blocks
+from engine.linear.here import native_library, where_here
+from engine.linear.swap import release_freed_memory, replace_linears
+from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.model.mapped_weight import MappedWeight, mappable
-from engine.linear.f32_head import Float32Head
-from engine.model.fused_decode import install_exact
-from engine.linear.onednn import our_kernel_library, pack_linears, packing_available
-from engine.linear.panel_cache import keep_panels, mapped_panels
 from engine.model.rope import rotary_tables
 from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews
-from engine.quantization import linear_shapes, load_stored, quantize_model
+from engine.quantization import cache, linear_shapes, load_stored
 
 
 def safetensors_files(model_dir: str) -> list[Path]:
@@ -110,7 +111,10 @@ def load_model(
     max_positions: int,
     progress=None,
     quantization: str = "none",
+    kernel_overrides: dict[str, str] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model with every weight loaded and each linear layer on the implementation the choice table
+    (engine/linear/choose.py) picks; the choices are kept on the model (linear_choices, decode_choice)."""
     cfg = model_config_from_hf(hf_config, model_dir)
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
     with torch.device("meta"):
@@ -118,128 +122,162 @@ def load_model(
     entries = index_weights(model_dir)
     plan = weight_plan(cfg, set(entries))
     shapes = linear_shapes(model)
-    stored = load_stored(
-        model_dir,
-        quantization,
-        shapes,
-        cfg,
-        lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32),
-    )
-    if stored is not None:  # quantized weights at hand: the float ones of those layers stay unread
-        plan = {
-            k: v
-            for k, v in plan.items()
-            if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)
+    lib = native_library(quantization, dtype, device)
+    tied = cfg.tie_word_embeddings
+    where = where_here(quantization, dtype, device, tied, lib, kernel_overrides or {})
+    views = WeightViews()
+    try:
+        src = Sources(lib=lib, tied=tied)
+        src.stored = load_stored(
+            model_dir,
+            quantization,
+            shapes,
+            cfg,
+            lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32),
+        )
+        where, mapped = _map_embedding(where, plan, entries, dtype, device)
+        where = _find_weights(where, src, model_dir, cfg, shapes, plan, entries, views, dtype)
+        choices = {
+            n: choose(where, Layer(n, *shapes[n], model.get_submodule(n).bias is not None))
+            for n in shapes
         }
-    # mapped only where gathers alone read it: a tied lm_head left plain would stream the mapping's small
-    # file pages every step (float32 on AVX-512 CPUs, ENGINE_PACK_WEIGHTS=0), so it is read there
-    head_own = (
-        not cfg.tie_word_embeddings or quantization != "none" or packing_available(dtype, device)
-    )
-    embed_parts, mapped = plan["embed_tokens.weight"], None
-    entry = entries[embed_parts[0]]
-    if head_own and mappable(entry.dtype, dtype, len(embed_parts), device):
-        mapped = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-        plan = {k: v for k, v in plan.items() if k != "embed_tokens.weight"}
-    # packed layers (none, on CPUs where packing pays) are packed from views of the file: their float
-    # weights are never read into memory (weight_views.py)
-    packed_from_file = set()
-    if quantization == "none" and packing_available(dtype, device):
-        packed_from_file = {
-            f"{n}.weight"
-            for n in shapes  # a bfloat16 lm_head is read: Float32Head may keep it
-            if not ((cfg.tie_word_embeddings or dtype == torch.bfloat16) and n == "lm_head")
-        }
-    total = len(plan)
-    plan, deferred = (
-        {k: v for k, v in plan.items() if k not in packed_from_file},
-        {k: v for k, v in plan.items() if k in packed_from_file},
-    )
-    state = read_planned(plan, entries, dtype, progress and (lambda i, n: progress(i, total)))
-    if mapped is not None:
-        state["embed_tokens.weight"] = mapped.tensor
-    if device != "cpu":
-        state = {k: v.to(device) for k, v in state.items()}
+        plan, deferred = _split_plan(plan, choices, mapped is not None, src.stored is not None)
+        total = len(plan)
+        state = read_planned(plan, entries, dtype, progress and (lambda i, n: progress(i, total)))
+        if mapped is not None:
+            state["embed_tokens.weight"] = mapped.tensor
+        if device != "cpu":
+            state = {k: v.to(device) for k, v in state.items()}
+        unread = set(deferred) | ({f"{n}.weight" for n in shapes} if src.stored else set())
+        _assign(model, state, unread | ({"lm_head.weight"} if tied else set()))
+        model.rope_cos, model.rope_sin = cos, sin
+        model.eval()
+        del state  # the model holds the weights now: replacing a layer frees its plain weight
+        src.file_weight = _file_weights(deferred, entries, views, dtype, progress, total, len(plan))
+        _replace_linears(model, choices, src)
+    finally:
+        views.close()
+    _keep_new_weights(model, model_dir, quantization, where, src)
+    if progress is not None and (src.panels or (src.blocks and quantization == "none")):
+        progress(total, total)  # the mapped layers were never read
+    unread = [n for n, p in model.named_parameters() if p.is_meta]
+    if unread:
+        raise ValueError(f"weights left unloaded: {unread[:8]}")
+    model.linear_choices = choices
+    model.choose_decode_path(where, lib)
+    if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
+        mapped.drop_pages()
+    return model, cfg
+
+
+def _map_embedding(
+    where: Where, plan: dict, entries: dict, dtype: torch.dtype, device: str
+) -> tuple[Where, MappedWeight | None]:
+    """The embedding stays mapped from the file (only gathered from, a few rows a token) where its bytes
+    are the tensor and no plain tied lm_head would stream the mapping's pages every step."""
+    head_own = not where.tied or where.mode != "none" or where.packs
+    parts = plan["embed_tokens.weight"]
+    entry = entries[parts[0]]
+    if not (head_own and mappable(entry.dtype, dtype, len(parts), device)):
+        return where, None
+    mapped = MappedWeight(entry.path, entry.offset, entry.nbytes, entry.dtype, entry.shape)
+    return where.found(embedding_mapped=True), mapped
+
+
+def _find_weights(where, src, model_dir, cfg, shapes, plan, entries, views, dtype) -> Where:
+    """Weights that spare reading or packing the float ones: the GGUF blocks the float32 weights are
+    exactly (f32_blocks.py), else f32_linear panels kept by an earlier start (panel_cache.py)."""
+    if where.mode in ("gguf", "gguf-q8"):
+        src.blocks = src.stored
+        return where
+    if may_use(where, "f32-blocks"):
+
+        def reference(name: str) -> torch.Tensor:  # a converted weight, as a view of the file
+            parts = plan.get(f"{name}.weight") or plan["embed_tokens.weight"]  # tied lm_head
+            return views.stacked([entries[p] for p in parts], dtype)
+
+        src.blocks = exact_blocks(model_dir, cfg, shapes, reference, src.lib)
+        if src.blocks is not None:
+            return where.found(exact_blocks=True)
+    if may_use(where, "f32-panels-cached"):
+        src.panels = panel_cache.mapped_panels(model_dir, shapes)
+        return where.found(cached_panels=frozenset(src.panels or ()))
+    return where
+
+
+def _split_plan(
+    plan: dict, choices: dict[str, Choice], mapped: bool, quantized: bool
+) -> tuple[dict, dict]:
+    """(the weights to read now, those packed later from views of the file). The float weights of
+    layers that need none (quantized with their weights at hand, GGUF blocks, cached panels) and a
+    mapped embedding are not read at all."""
+    now, later = {}, {}
+    for key, parts in plan.items():
+        layer = key.removesuffix(".weight")
+        choice = choices.get(layer) if key.endswith(".weight") else None
+        if (key == "embed_tokens.weight" and mapped) or (choice is not None and quantized):
+            continue
+        packed = choice is not None and (choice.impl in FROM_FILE or choice.impl in NO_FLOATS)
+        (later if packed else now)[key] = parts
+    return now, later
+
+
+def _assign(model: LlamaForCausalLM, state: dict, unread: set[str]) -> None:
+    """The read weights into the model; a tied lm_head made the embedding."""
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    left_to_quantized = {f"{n}.weight" for n in shapes} if stored is not None else set()
-    missing = [
-        m
-        for m in missing
-        if not (cfg.tie_word_embeddings and m == "lm_head.weight")
-        and m not in left_to_quantized
-        and m not in deferred
-    ]
+    missing = [m for m in missing if m not in unread]
     if missing or unexpected:
         raise ValueError(
             f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
-    if cfg.tie_word_embeddings:
+    if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope_cos, model.rope_sin = cos, sin
-    model.eval()
-    del state  # the model holds the weights now; quantization and packing must be able to free the plain ones
-    model = quantize_model(model, quantization, model_dir, stored)
-    if quantization == "none":
-        # on the CPU: oneDNN's layout or our kernels' panels, once (packed_linear.py); a float32 tied lm_head's copy is paid for by
-        # the mapped embedding, and without it would be 113 MB more
-        views, done = WeightViews(), len(plan)
 
-        def weights(name: str) -> torch.Tensor:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress(done, total)
-            return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
 
-        def reference(name: str) -> torch.Tensor:  # a converted weight, to check the blocks against
-            parts = deferred.get(f"{name}.weight")
-            return (
-                views.stacked([entries[p] for p in parts], dtype)
-                if parts
-                else model.get_submodule(name).weight
-            )
+def _file_weights(deferred, entries, views, dtype, progress, total, done):
+    """name -> that layer's float weight as a view of the file (valid until the next call), counted."""
 
-        on_f32 = dtype == torch.float32 and bool(
-            deferred
-        )  # packed for f32_linear (or oneDNN) from the file
-        try:
-            # the GGUF blocks the float32 weights were converted from, where they are those weights exactly
-            # (f32_block_linear.py); else the float panels, mapped from the panel cache or packed
-            blocks = (
-                exact_blocks(model_dir, cfg, shapes, reference, our_kernel_library(dtype))
-                if on_f32
-                else None
-            )
-            panels = mapped_panels(model_dir, shapes) if on_f32 and blocks is None else None
-            pack_linears(
-                model,
-                dtype,
-                device,
-                copy_tied_head=dtype != torch.float32 or mapped is not None,
-                weights=weights if deferred else None,
-                panels=panels,
-                blocks=blocks,
-            )
-        finally:
-            views.close()
-        if on_f32 and panels is None and blocks is None:
-            keep_panels(model_dir, model)  # the next start maps them (panel_cache.py)
-        if progress is not None and (panels or blocks):
-            progress(total, total)  # the mapped layers were never read
-        if (
-            dtype == torch.bfloat16
-        ):  # float32 logits (float32_head.py); packing leaves the lm_head to this
-            from engine.kernels.cpu import load_native
+    def weight(name: str) -> torch.Tensor:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        return views.stacked([entries[p] for p in deferred[f"{name}.weight"]], dtype)
 
-            model.lm_head = Float32Head(
-                model.lm_head, load_native() if torch.device(device).type == "cpu" else None
-            )
-        unread = [n for n, p in model.named_parameters() if p.is_meta]
-        if unread:
-            raise ValueError(f"weights left unloaded: {unread[:8]}")
-        install_exact(
-            model
-        )  # decode steps on our exact linear kernels: fused_decode.py's direct calls
-    if mapped is not None:  # a tied lm_head quantized or packed from the embedding read all of it
-        mapped.drop_pages()
-    return model, cfg
+    return weight
+
+
+def _replace_linears(model: LlamaForCausalLM, choices: dict[str, Choice], src: Sources) -> None:
+    """Every linear layer on its chosen implementation; the replaced plain weights given back."""
+    if all(c.impl == "torch" for c in choices.values()):
+        return
+    replace_linears(model, lambda name, linear: make(choices[name], name, linear, src))
+    release_freed_memory(collect=False)  # plain nn.Linear layers: no reference cycles
+
+
+def _keep_new_weights(model, model_dir: str, mode: str, where: Where, src: Sources) -> None:
+    """Weights made at this start that the next one maps instead: int8's, f32_linear's panels."""
+    if mode == "int8" and src.stored is None:
+        cache.save_cached(cache.cache_file(model_dir, mode), src.fresh, model_dir, mode)
+    if may_use(where, "f32-panels-cached") and src.panels is None and not where.exact_blocks:
+        panel_cache.keep_panels(model_dir, model)
+
+
+def kernel_info(model: LlamaForCausalLM) -> dict:
+    """What the load chose, for /server_info and `engine info`: the linear layers' classes, the table's
+    row and reason for each kind of layer (qkv_proj, ..., lm_head), and the decode path."""
+    kinds: dict[str, list[str]] = {}
+    for name, choice in model.linear_choices.items():
+        line = f"{choice.row}: {choice.reason}"
+        lines = kinds.setdefault(name.rsplit(".", 1)[-1], [])
+        if line not in lines:
+            lines.append(line)
+    classes = {
+        type(m).__name__ for n, m in model.named_modules() if n.endswith(("_proj", "lm_head"))
+    }
+    decode = model.decode_choice
+    return {
+        "linear_layers": sorted(classes),
+        "linear_choices": {kind: "; ".join(lines) for kind, lines in kinds.items()},
+        "decode_path": f"{decode.row}: {decode.reason}",
+    }

@@ -1,5 +1,5 @@
-"""Quantized inference: which modes exist, whether this machine can run one, and swapping the model's
-linear layers for quantized ones after loading. Each mode lives in a module of its own (int8.py, gguf.py)."""
+"""Quantized inference: which modes exist, whether this machine can run one, and the quantized weights
+at hand before loading (the int8 cache, a GGUF's blocks). The layers are engine/linear/int8.py and gguf.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from torch import nn
 from typing import Callable
 
 from engine.config import GGUF_MODES, QUANTIZATIONS
-from engine.linear.swap import release_freed_memory, replace_linears
 
 
 def check_quantization(mode: str, device: str, dtype: torch.dtype) -> None:
@@ -87,60 +86,3 @@ def load_stored(
         if tuple(q.shape) != stored_shape(n, k) or tuple(scale.shape) != (n,):
             return None
     return stored
-
-
-def quantize_model(
-    model: nn.Module,
-    mode: str,
-    model_dir: str | None = None,
-    stored: dict[str, torch.Tensor] | None = None,
-) -> nn.Module:
-    """Replace every linear layer of the decoder (lm_head included) in place; embeddings and norms stay.
-    A tied lm_head gets its own int8 copy: the float32 embedding is only gathered from, row by row.
-    stored: the weights from load_stored (the layers' float weights may then be left unread, on the
-    meta device); without it int8's are quantized here and, with model_dir, kept for next time."""
-    if mode == "none":
-        return model
-    from engine.model.fused_decode import install
-    from engine.kernels.cpu import load_native
-
-    lib, threads = load_native(), torch.get_num_threads()
-    if mode in GGUF_MODES:
-        from engine.linear.gguf import GGUFLinear
-
-        int8 = (
-            mode == "gguf-q8"
-        )  # its layers repack the blocks: each file copy is let go once packed (pop)
-        take = stored.pop if int8 else stored.__getitem__
-        replace_linears(
-            model,
-            lambda name, lin: GGUFLinear(
-                *take(name), tuple(lin.weight.shape), lin.bias, lib, threads, int8
-            ),
-        )
-    else:
-        _swap_int8(model, mode, model_dir, stored, lib, threads)
-    release_freed_memory(
-        collect=False
-    )  # the float32 weights of the swapped layers (plain nn.Linear: no cycles)
-    return install(model, lib)  # float32 decode steps with fused elementwise ops
-
-
-def _swap_int8(
-    model: nn.Module, mode: str, model_dir: str | None, stored: dict | None, lib, threads: int
-) -> None:
-    """int8 layers, from the stored weights or quantized here and then kept on disk for the next start."""
-    from engine.quantization import cache
-    from engine.linear.int8 import Int8Linear
-
-    fresh: dict[str, torch.Tensor] = {}
-
-    def make(name: str, lin: nn.Linear) -> Int8Linear:
-        known = None if stored is None else (stored[f"{name}.qweight"], stored[f"{name}.scale"])
-        layer = Int8Linear(lin.weight, lin.bias, lib, threads, known)
-        fresh[f"{name}.qweight"], fresh[f"{name}.scale"] = layer.qweight, layer.scale
-        return layer
-
-    replace_linears(model, make)
-    if stored is None and model_dir is not None:
-        cache.save_cached(cache.cache_file(model_dir, mode), fresh, model_dir, mode)
