@@ -39,7 +39,7 @@ from engine.ipc.messages import Codec, Stats, ToDetokenizer, ToScheduler
 from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.memory.manager import KVManager
 from engine.model.config import load_hf_config
-from engine.model.loader import load_model
+from engine.model.loader import kernel_info, load_model
 from engine.quantization import check_quantization, resolve_device_for, resolve_dtype_for
 from engine.sampling.processors import ProcessorSet
 from engine.sampling.sampler import SampleOutput
@@ -85,6 +85,7 @@ class Scheduler:
             self.context_len,
             progress,
             config.quantization,
+            config.kernel_overrides,
         )
         mc = self.model_config
         bytes_per_token = TokenKVPool.bytes_per_token(
@@ -154,14 +155,8 @@ class Scheduler:
             "architecture": mc.architecture,
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_bytes_per_token": bytes_per_token,
-            # which kernels hold the linear layers' weights (F32BlockLinear: the exact mode from a GGUF's blocks)
-            "linear_layers": sorted(
-                {
-                    type(m).__name__
-                    for n, m in self.model.named_modules()
-                    if n.endswith(("_proj", "lm_head"))
-                }
-            ),
+            # the choice table's pick for each kind of linear layer, their classes, the decode path
+            **kernel_info(self.model),
         }
 
     # ------------------------------------------------------------------ loop
