@@ -66,48 +66,6 @@ VARIABLES: dict[str, EnvVar] = {
             "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)",
         ),
         EnvVar(
-            "ENGINE_PACK_WEIGHTS",
-            "1",
-            "1 or 0",
-            "0: linear layers on the CPU (float32, bfloat16) keep torch's plain weights: neither oneDNN's packed layout nor our bf16 and float32 kernels (A/B runs)",
-        ),
-        EnvVar(
-            "ENGINE_BF16_LINEAR",
-            "1",
-            "1 or 0",
-            "0: bfloat16 linear layers on CPUs with AVX512_BF16 and no AMX use oneDNN's packed kernel instead of ours (A/B runs)",
-        ),
-        EnvVar(
-            "ENGINE_F32_LINEAR",
-            "1",
-            "1 or 0",
-            "0: float32 linear layers on CPUs with AVX2 and no AVX-512 use oneDNN's packed kernel instead of ours (A/B runs)",
-        ),
-        EnvVar(
-            "ENGINE_EXACT_BLOCKS",
-            "1",
-            "1 or 0",
-            "0: the exact float32 mode on our float32 kernel packs the converted float32 weights even where they are a GGUF's blocks' values (the embedded model), instead of computing from the blocks (the same outputs, bitwise; A/B runs)",
-        ),
-        EnvVar(
-            "ENGINE_PANEL_CACHE",
-            "0",
-            "1 or 0",
-            "1: the exact float32 mode on our float32 kernel keeps its packed panels in the cache (as large as the float32 weights: 540 MB for SmolLM2-135M) and maps them at later starts instead of packing (start-up 0-0.5 s shorter on a Zen 1, the first start 1-2 s longer; decode speed the same within noise in 17 A/B pairs)",
-        ),
-        EnvVar(
-            "ENGINE_FUSED_DECODE",
-            "1",
-            "1 or 0",
-            "0: the exact mode's decode steps on our linear kernels (bfloat16, float32) go through llama.py's plain forward instead of fused_decode.py's direct kernel calls (the same logits; A/B runs)",
-        ),
-        EnvVar(
-            "ENGINE_DECODE_LAYERS",
-            "1",
-            "1 or 0",
-            "0: float32 fused decode steps (the quantized modes, the exact mode on our float32 kernel) call each layer's kernels from Python (fused_decode.py's loop) instead of all layers in one C call (decode_layers.c; the same logits; A/B runs)",
-        ),
-        EnvVar(
             "ENGINE_NATIVE_EXTEND",
             "1",
             "1 or 0",

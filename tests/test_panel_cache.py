@@ -81,7 +81,6 @@ def test_the_cached_layout_is_f32_linear_s_panels():
 
 def test_panels_that_do_not_fit_are_not_used(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("ENGINE_PANEL_CACHE", "1")
     shapes = {"lm_head": (64, 32), "layers.0.mlp.down_proj": (32, 48)}
     path = panel_file(tiny_llama_dir)
     path.parent.mkdir(parents=True)

@@ -1,18 +1,17 @@
 """The exact float32 mode's linear layers kept as the GGUF blocks their weights were converted from
-(engine/kernels/cpu/f32_block_linear.c), where F32Linear would run them (AVX2 without AVX-512).
+(engine/kernels/cpu/f32_block_linear.c).
 
-Why: the embedded model's float32 weights (540 MB, streamed whole for every decoded token) are the
-dequantized values of its GGUF's Q4_1 and Q8_0 blocks (96 MB), and each of those values is one rounding
-of d q + m with d q exact, which the kernel redoes in registers. It multiplies them with the unrounded
-activations in f32_linear.c's order, so every output is bitwise F32Linear's on the converted weights: the
-same logits, the same tokens, token parity with transformers unchanged, fewer bytes a token and no 540 MB
-to pack at start. Unlike quantization="gguf", nothing is rounded that the exact mode does not round.
+The embedded model's float32 weights are the dequantized values of its GGUF's Q4_1 and Q8_0 blocks, each
+value one rounding of d q + m with d q exact, which the kernel redoes in registers. It multiplies them with
+the unrounded activations in f32_linear.c's order, so every output is bitwise F32Linear's on the converted
+weights: the same logits and tokens, about a fifth of the bytes streamed a token, nothing to pack at start.
+Unlike quantization="gguf", nothing is rounded that the exact mode does not round.
 
-Used only where that equality is checked at load: the model was converted from a GGUF (the embedded one,
-or a .gguf model_path), every linear layer's blocks are of a type the kernel reads (Q4_0, Q4_1, Q8_0),
-and the first decoder layer's four layers and the first CHECKED_HEAD_ROWS rows of the lm_head dequantize
-bitwise to the converted weights (tests/test_f32_block_linear.py checks every layer of the embedded model). Anything else keeps the float
-panels. ENGINE_EXACT_BLOCKS=0 keeps them too (A/B runs).
+Used only where that equality is checked at load (exact_blocks): the model was converted from a GGUF,
+every linear layer's blocks are of a type the kernel reads (Q4_0, Q4_1, Q8_0), and the first decoder
+layer's four layers and the first CHECKED_HEAD_ROWS rows of the lm_head dequantize bitwise to the converted
+weights (tests/test_f32_block_linear.py checks every layer of the embedded model). Anything else keeps the
+float weights (the choice table's next rows).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from engine import envvars
 from engine.model.config import ModelConfig
 from engine.linear.f32_panels import KernelLinear
 
@@ -106,7 +104,7 @@ def exact_blocks(
     """name -> (ggml type, blocks) for every linear layer, where the exact float32 weights are the blocks'
     values (see the top); None where not, and the layers keep their float panels. reference(name): the
     layer's converted float32 weight (a view valid until the next call)."""
-    if envvars.read("ENGINE_EXACT_BLOCKS") == "0" or not runs_here(lib):
+    if not runs_here(lib):
         return None
     from engine.linear.gguf import dequantize, gguf_source, read_blocks
 
