@@ -63,7 +63,7 @@ class EngineConfig:
     preload_tokenizer: bool = (
         False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
     )
-    # children start, not on first use (it imports torch: 6-8 s on a 2-core Zen 1); engine serve turns it on
+    # children start, not on first use (it imports torch: seconds); engine serve turns it on
     plugins: str | None = (
         None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
     )

@@ -1,12 +1,10 @@
 """bfloat16 linear layers on our own kernel (engine/kernels/cpu/bf16_linear.c) where the CPU has
-AVX512_BF16 and no AMX, in place of oneDNN's packed linear (packed_linear.py).
+AVX512_BF16 and no AMX, in place of oneDNN's packed linear (the choice table's bf16-kernel row).
 
-Why: at the 64 rows of a batched decode step every layer's weights stream from memory, and oneDNN's
-bf16 kernel waited on them: on AMD Zen 4, 30 SmolLM2 layers' four matmuls took 42.1 ms there and 32.3
-here (323 -> 420 GFLOP/s); at one row 10.3 -> 5.7 ms, and prefill no slower (512 rows 1.08x, 2,048
-1.04x). The same instruction (vdpbf16ps), float32 sums and one rounding to bfloat16: about 1 value in
-20,000 differs from oneDNN's (0.003-0.02% by shape: the order of the sums). CPUs with AMX keep
-oneDNN, whose tile instructions this kernel does not use.
+Why: where every layer's weights stream from memory (decode steps), oneDNN's bf16 kernel waits on them;
+this one keeps the panels in the order it reads them (docs/performance.md has the figures). The same
+instruction (vdpbf16ps), float32 sums and one rounding to bfloat16: values differ from oneDNN's only by
+the order of the sums. CPUs with AMX keep oneDNN, whose tile instructions this kernel does not use.
 """
 
 from __future__ import annotations

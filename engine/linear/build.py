@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine.linear.base import LinearLayer
 from engine.linear.bf16 import Bf16Linear
 from engine.linear.choose import Choice
 from engine.linear.f32_blocks import F32BlockLinear
@@ -54,7 +55,7 @@ def _float_weight(name: str, linear: nn.Linear, src: Sources) -> bool:
     return True
 
 
-def make(choice: Choice, name: str, linear: nn.Linear, src: Sources) -> nn.Module:
+def make(choice: Choice, name: str, linear: nn.Linear, src: Sources) -> LinearLayer:
     """The layer `name` as its choice's implementation (torch's: the layer itself)."""
     impl, lib, threads = choice.impl, src.lib, torch.get_num_threads()
     shape = (linear.out_features, linear.in_features)

@@ -1,15 +1,11 @@
-"""float32 linear layers on our own kernel (engine/kernels/cpu/f32_linear.c) on the CPUs where float32 is
-packed (AVX2 without AVX-512: packed_linear.FLOAT32_PANELS_ON), in place of oneDNN's packed linear.
+"""float32 linear layers on our own kernel (engine/kernels/cpu/f32_linear.c) on CPUs with AVX2 and no
+AVX-512, in place of oneDNN's packed linear and MKL (the choice table's f32-panels row).
 
-Why: a decode step at one row streams every weight once, and oneDNN's packed float32 kernel read them at
-7-12 GB/s on an AMD EPYC Zen 1 where this one reads 14-18: SmolLM2's 30 layers' four matmuls plus the
-lm_head at one row 44-53 -> 23-27 ms (1.65-1.96x over three runs), at 64 rows 1.10-1.17x, at 512 and
-2,048 rows (prefill; no lm_head) 0.99-1.08x: both at the two cores' FMA peak there, 60-68 GFLOP/s
-(distinct weights, both kernels alternating in one process; docs/performance.md). Each output is one FMA
-chain over the input in order, so a row's output is bitwise the same alone or in any batch, which oneDNN's
-kernel (its blocking depends on the row count) does not promise. The same weights and math as any float32
-BLAS, only the summation order differs: float32 greedy parity with transformers is tested
-(tests/test_parity_smollm2.py and others).
+Why: a decode step at one row streams every weight once, and this kernel reads them faster than
+oneDNN's packed float32 one there (docs/performance.md). Each output is one FMA chain over the input in
+order, so a row's output is bitwise the same alone or in any batch, which oneDNN's kernel (its blocking
+depends on the row count) does not promise. The same weights and math as any float32 BLAS, only the
+summation order differs: float32 greedy parity with transformers is tested (tests/test_parity_smollm2.py).
 """
 
 from __future__ import annotations

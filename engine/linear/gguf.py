@@ -1,19 +1,15 @@
 """quantization='gguf': the linear layers computed from the GGUF file's own blocks, never dequantized whole.
 
 Why: the embedded model ships as a GGUF whose layers are Q4_1 and whose tied lm_head is Q8_0. The exact
-mode dequantizes them once to float32 (540 MB read per decoded token); this mode reads the blocks as
-they are (about 96 MB a token), through engine/kernels/cpu/gguf_linear.c. Its weights are the exact mode's;
-the activations are rounded per block of 32 to int16 for integer dot products (llama.cpp rounds them
-to int8, which cost this model 1.3% of perplexity; int16 costs nothing measurable, docs/quantization.md).
-From 12 rows on (a batch's decode step, prefill), layers whose width is a multiple of 16 (all of SmolLM2's)
-go to gguf_panel_linear.c, which dequantizes 16 output rows' blocks at a time into a float32 buffer and
-multiplies them by the same rounded activations: each output then is bitwise the same in any batch of 12 rows
-or more, and agrees with the integer loop's to float rounding, so a prompt's logits do not depend, beyond
-that rounding, on how its rows were batched. On an AMD EPYC Zen 1 (SmolLM2's 120 layers, plus the lm_head
-at 64 rows; median ms, alternating): 64 rows 297 against the integer loop's 502 and torch on dequantized
-tiles 786; 512 rows 1,904 against the tiles' 2,474; 2,048 rows 7,598 against 8,573. Other widths, and builds
-without AVX2, keep the integer loop up to DIRECT_MAX_ROWS rows and dequantized tiles
-(engine/linear/quantized.py) beyond.
+mode dequantizes them once to float32; this mode reads the blocks as they are, a fraction of the bytes a
+token, through engine/kernels/cpu/gguf_linear.c. Its weights are the exact mode's; the activations are
+rounded per block of 32 to int16 for integer dot products (llama.cpp rounds them to int8, which costs
+perplexity; int16 costs nothing measurable, docs/quantization.md). From 12 rows on (a batch's decode step,
+prefill), layers whose width is a multiple of 16 go to gguf_panel_linear.c, which dequantizes 16 output
+rows' blocks at a time into a float32 buffer and multiplies them by the same rounded activations: each
+output then is bitwise the same in any batch of 12 rows or more, and agrees with the integer loop's to
+float rounding. Other widths, and builds without AVX2, keep the integer loop up to DIRECT_MAX_ROWS rows
+and dequantized tiles (engine/linear/quantized.py) beyond.
 
 The blocks of each layer are the file's rows, one row of blocks per output row, so fused layers (qkv,
 gate_up) are the parts' rows stacked. Llama GGUFs store q and k with their rows permuted for

@@ -1,18 +1,12 @@
 """int8 weights, one float32 scale per output channel; activations stay float32 (weight-only).
 
-Chosen by measurement on SmolLM2-135M (AMD EPYC, AVX2, 2 threads; docs/quantization.md has the
-figures). torch's fbgemm dynamic int8 linear was fast (batch 1: 6.0 ms per step of all linear layers
-against float32's 18.4) but quantizes the activations too, per tensor, and this model's MLP
-activations have outlier channels: perplexity went from 7.0 to 21.4. Weight-only int8 loses almost
-nothing (8.88 against 8.90 on the same text). Its kernel is ours (engine/kernels/cpu/int8_linear.c).
+Why weight-only: torch's fbgemm dynamic int8 linear also quantizes the activations, per tensor, and
+SmolLM2's MLP activations have outlier channels that cost it most of its perplexity; weight-only int8
+loses almost nothing (docs/quantization.md). Its kernel is ours (engine/kernels/cpu/int8_linear.c).
 
 Layers whose output width is a multiple of 16 (all of SmolLM2's) keep their weights in panels of 16 output
 rows ([N / 16, K, 16], panels()), which int8_panel_linear multiplies at any row count where it is built with
 AVX2 and FMA (elsewhere its scalar loop takes up to DIRECT_MAX_ROWS rows, dequantized tiles the rest).
-SmolLM2's 30 layers' four matmuls (plus the lm_head up to 64 rows) on an AMD EPYC Zen 1, median ms, the
-kernels alternating in one process: 1 row 20.2 against the row-major kernel's 18.5; 6 rows 36.9 against
-49.0; 64 rows 348 against 498 (f32_linear on float32 weights 293, torch on dequantized tiles 654); 512 rows
-1,894 against torch's 2,363 (f32_linear 1,916); 2,048 rows 8,878 against torch's 8,471 (f32_linear 8,458).
 Other layers keep the row-major kernel up to DIRECT_MAX_ROWS rows, and for more rows multiply float32
 weights dequantized for the call (in tiles, engine/linear/quantized.py).
 """

@@ -3,9 +3,9 @@ direct_max_rows rows go to a C kernel reading the quantized weights and whose ca
 dequantized tiles (int8 layers in panels take every row count to their kernel: engine/linear/int8.py).
 
 The dequantized tiles are written into one scratch buffer that every layer shares (the scheduler runs
-one forward at a time): a fresh 7 MB allocation per layer and step would be fresh pages for the kernel
-to fault in and zero. Tiles are of at most SCRATCH_MAX_ELEMENTS weights, so the buffer stays at 16 MB
-whatever the layer (lm_head has 28M weights and takes two tiles).
+one forward at a time): a fresh allocation per layer and step would be fresh pages for the kernel
+to fault in and zero. Tiles are of at most SCRATCH_MAX_ELEMENTS weights, so the buffer stays small
+whatever the layer (a large lm_head takes several tiles).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def release_freed_memory(collect: bool = True) -> None:
     """The replaced weights are garbage now; glibc keeps freed heap blocks in the process unless asked to
     give them back, which would leave the scheduler as big as before the swap. collect=False where the
     replaced layers hold no reference cycles (a plain nn.Linear): refcounting freed them already, and a
-    full collection costs 0.07 s of start-up on a small CPU."""
+    full collection only adds start-up time."""
     if collect:
         gc.collect()
     try:

@@ -82,7 +82,7 @@ def plain_config(model_dir: str) -> PlainConfig | None:
 
 def load_hf_config(model_dir: str):
     """The model's config. config.json read directly where that is exact (importing transformers and
-    AutoConfig cost the scheduler 3 s of its start-up); AutoConfig otherwise."""
+    AutoConfig costs the scheduler seconds of start-up); AutoConfig otherwise."""
     plain = plain_config(model_dir)
     if plain is not None:
         return plain

@@ -6,15 +6,17 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
 from engine import envvars
+
+logger = logging.getLogger(__name__)
 
 CONVERSION_FORMAT = 2  # bump when the cached layout changes
 DIGEST = 16  # hex digits of a converted directory's key
@@ -76,18 +78,20 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def convert_here(gguf: Path, out: Path) -> bool:
-    """engine/model/gguf_convert.py's conversion (the embedded model's kind of file, in seconds); False, with
-    out left empty, where it does not take this file or fails on it (transformers then converts it and
-    says what is wrong with a broken file)."""
+    """Convert with engine/model/gguf_convert.py (the embedded model's kind of file); False, with out
+    left empty, where it does not take this file or fails on it (transformers then converts it and says
+    what is wrong with a broken file)."""
     from engine.model.gguf_convert import convert_llama_gguf
 
     try:
         if convert_llama_gguf(gguf, out):
             return True
     except Exception as exc:  # noqa: BLE001 - transformers' conversion below is the reference; it raises its own error
-        print(
-            f"engine: converting {gguf.name} through transformers instead ({type(exc).__name__}: {exc})",
-            file=sys.stderr,
+        logger.warning(
+            "engine: converting %s through transformers instead (%s: %s)",
+            gguf.name,
+            type(exc).__name__,
+            exc,
         )
     for leftover in out.iterdir():
         if leftover.is_dir():
@@ -151,7 +155,7 @@ def install_conversion(tmp: Path, target: Path, gguf: Path) -> None:
 
 def conversion_source(folder: Path) -> tuple[str, str | None] | None:
     """(the GGUF's path, the host that converted it) of a finished conversion; None where the folder is not
-    one. The host is None for conversions made before it was recorded."""
+    one. The host is None where the folder records none."""
     try:
         lines = (
             (folder / ".complete").read_text().splitlines()
@@ -169,9 +173,9 @@ def conversion_source(folder: Path) -> tuple[str, str | None] | None:
 
 
 def prune_conversions(kept: Path) -> list[Path]:
-    """Remove this host's conversions that kept replaces (517 MB each for the embedded model): the same GGUF's
-    older ones (reinstalled, or a new CONVERSION_FORMAT) and those of installed GGUFs gone with their virtual
-    environment (every clean clone's `make test` left one). Returns the folders removed."""
+    """Remove this host's conversions that kept replaces: the same GGUF's older ones (reinstalled, or
+    a new CONVERSION_FORMAT) and those of installed GGUFs gone with their virtual environment (each
+    clean clone's `make test` makes one). Returns the folders removed."""
     mine, host = conversion_source(kept), socket.gethostname()
     if mine is None:
         return []

@@ -1,9 +1,9 @@
 """A llama GGUF with a byte-level BPE vocabulary (the embedded SmolLM2's kind) to a Hugging Face directory:
 for the embedded file, the same files byte for byte as transformers' `from_pretrained(gguf_file=...)`
-(tests/test_gguf_conversion.py), in 10 s where that takes 50 on a 2-core AMD EPYC Zen 1.
+(tests/test_gguf_conversion.py), several times faster (docs/performance.md).
 
 Why: transformers builds a config for this architecture with gguf's GGUFReader, which turns every
-metadata value into numpy views (6.4 s for this file's 49,152 tokens and 48,900 merges on that CPU), and
+metadata value into numpy views (seconds for a 49,152-token vocabulary and its merges), and
 it does so three times in one conversion (the tokenizer's config, the model's config, the weights), then
 builds gguf's tensor-name map once per parameter. Here the metadata comes from transformers' own fast
 reader, the config from its own GGUF tables, the tokenizer from its own GGUF converter, the weights from

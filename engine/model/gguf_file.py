@@ -1,7 +1,7 @@
 """Where each tensor of a GGUF file lies, and reading one tensor's raw blocks: no more than that.
 
-Why not gguf's GGUFReader: it parses every metadata value into numpy views, 1.7 s for this model's
-49,152-entry vocabulary alone, while quantization='gguf' needs only the tensor index (about 20 ms).
+Why not gguf's GGUFReader: it parses every metadata value into numpy views (seconds for a large
+vocabulary), while quantization='gguf' needs only the tensor index (milliseconds).
 The format (GGUF v2/v3, little-endian): magic, version, tensor and key-value counts, the key-values,
 then per tensor its name, dims, ggml type and offset into the data section, which starts at the next
 multiple of general.alignment (default 32).

@@ -4,7 +4,7 @@ Weights are read with plain file reads straight into the tensors the model keeps
 (qkv, gate_up) get their parts read into their rows, nothing is concatenated afterwards. Only the token
 embedding stays memory-mapped on the CPU (mapped_weight.py: it is gathered from, a few rows a token);
 reading every weight through a mapping left every page of the file resident in the scheduler beside
-the fused copies (1.1 GB for this 540 MB model). Weights packed at load come from mappings of the
+the fused copies, twice the model's size. Weights packed at load come from mappings of the
 file instead, one at a time, their pages given back once used (weight_views.py); weights converted to
 another dtype are converted from a mapping too.
 """

@@ -1,8 +1,8 @@
 """A weight used only by gather (the token embedding), mapped from its safetensors file, not read.
 
 Why: a gather touches a few rows per token, so a mapped embedding keeps resident only the rows of the
-tokens seen, as file pages the kernel can drop and read again; read into memory, SmolLM2-135M's is
-113 MB of the scheduler in float32 whatever the prompts. Mapped copy-on-write: nothing the engine does
+tokens seen, as file pages the kernel can drop and read again; read into memory, it would be vocab x
+hidden floats of the scheduler whatever the prompts. Mapped copy-on-write: nothing the engine does
 can write to the file. A layer that reads the whole weight at load (a tied lm_head packed or
 quantized from it) faults every page in once; drop_pages() then gives them back. As with llama.cpp's
 mapped GGUF, the file must not be truncated while the engine runs (its pages would fault).

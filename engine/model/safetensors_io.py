@@ -1,8 +1,8 @@
 """Reading and writing safetensors files our own way: the tensors' places from the header (so a weight can
 be read into place or mapped, never copied whole), and a writer that streams each tensor from its own memory.
 
-Why our own: safetensors' save_file copies every tensor into bytes first (650 MB more for SmolLM2's float32
-panels, engine/linear/panel_cache.py), and its loaders read or copy where the engine maps
+Why our own: safetensors' save_file copies every tensor into bytes first (the whole file's size more for
+float32 panels, engine/linear/panel_cache.py), and its loaders read or copy where the engine maps
 (engine/model/mapped_weight.py). The format: an 8-byte little-endian header length, the JSON header
 (name -> dtype, shape, data_offsets; "__metadata__": str -> str), then the data.
 """

@@ -2,9 +2,8 @@
 of their file (mapped_weight.py), instead of being read into memory first.
 
 Why: a plain read copies every byte into freshly allocated memory, and the transform then writes a
-second fresh copy; the kernel zeroes each new page on first touch. On an AMD EPYC Zen 1 reading the
-540 MB float32 SmolLM2-135M took 0.46-0.54 s, mapping it 0.04 s; packing from the mapping skips the
-read. A weight of several parts (fused qkv, gate_up) or of another dtype is stacked into one scratch
+second fresh copy; the kernel zeroes each new page on first touch. Mapping costs a fraction of
+reading (docs/performance.md); packing from the mapping skips the read. A weight of several parts (fused qkv, gate_up) or of another dtype is stacked into one scratch
 buffer, reused for the next weight, so its pages are touched once. The pages of a weight already
 transformed are given back before the next one is mapped in: the scheduler never holds the file beside
 the packed copies.

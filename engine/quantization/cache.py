@@ -1,5 +1,5 @@
-"""Quantized weights kept on disk between starts: quantizing SmolLM2-135M's 135M weights costs about
-2 s of CPU, reading them back from a memory-mapped file almost nothing (the pages come in as used).
+"""Quantized weights kept on disk between starts: quantizing costs seconds of CPU, reading them back
+from a memory-mapped file almost nothing (the pages come in as used).
 The exact mode's float32 panels use the same files' naming, trust and upkeep (engine/linear/panel_cache.py).
 
 One safetensors file per (model files, mode, format) in the user cache directory (ENGINE_CACHE_DIR/quantized

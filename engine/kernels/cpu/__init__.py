@@ -1,5 +1,5 @@
 """Native CPU kernels: small C files compiled once per machine with the system C compiler and loaded with
-ctypes (no torch headers: 7 s on a 2-core AMD EPYC Zen 1, the sources compiled side by side). Missing
+ctypes (no torch headers, so the build takes seconds; the sources compile side by side). Missing
 compiler -> callers fall back to torch."""
 
 from engine.kernels.cpu.build import load_native
