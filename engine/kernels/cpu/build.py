@@ -16,18 +16,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 from engine import envvars
+
+logger = logging.getLogger(__name__)
 
 SOURCES = sorted(
     Path(__file__).parent.glob("*.c")
@@ -117,7 +119,7 @@ def _compile(command: list[str], folder: Path) -> Path | None:
 
     Each source is compiled on its own, as many at once as this process may use cores, then linked: the
     sources are separate translation units either way (no LTO), so the library's code is the same as one
-    `cc` call over all of them would make, in half the wall time on 2 cores (14 s against 7 on a Zen 1).
+    `cc` call over all of them would make, in less wall time (docs/performance.md, "Kernel measurements").
     """
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
@@ -211,9 +213,8 @@ def library_path(rebuild: bool = False) -> tuple[Path, bool] | None:
         os.replace(built, target)
         remove_stale(target.parent, ("tmp*.so", ".objects-*"))  # builds a killed process left
         return target, False
-    print(
-        f"engine: not using the kernel cache ({problem}); building in a private directory",
-        file=sys.stderr,
+    logger.warning(
+        "engine: not using the kernel cache (%s); building in a private directory", problem
     )
     private = Path(tempfile.mkdtemp(prefix="engine-kernels-"))
     built = _compile(command, private)
@@ -540,9 +541,8 @@ def load_native() -> ctypes.CDLL | None:
     ) as exc:  # a cached library cut short (a crash as it was written): built again, once
         if private:
             raise
-        print(
-            f"engine: the cached kernel library does not load ({exc}); building it again",
-            file=sys.stderr,
+        logger.warning(
+            "engine: the cached kernel library does not load (%s); building it again", exc
         )
         found = library_path(rebuild=True)
         if found is None:
