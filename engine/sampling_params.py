@@ -208,7 +208,7 @@ def parse_sampling_params(
 
     `processors(name)` returns the registered custom logit processor class or raises ValueError.
     `parse_grammar=False` (the scheduler's arrival checks) skips parsing a constraint: the user process
-    did (34-66 ms a schema), a compile that fails fails its request alone, and the step loop must not wait.
+    did, a compile that fails fails its request alone, and the step loop must not wait on a parse.
     """
     if params is None:
         return SamplingParams()

@@ -216,7 +216,7 @@ class _ScrapeCollector:
         with _lock:
             parts = [_queue_gone, *(queue for _, queue in _queue_seen.values())]
         counts = [sum(p["counts"][i] for p in parts) for i in range(len(QUEUE_BUCKETS) + 1)]
-        qsum, qcount = sum(p["sum"] for p in parts), sum(p["count"] for p in parts)
+        qsum = sum(p["sum"] for p in parts)  # the count is the +Inf bucket's
         running.add_metric([], totals["running"])
         waiting.add_metric([], totals["waiting"])
         usage.add_metric([], totals["used"] / totals["size"] if totals["size"] else 0.0)

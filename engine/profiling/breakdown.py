@@ -218,10 +218,16 @@ def reading(role: str, b: dict) -> str:
     s, w, busy_n = b["stages_pct"], b["busy_stages_pct"], b.get("busy_samples", b["samples"])
     if role == "detokenizer":
         if idle and s["detokenize"] >= 30:
-            return f"detokenizer busy {s['detokenize']:.0f}% of wall in batch decode: if nobody reads the text, try ENGINE_PLUGINS=skipdetok"
+            return (
+                f"detokenizer busy {s['detokenize']:.0f}% of wall in batch decode: if nobody "
+                "reads the text, try ENGINE_PLUGINS=skipdetok"
+            )
         if busy_n < MIN_SAMPLES:
             if idle:
-                return f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall; its {busy_n} working samples are too few to say more"
+                return (
+                    f"detokenizer waits {s['waiting on ZMQ']:.0f}% of wall; its {busy_n} working "
+                    "samples are too few to say more"
+                )
             return _too_few(role, "working samples (idle time was not sampled: --no-idle)", busy_n)
         where = (
             f"waits {s['waiting on ZMQ']:.0f}% of wall; "
@@ -238,19 +244,40 @@ def reading(role: str, b: dict) -> str:
         if busy_n < MIN_SAMPLES:
             return _too_few(role, "samples of work once serving", busy_n)
         if w["sample"] >= 20:
-            return f"scheduler spends {w['sample']:.0f}% of its work sampling: a slow custom logit processor or a heavy sample hook?"
+            return (
+                f"scheduler spends {w['sample']:.0f}% of its work sampling: a slow custom logit "
+                "processor or a heavy sample hook?"
+            )
         if w["process_results"] >= 15:
-            return f"scheduler spends {w['process_results']:.0f}% of its work in process_results: per-request bookkeeping in Python"
+            return (
+                f"scheduler spends {w['process_results']:.0f}% of its work in process_results: "
+                "per-request bookkeeping in Python"
+            )
         if w["schedule"] >= 15:
-            return f"scheduler spends {w['schedule']:.0f}% of its work in schedule: admission or prefix matching is expensive"
+            return (
+                f"scheduler spends {w['schedule']:.0f}% of its work in schedule: admission or "
+                "prefix matching is expensive"
+            )
         if w["forward"] >= 50:
-            return f"scheduler spends {w['forward']:.0f}% of its work in the model forward: compute-bound, as it should be"
+            return (
+                f"scheduler spends {w['forward']:.0f}% of its work in the model forward: "
+                "compute-bound, as it should be"
+            )
         return f"scheduler: forward {w['forward']:.0f}% of its work, other {w['other']:.0f}%: look at its top functions"
     of = "of samples" if idle else "of its on-CPU samples (idle time not sampled: --no-idle)"
     if b["stage_samples"]["tokenize"] >= MIN_SAMPLES // 5 and s["tokenize"] >= 20:
         return f"user process spends {s['tokenize']:.0f}% {of} tokenizing: pass input_ids, or batch prompts in one call"
     if idle and s["waiting on ZMQ"] >= 60:
-        return f"user process waits on the engine {s['waiting on ZMQ']:.0f}% of samples: the engine is the bottleneck, as it should be"
+        return (
+            f"user process waits on the engine {s['waiting on ZMQ']:.0f}% of samples: the engine "
+            "is the bottleneck, as it should be"
+        )
     if idle:
-        return f"user process busy {100.0 - s['waiting on ZMQ']:.0f}% of samples outside the engine's stages: look at its top functions"
-    return "user process: idle time not sampled (--no-idle), so its waiting on the engine is not measured: look at its top functions"
+        return (
+            f"user process busy {100.0 - s['waiting on ZMQ']:.0f}% of samples outside the "
+            "engine's stages: look at its top functions"
+        )
+    return (
+        "user process: idle time not sampled (--no-idle), so its waiting on the engine is not "
+        "measured: look at its top functions"
+    )

@@ -232,7 +232,10 @@ def _not_a_user_pid(pid: int, engines: list[dict[str, int]]) -> str:
                 )
     users = ", ".join(str(e["user"]) for e in engines)
     running = f"running engines' user processes: {users}" if users else "no engine is running"
-    return f"pid {pid} is not the user process of a running engine (--pid takes the pid that created Engine()); {running}"
+    return (
+        f"pid {pid} is not the user process of a running engine (--pid takes the pid that created "
+        f"Engine()); {running}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

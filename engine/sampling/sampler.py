@@ -3,9 +3,9 @@
 Order, as in transformers and vLLM: logprobs are taken from the model's own distribution (raw
 logits); then logit bias, repetition / frequency / presence penalties, custom logit processors,
 grammar masks, min_new_tokens (stop tokens masked, unless nothing else is left); greedy rows take
-the argmax of that; sampled rows divide by their temperature, keep top-k, top-p and min-p, and draw. Every step is one tensor operation over the
-batch, skipped when no row needs it. Custom processors are the exception: one call per processor
-name, with all the rows that selected it.
+the argmax of that; sampled rows divide by their temperature, keep top-k, top-p and min-p, and
+draw. Every step is one tensor operation over the batch, skipped when no row needs it. Custom
+processors are the exception: one call per processor name, with all the rows that selected it.
 
 Drawing inverts each row's cumulative distribution at one uniform draw, which picks token i with
 probability p_i. A seeded row draws from its own generator seeded with (seed, tokens generated so
@@ -134,8 +134,8 @@ def _rows_alone(
 def draw(probs: torch.Tensor, st: SamplingTensors, out_lens: torch.Tensor) -> torch.Tensor:
     """One token per row, token i with probability p_i / sum(p): the inverse of each row's cumulative
     distribution (float64: a token's share is lost to rounding only below about 1e-16 of the sum) at
-    one uniform draw. One draw per row, not one per token as the exponential race needs (49,152
-    exponential draws per row cost 120 ms at batch 64 on a 2-core machine, a whole decode step). A
+    one uniform draw. One draw per row, not one per token as the exponential race needs (a draw per
+    vocabulary entry costs as much as a decode step at large batches: docs/sampling.md). A
     seeded row draws from its own generator seeded with (seed, tokens generated so far): it does not
     depend on its neighbours."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
@@ -215,7 +215,7 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 
     Measured first on each row's most likely tokens (topk), which is enough for a row whose cut ends
     inside them; only the rows whose cut does not go on to the next window, then to a full sort of the
-    vocabulary (170 ms at batch 64 on a 2-core machine): one broad row does not send the batch there."""
+    vocabulary (costly at large batches): one broad row does not send the batch there."""
     rows, vocab = probs.shape
     pending = (
         ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)
