@@ -73,18 +73,18 @@ def test_empty_prompt_and_too_long_prompt_are_refused(run):
 @contextlib.contextmanager
 def _lending_fails_for(run, rid: str):
     """The radix cache's lend_prefix raises for request rid: schedule() fails part-way, as on a bug."""
-    real = run.sched.kv.lend_prefix
+    real = run.sched.state.kv.lend_prefix
 
     def lend(req):
         if req.rid == rid:
             raise KeyError("injected in schedule")
         return real(req)
 
-    run.sched.kv.lend_prefix = lend
+    run.sched.state.kv.lend_prefix = lend
     try:
         yield
     finally:
-        run.sched.kv.lend_prefix = real
+        run.sched.state.kv.lend_prefix = real
 
 
 def test_an_exception_while_scheduling_fails_only_the_requests_it_touched(run):

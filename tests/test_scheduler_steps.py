@@ -122,7 +122,7 @@ class InProcess:
         self.sched = Scheduler(
             EngineConfig(dtype=dtype, **options), model_dir, self.endpoints.to_dict()
         )
-        self.sched.send_sock = _Counted(self.sched.send_sock)
+        self.sched.state.outbox.sock = _Counted(self.sched.state.outbox.sock)
         self.received = 0
         self.codec = Codec(ToScheduler)
 
@@ -133,9 +133,9 @@ class InProcess:
     def messages(self) -> list[BatchTokenOut]:
         """Every message the scheduler sent since the last call (counted: no quiet period to guess)."""
         codec, out = Codec(ToDetokenizer), []
-        while self.received < self.sched.send_sock.sent:
+        while self.received < self.sched.state.outbox.sock.sent:
             assert self.outputs.poll(60_000), (
-                f"{self.sched.send_sock.sent - self.received} messages never came"
+                f"{self.sched.state.outbox.sock.sent - self.received} messages never came"
             )
             out.append(codec.decode(self.outputs.recv()))
             self.received += 1
@@ -183,7 +183,7 @@ def test_long_prompt_is_chunked_between_decode_steps(model_dir):
                 for i in range(16)
             )
         )
-        while run.sched.waiting or run.sched.last_mode is not ForwardMode.DECODE:
+        while run.sched.state.waiting or run.sched.state.plan.last_mode is not ForwardMode.DECODE:
             run.sched.run_once(block=False)
         steps: list[tuple[str, int]] = []
         real_forward = run.sched.forward
@@ -198,8 +198,8 @@ def test_long_prompt_is_chunked_between_decode_steps(model_dir):
             TokenizedRequest("long", long_ids, SamplingParams(max_new_tokens=2, temperature=0.0))
         )
         while (
-            run.sched.chunked_req is not None
-            or any(r.rid == "long" for r in run.sched.waiting)
+            run.sched.state.plan.chunked is not None
+            or any(r.rid == "long" for r in run.sched.state.waiting)
             or not steps
         ):
             run.sched.run_once(block=False)
@@ -258,7 +258,7 @@ def test_failure_after_some_requests_finished_reports_each_once(tiny_llama_dir):
                 "continues", [4, 5, 6], SamplingParams(max_new_tokens=5, temperature=0.0)
             ),
         )
-        real = run.sched.kv.cache_prompt
+        real = run.sched.state.kv.cache_prompt
         calls = []
 
         def failing(req):
@@ -267,7 +267,7 @@ def test_failure_after_some_requests_finished_reports_each_once(tiny_llama_dir):
                 raise RuntimeError("injected after the finish loop")
             return real(req)
 
-        run.sched.kv.cache_prompt = failing
+        run.sched.state.kv.cache_prompt = failing
         while run.sched.run_once(block=False):
             pass
         run.submit(
@@ -332,18 +332,18 @@ def test_failing_custom_processor_fails_only_its_requests(tiny_llama_dir):
 
 
 def _counting_order_waiting(monkeypatch) -> list[int]:
-    """Patch prefill's order_waiting to count its calls (each is a match_prefix, slices and a radix
+    """Patch the waiting queue's order_waiting to count its calls (each is a match_prefix, slices and a radix
     insert per waiting request: 17.7 ms a step for 128 waiting 1,000-token requests)."""
-    import engine.scheduler.prefill as prefill
+    import engine.scheduler.waiting as waiting
 
     calls: list[int] = []
-    real = prefill.order_waiting
+    real = waiting.order_waiting
 
     def counting(waiting, *args, **kwargs):
         calls.append(len(waiting))
         return real(waiting, *args, **kwargs)
 
-    monkeypatch.setattr(prefill, "order_waiting", counting)
+    monkeypatch.setattr(waiting, "order_waiting", counting)
     return calls
 
 
@@ -354,7 +354,7 @@ def test_requests_finished_in_a_step_that_then_fails_are_still_answered(tiny_lla
     forever. The finishes are sent before anything is freed now."""
     run = InProcess(tiny_llama_dir, max_total_tokens=512, max_running_requests=4)
     try:
-        sched, real = run.sched, run.sched.kv.free_request
+        sched, real = run.sched, run.sched.state.kv.free_request
         failed = []
 
         def flaky(req, kv_len, keep=True):
@@ -363,7 +363,7 @@ def test_requests_finished_in_a_step_that_then_fails_are_still_answered(tiny_lla
                 raise RuntimeError("injected in free_request")
             return real(req, kv_len, keep)
 
-        sched.kv.free_request = flaky
+        sched.state.kv.free_request = flaky
         short = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         run.submit(
             TokenizedRequest("a", [1, 2, 3], short),
@@ -391,7 +391,7 @@ def test_requests_retracted_before_a_retraction_fails_are_not_lost(tiny_llama_di
     out of the running batch and never queued again, never answered."""
     run = InProcess(tiny_llama_dir, max_total_tokens=64, max_running_requests=4)
     try:
-        sched, real = run.sched, run.sched.kv.free_request
+        sched, real = run.sched, run.sched.state.kv.free_request
         retractions = []
 
         def flaky(req, kv_len, keep=True):
@@ -401,7 +401,7 @@ def test_requests_retracted_before_a_retraction_fails_are_not_lost(tiny_llama_di
                     raise RuntimeError("injected in free_request")
             return real(req, kv_len, keep)
 
-        sched.kv.free_request = flaky
+        sched.state.kv.free_request = flaky
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
         rids = [f"r{i}" for i in range(4)]
         run.submit(
@@ -427,8 +427,8 @@ def test_a_free_that_raises_leaks_no_slot_lock_or_kv(tiny_llama_dir, when):
         tiny_llama_dir, max_total_tokens=64 if when == "retraction" else 512, max_running_requests=4
     )
     try:
-        sched, cache = run.sched, run.sched.kv.cache
-        real_insert, real_free, leaving, failed = cache.insert, sched.kv.free_request, [], []
+        sched, cache = run.sched, run.sched.state.kv.cache
+        real_insert, real_free, leaving, failed = cache.insert, sched.state.kv.free_request, [], []
 
         def freeing(req, kv_len, keep=True):  # which request the tree's insert is called for
             leaving.append(req)
@@ -443,7 +443,7 @@ def test_a_free_that_raises_leaks_no_slot_lock_or_kv(tiny_llama_dir, when):
                 raise RuntimeError("injected in the tree's insert")
             return real_insert(key, value)
 
-        sched.kv.free_request, cache.insert = freeing, flaky
+        sched.state.kv.free_request, cache.insert = freeing, flaky
         params = SamplingParams(
             max_new_tokens=3 if when == "finish" else 40, temperature=0.0, ignore_eos=True
         )
@@ -453,7 +453,7 @@ def test_a_free_that_raises_leaks_no_slot_lock_or_kv(tiny_llama_dir, when):
         )
         finishes = {rid: f for rid, f in run.finish_all()}
         assert failed and sorted(finishes) == rids, (failed, finishes)
-        sched.kv.cache.flush()
+        sched.state.kv.cache.flush()
         stats = sched.stats("s")
         assert stats.cache_lock_refs == 0
         assert stats.free_slots == stats.max_running_requests
@@ -473,33 +473,39 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     run.submit(*(TokenizedRequest(f"slot{i}", [1, 10 + i, 20 + i], params) for i in range(4)))
     assert (
-        sched.run_once(block=False) and len(sched.running) == 4 and not sched.req_to_token.available
+        sched.run_once(block=False)
+        and len(sched.state.running) == 4
+        and not sched.state.req_to_token.available
     )
     run.submit(TokenizedRequest("waits-for-a-slot", [1, 2, 3], params))
     calls.clear()
     for _ in range(3):
         assert sched.run_once(block=False)  # decode steps of the four
-    assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-a-slot"]
+    assert calls == [] and [r.rid for r in sched.state.waiting] == ["waits-for-a-slot"]
     assert dict(run.finish_all())["waits-for-a-slot"].type == "length"
     assert calls  # ordered once a slot was free
     # the pool: three requests whose new tokens, estimated at ratio 1 (as after a retraction), reserve it all
     long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
     run.submit(*(TokenizedRequest(f"pool{i}", [1, 30 + i, 40 + i], long) for i in range(3)))
-    assert sched.run_once(block=False) and len(sched.running) == 3 and sched.req_to_token.available
+    assert (
+        sched.run_once(block=False)
+        and len(sched.state.running) == 3
+        and sched.state.req_to_token.available
+    )
     run.submit(TokenizedRequest("waits-for-memory", [1, 2, 3], params))
     calls.clear()
     monkeypatch.setattr(
-        sched, "new_token_ratio", 1.0
+        sched.state.plan, "new_token_ratio", 1.0
     )  # the module's scheduler: back as it was for the next test
     assert sched.run_once(block=False)
-    assert calls == [] and [r.rid for r in sched.waiting] == ["waits-for-memory"]
+    assert calls == [] and [r.rid for r in sched.state.waiting] == ["waits-for-memory"]
     assert {rid: f.type for rid, f in run.finish_all()}["waits-for-memory"] == "length"
     # headroom left beyond the reservation, but less than any waiting request's least need (one prompt
     # token and its estimated new tokens): ordered every decode step before, to admit no one
-    monkeypatch.setattr(sched, "new_token_ratio", 0.5)
+    monkeypatch.setattr(sched.state.plan, "new_token_ratio", 0.5)
     run.submit(*(TokenizedRequest(f"half{i}", [1, 50 + i, 60 + i], long) for i in range(3)))
-    assert sched.run_once(block=False) and len(sched.running) == 3
-    gap = sched.kv.headroom - int(0.5 * sched.running.remaining_new_tokens(4096))
+    assert sched.run_once(block=False) and len(sched.state.running) == 3
+    gap = sched.state.kv.headroom - int(0.5 * sched.state.running.remaining_new_tokens(4096))
     assert 1 <= gap < 1 + int(0.5 * 480), gap
     run.submit(
         TokenizedRequest(
@@ -510,7 +516,7 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     )
     calls.clear()
     assert sched.run_once(block=False)
-    assert calls == [] and [r.rid for r in sched.waiting] == ["needs-more"]
+    assert calls == [] and [r.rid for r in sched.state.waiting] == ["needs-more"]
     assert {rid: f.type for rid, f in run.finish_all()}["needs-more"] == "length"
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
@@ -554,13 +560,13 @@ def test_a_matcher_that_fails_at_admission_fails_its_request_alone(tiny_schedule
     run, sched = tiny_scheduler, tiny_scheduler.sched
     compiled: Future = Future()
     compiled.set_result(object())
-    monkeypatch.setattr(sched.grammars, "request", lambda kind, text: compiled)
-    monkeypatch.setattr(sched.grammars, "problem", lambda future, kind: None)
+    monkeypatch.setattr(sched.state.grammars, "request", lambda kind, text: compiled)
+    monkeypatch.setattr(sched.state.grammars, "problem", lambda future, kind: None)
 
     def matcher(future):
         raise RuntimeError("matcher broke")
 
-    monkeypatch.setattr(sched.grammars, "matcher", matcher)
+    monkeypatch.setattr(sched.state.grammars, "matcher", matcher)
     plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
     run.submit(
         TokenizedRequest("before", [1, 2, 3], plain),
@@ -574,7 +580,7 @@ def test_a_matcher_that_fails_at_admission_fails_its_request_alone(tiny_schedule
         finishes
     )
     assert finishes["before"].type == "length" and finishes["after"].type == "length", finishes
-    assert not sched.waiting
+    assert not sched.state.waiting
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
 
@@ -662,4 +668,6 @@ def test_a_beam_selection_that_fails_fails_its_search_alone(tiny_scheduler, monk
     assert [m.rid for m in searches] == ["other"] and searches[0].hypotheses == alone[0].hypotheses
     stats = sched.stats("s")
     assert stats.free_slots == stats.max_running_requests and stats.cache_lock_refs == 0
-    assert stats.free_tokens + stats.cache_tokens == stats.max_total_tokens and not sched.beams
+    assert (
+        stats.free_tokens + stats.cache_tokens == stats.max_total_tokens and not sched.state.beams
+    )

@@ -219,8 +219,8 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_sc
     run = tiny_scheduler
     sched = run.sched
     pending: Future = Future()
-    real = sched.grammars.request
-    sched.grammars.request = lambda kind, text: pending  # a compile that has not finished
+    real = sched.state.grammars.request
+    sched.state.grammars.request = lambda kind, text: pending  # a compile that has not finished
     try:
         plain = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         run.submit(
@@ -233,12 +233,12 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_others(tiny_sc
         )
         finished = dict(run.finish_all())
         assert finished == {"plain": finished["plain"]} and finished["plain"].type == "length"
-        assert [r.rid for r in sched.waiting] == ["constrained"]  # still waiting, not failed
+        assert [r.rid for r in sched.state.waiting] == ["constrained"]  # still waiting, not failed
         pending.set_result(real("regex", "[0-9]{3}").result())  # the real compile, now
         finished = dict(run.finish_all())
         assert finished["constrained"].type == "stop"
     finally:
-        sched.grammars.request = real
+        sched.state.grammars.request = real
 
 
 def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
@@ -282,7 +282,7 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(
     from engine.sampling_params import SamplingParams
 
     run, sched = tiny_scheduler, tiny_scheduler.sched
-    grammars = sched.grammars
+    grammars = sched.state.grammars
     release, compiled = threading.Event(), []
 
     def compile_(kind, text):
@@ -295,16 +295,16 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(
     params = [SamplingParams(max_new_tokens=3, regex=text) for text in ("first", "a1", "a2", "a3")]
     run.submit(*(TokenizedRequest(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params)))
     run.sched.run_once(block=False)
-    queued = {r.rid: r.grammar for r in sched.waiting}
+    queued = {r.rid: r.grammar for r in sched.state.waiting}
     run.requests.send(run.codec.encode(AbortRequest(["r1", "r2", "r3"], "gone")))
     run.submit(TokenizedRequest("new", [1, 2, 3], SamplingParams(max_new_tokens=3, regex="new")))
     for _ in range(500):  # both messages received (ZeroMQ keeps their order)
         run.sched.run_once(block=False)
-        if any(r.rid == "new" for r in sched.waiting):
+        if any(r.rid == "new" for r in sched.state.waiting):
             break
         time.sleep(0.01)
     assert [queued[r].cancelled() for r in ("r0", "r1", "r2", "r3")] == [False, True, True, True]
-    new = next(r.grammar for r in sched.waiting if r.rid == "new")
+    new = next(r.grammar for r in sched.state.waiting if r.rid == "new")
     release.set()
     for future in (queued["r0"], new):  # the loop does not wait for a compile: this test does
         future.exception(timeout=30)
@@ -319,7 +319,7 @@ def test_compiles_nobody_waits_for_are_cancelled_when_a_new_one_arrives(
 def _wait_for_compiles(sched) -> None:
     """Until no waiting request's grammar is still compiling (the compiles run off the loop)."""
     for _ in range(500):
-        if not any(r.grammar is not None and not r.grammar.done() for r in sched.waiting):
+        if not any(r.grammar is not None and not r.grammar.done() for r in sched.state.waiting):
             return
         time.sleep(0.01)
 
@@ -357,7 +357,7 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
 
     run, sched = tiny_scheduler, tiny_scheduler.sched
     real, bad = (
-        sched.grammars.backend(),
+        sched.state.grammars.backend(),
         [],
     )  # the matchers themselves: an id() alone is reused once one is freed
 
@@ -373,9 +373,9 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
                 raise RuntimeError("the plugin's bug")
             real.fill_masks(matchers, bitmask, rows)
 
-    monkeypatch.setattr(sched.grammars, "_backend", Flaky(real))
+    monkeypatch.setattr(sched.state.grammars, "_backend", Flaky(real))
     monkeypatch.setattr(
-        sched.grammars, "_compiled", type(sched.grammars._compiled)()
+        sched.state.grammars, "_compiled", type(sched.state.grammars._compiled)()
     )  # compiled by Flaky
     greedy = dict(temperature=0.0, max_new_tokens=6)
     run.submit(
@@ -442,7 +442,7 @@ def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(
     from engine.sampling_params import SamplingParams
 
     run, sched = tiny_scheduler, tiny_scheduler.sched
-    real, calls = sched.grammars.backend(), {"bad": 0}
+    real, calls = sched.state.grammars.backend(), {"bad": 0}
     accepts = [0, {"first accept": 1, "later accept": 4}.get(fail_at, 0)]
 
     class Flaky(_Passing):
@@ -459,9 +459,9 @@ def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(
                 [m.real if isinstance(m, _Marked) else m for m in matchers], bitmask, rows
             )
 
-    monkeypatch.setattr(sched.grammars, "_backend", Flaky(real))
+    monkeypatch.setattr(sched.state.grammars, "_backend", Flaky(real))
     monkeypatch.setattr(
-        sched.grammars, "_compiled", type(sched.grammars._compiled)()
+        sched.state.grammars, "_compiled", type(sched.state.grammars._compiled)()
     )  # compiled by Flaky
     greedy = dict(temperature=0.0, max_new_tokens=6)
     run.submit(

@@ -18,6 +18,7 @@ import torch
 from engine import hooks
 from engine.beam_search.batch import BeamGroup, beam_step_hook, selection_failed, start_sampling
 from engine.scheduler.batch import stop_table
+from engine.scheduler.finish import abort_held, finished_hook
 from engine.beam_search.params import beam_problem, check_beam
 from engine.beam_search.selection import BeamSelection
 from engine.hooks import HookError
@@ -33,24 +34,24 @@ from engine.sampling.sampler import process_logits
 
 if TYPE_CHECKING:
     from engine.scheduler.request import Req
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.state import SchedulerState
     from engine.scheduler.step import Step
 
 
 # ------------------------------------------------------------------ arrival and admission
 
 
-def arrival_problem(sched: Scheduler, r) -> str | None:
+def arrival_problem(state: SchedulerState, r) -> str | None:
     """Why a beam search cannot be queued here (the user process checks the same)."""
-    problem = check_beam(r.beam, r.sampling, sched.req_to_token.size)
+    problem = check_beam(r.beam, r.sampling, state.req_to_token.size)
     if problem is None and r.return_logprob:
         problem = "return_logprob: a beam search returns cumulative logprobs, not per-token ones"
     return problem
 
 
-def never_fits(sched: Scheduler, req: Req) -> str | None:
+def never_fits(state: SchedulerState, req: Req) -> str | None:
     return beam_problem(
-        req.prompt_len, req.sampling, req.beam, sched.req_to_token.size, sched.max_total_tokens
+        req.prompt_len, req.sampling, req.beam, state.req_to_token.size, state.max_total_tokens
     )
 
 
@@ -59,25 +60,25 @@ def admission_need(req: Req, take: int) -> int:
     return take + req.beam.width * max(req.sampling.max_new_tokens - 1, 0)
 
 
-def take_slots(sched: Scheduler, req: Req) -> None:
+def take_slots(state: SchedulerState, req: Req) -> None:
     """The K-1 extra request slots its beams will use (admission checked they are free)."""
-    req.beam_slots = [sched.req_to_token.alloc() for _ in range(req.beam.width - 1)]
+    req.beam_slots = [state.req_to_token.alloc() for _ in range(req.beam.width - 1)]
 
 
 # ------------------------------------------------------------------ sample
 
 
 def process_starts(
-    sched: Scheduler, reqs: list[Req], logits: torch.Tensor, failed: dict[int, str]
+    state: SchedulerState, reqs: list[Req], logits: torch.Tensor, failed: dict[int, str]
 ) -> torch.Tensor:
     """The prompts' last log-probabilities, processed (one row per starting search)."""
-    st = start_sampling(reqs, 1, sched.model_config.vocab_size, sched.device)
-    out_lens = torch.zeros(len(reqs), dtype=torch.int64, device=sched.device)
+    st = start_sampling(reqs, 1, state.vocab_size, state.device)
+    out_lens = torch.zeros(len(reqs), dtype=torch.int64, device=state.device)
     logprobs = torch.log_softmax(logits, dim=-1)
     ids = [[] for _ in reqs]
     matchers = [r.matcher for r in reqs]
     grammar = (
-        (lambda lg: sched.grammars.mask(lg, matchers, failed))
+        (lambda lg: state.grammars.mask(lg, matchers, failed))
         if any(m is not None for m in matchers)
         else None
     )  # noqa: E731
@@ -85,9 +86,9 @@ def process_starts(
         logprobs,
         st,
         out_lens,
-        stop_table(reqs, 1, sched.device),
+        stop_table(reqs, 1, state.device),
         ids,
-        sched.processors,
+        state.processors,
         failed,
         [0] * len(reqs),
         grammar,
@@ -95,7 +96,7 @@ def process_starts(
 
 
 def select_starts(
-    sched: Scheduler, reqs: list[Req], scores: torch.Tensor, failed: dict[int, str]
+    state: SchedulerState, reqs: list[Req], scores: torch.Tensor, failed: dict[int, str]
 ) -> list:
     """Each starting search's first selection; one that raises goes into `failed` and fails alone."""
     out = []
@@ -108,7 +109,7 @@ def select_starts(
                 req.stop_ids,
                 b.length_penalty,
                 b.early_stopping,
-                sched.device,
+                state.device,
             )
             parents, tokens = selection.step(scores[i : i + 1])
         except Exception as exc:  # noqa: BLE001 - this search alone
@@ -128,28 +129,28 @@ class BeamScores:
     beams: list[int | None]  # each row's beam index
 
 
-def prepare(sched: Scheduler, step: Step, logits: torch.Tensor) -> BeamScores:
+def prepare(state: SchedulerState, step: Step, logits: torch.Tensor) -> BeamScores:
     """Log-probabilities of the beam rows, processed (bias, penalties, min_new_tokens, custom
     processors); a custom processor's failure is kept in the step and fails its search only."""
     failed: dict[int, str] = {}
     if step.beam_starts:
         reqs = step.beam_starts
-        scores = process_starts(sched, reqs, logits, failed)
+        scores = process_starts(state, reqs, logits, failed)
         beams: list[int | None] = [0] * len(reqs)
     else:
-        reqs = sched.beams.reqs
-        scores = sched.beams.process(logits, sched.processors, failed, sched.grammars)
-        beams = list(sched.beams.beam_index)
+        reqs = state.beams.reqs
+        scores = state.beams.process(logits, state.processors, failed, state.grammars)
+        beams = list(state.beams.beam_index)
     step.beam_failed = {id(reqs[i]): m for i, m in failed.items()}
     return BeamScores(scores, [r.rid for r in reqs], list(reqs), beams)
 
 
-def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
+def select(state: SchedulerState, step: Step, beam: BeamScores) -> None:
     """One selection per search (kept in the step for process results); a selection that raises fails
     its search alone, as a failing processor does."""
     if hooks.has("engine_process_logits"):
         matchers = (
-            [r.matcher for r in step.beam_starts] if step.beam_starts else sched.beams.matchers
+            [r.matcher for r in step.beam_starts] if step.beam_starts else state.beams.matchers
         )
         if any(m is not None for m in matchers):
             refuse_stops(beam, matchers)
@@ -157,10 +158,10 @@ def select(sched: Scheduler, step: Step, beam: BeamScores) -> None:
         reqs = step.beam_starts
         ok = [i for i in range(len(reqs)) if id(reqs[i]) not in step.beam_failed]
         step.beam_out = select_starts(
-            sched, [reqs[i] for i in ok], beam.scores[ok], step.beam_failed
+            state, [reqs[i] for i in ok], beam.scores[ok], step.beam_failed
         )
     else:
-        step.beam_out = sched.beams.select(beam.scores, step.beam_failed)
+        step.beam_out = state.beams.select(beam.scores, step.beam_failed)
 
 
 def refuse_stops(beam: BeamScores, matchers: list) -> None:
@@ -182,62 +183,60 @@ def refuse_stops(beam: BeamScores, matchers: list) -> None:
 # ------------------------------------------------------------------ process results
 
 
-def process_results(sched: Scheduler, step: Step) -> None:
+def process_results(state: SchedulerState, step: Step) -> None:
     if step.beam_starts:
-        _start(sched, step)
+        _start(state, step)
     elif step.beam_out is not None:
-        _advance(sched, step)
+        _advance(state, step)
 
 
-def _start(sched: Scheduler, step: Step) -> None:
-    from engine.scheduler.endings import abort_reqs
-
+def _start(state: SchedulerState, step: Step) -> None:
     for r in step.beam_starts:
         if id(r) in step.beam_failed:
-            abort_reqs(sched, [r], [r.kv_len], step.beam_failed[id(r)], keep_kv=False)
+            abort_held(state, [r], [r.kv_len], step.beam_failed[id(r)], keep_kv=False)
     now = time.time_ns()
     for req, selection, parents, tokens in step.beam_out:
-        sched.kv.cache_prompt(
+        state.kv.cache_prompt(
             req
         )  # shared by every beam, and by later requests with the same prompt
         req.first_token_ns = now
-        group = sched.beams.start(req, selection, tokens)
-        sched.counters["generated_tokens"] += group.width
+        group = state.beams.start(req, selection, tokens)
+        state.counters["generated_tokens"] += group.width
         if group.failed is not None:
-            abort(sched, [group], group.failed)
-        elif _hook(sched, group, parents, tokens) and selection.done:
-            finish(sched, [group])
+            abort(state, [group], group.failed)
+        elif _hook(state, group, parents, tokens) and selection.done:
+            finish(state, [group])
 
 
-def _advance(sched: Scheduler, step: Step) -> None:
-    beams = sched.beams
+def _advance(state: SchedulerState, step: Step) -> None:
+    beams = state.beams
     failed = [g for g in beams.groups if id(g.req) in step.beam_failed]
     choices = step.beam_out
     if failed:
         keep = [i for i, g in enumerate(beams.groups) if id(g.req) not in step.beam_failed]
         for g in failed:
-            abort(sched, [g], step.beam_failed[id(g.req)], keep_kv=False)
+            abort(state, [g], step.beam_failed[id(g.req)], keep_kv=False)
         choices = [choices[i] for i in keep]
     beams.advance(choices)
-    sched.counters["generated_tokens"] += beams.num_rows
+    state.counters["generated_tokens"] += beams.num_rows
     done = []
     for g, (parents, tokens) in zip(list(beams.groups), choices):
         if g.failed is not None:
-            abort(sched, [g], g.failed)
-        elif _hook(sched, g, parents, tokens) and g.selection.done:
+            abort(state, [g], g.failed)
+        elif _hook(state, g, parents, tokens) and g.selection.done:
             done.append(g)
     if done:
-        finish(sched, done)
+        finish(state, done)
 
 
-def _hook(sched: Scheduler, g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> bool:
+def _hook(state: SchedulerState, g: BeamGroup, parents: torch.Tensor, tokens: torch.Tensor) -> bool:
     """engine_beam_step; a failing plugin fails this search only. Returns whether it still runs."""
     if not hooks.has("engine_beam_step"):
         return True
     try:
         beam_step_hook(g, parents, tokens)
     except HookError as exc:
-        abort(sched, [g], str(exc))
+        abort(state, [g], str(exc))
         return False
     return True
 
@@ -245,20 +244,18 @@ def _hook(sched: Scheduler, g: BeamGroup, parents: torch.Tensor, tokens: torch.T
 # ------------------------------------------------------------------ endings
 
 
-def _free(sched: Scheduler, g: BeamGroup, keep_kv: bool = True) -> None:
+def _free(state: SchedulerState, g: BeamGroup, keep_kv: bool = True) -> None:
     """Every generated token back to the pool; the prompt to the cache (unlocked), the slots freed."""
-    sched.kv.pool.free(sched.beams.release_tokens(g))
-    sched.kv.free_request(g.req, g.req.prompt_len, keep=keep_kv)
+    state.kv.pool.free(state.beams.release_tokens(g))
+    state.kv.free_request(g.req, g.req.prompt_len, keep=keep_kv)
 
 
 def _meta(g: BeamGroup, completion_tokens: int) -> RequestMeta:
     return RequestMeta(g.req.prompt_len, completion_tokens, g.req.cached_tokens)
 
 
-def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
+def finish(state: SchedulerState, groups: list[BeamGroup]) -> None:
     """Searches that ended: their R best hypotheses to the detokenizer, their memory freed."""
-    from engine.scheduler.endings import finished_hook
-
     for g in groups:
         req, sel = g.req, g.selection
         hyps = []
@@ -271,8 +268,8 @@ def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
             hyps.append(BeamHypothesis(h.output_ids, h.logprob, h.score, reason))
         req.finished = hyps[0].finish if hyps else FinishReason("length", length=0)
         req.beam_steps = sel.steps
-        _free(sched, g)
-        sched.beams.remove([g])
+        _free(state, g)
+        state.beams.remove([g])
         p = req.sampling
         out = BeamSearchOut(
             req.rid,
@@ -284,32 +281,32 @@ def finish(sched: Scheduler, groups: list[BeamGroup]) -> None:
             p.spaces_between_special_tokens,
             req.trace_context,
         )
-        sched.send_sock.send(sched.send_codec.encode(out))
-        sched.counters["finished_requests"] += 1
+        state.outbox.send(out)
+        state.counters["finished_requests"] += 1
         finished_hook(req)
 
 
-def abort(sched: Scheduler, groups: list[BeamGroup], message: str, keep_kv: bool = True) -> None:
+def abort(
+    state: SchedulerState, groups: list[BeamGroup], message: str, keep_kv: bool = True
+) -> None:
     """Searches that fail or are aborted: all their beams freed, reported finished with reason abort."""
-    from engine.scheduler.endings import finished_hook
-
     for g in groups:
         reason = g.req.finished = FinishReason("abort", message=message)
         g.req.beam_steps = g.selection.steps
-        _free(sched, g, keep_kv)
-        sched.beams.remove([g])
+        _free(state, g, keep_kv)
+        state.beams.remove([g])
         out = BatchTokenOut([g.req.rid], [NO_TOKEN], [reason], [_meta(g, 0)])
-        sched.send_sock.send(sched.send_codec.encode(out))
-        sched.counters["aborted_requests"] += 1
+        state.outbox.send(out)
+        state.counters["aborted_requests"] += 1
         finished_hook(g.req)
 
 
-def retract_last(sched: Scheduler) -> Req:
+def retract_last(state: SchedulerState) -> Req:
     """Memory pressure: the most recent search starts over later (its prompt stays cached; beam search
     is deterministic, so the result is the same)."""
-    g = sched.beams.groups[-1]
-    _free(sched, g)
-    sched.beams.remove([g])
+    g = state.beams.groups[-1]
+    _free(state, g)
+    state.beams.remove([g])
     req = g.req
     req.fill_ids = req.input_ids
     return req

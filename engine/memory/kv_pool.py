@@ -56,8 +56,7 @@ class TokenKVPool:
 
     def free(self, indices: torch.Tensor) -> None:
         """Freed indices go to the front: the next allocation reuses memory already touched (and likely in
-        cache) instead of cycling through the whole pool, which faulted in fresh pages of it for every
-        request until all of it was resident."""
+        cache) rather than faulting in fresh pages of the pool."""
         if indices.numel():
             self._free = torch.cat([indices.to(torch.int64), self._free])
             self._num_free += int(indices.numel())

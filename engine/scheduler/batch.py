@@ -35,6 +35,7 @@ class RunningBatch:
     ) -> None:
         """`sampling`: the requests' sampling tensors when already built (prefill builds them first)."""
         self.reqs = reqs
+        self.vocab_size = vocab_size
         self.device = device
         self.slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)
         self.kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
@@ -88,6 +89,10 @@ class RunningBatch:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.stop_table = self.stop_table.cat(other.stop_table)
         self.sampling = self.sampling.merge(other.sampling)
+
+    def clear(self) -> None:
+        """Every request gone (failed or aborted): the batch empty, its tensors with it."""
+        self.__dict__.update(RunningBatch([], self.vocab_size, self.device).__dict__)
 
     @classmethod
     def empty(cls, vocab_size: int, device) -> "RunningBatch":

@@ -16,7 +16,7 @@ def resolve_device(name: str) -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512_BF16 or AMX: bfloat16 matmuls run natively (about twice float32 on this kind of CPU)."""
+    """AVX512_BF16 or AMX: the CPU runs bfloat16 matmuls natively."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -40,8 +40,8 @@ def cpu_model() -> str:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """auto: float32 on the CPU (exact: transformers' float32 tokens, and one stream on a par with bfloat16 or
-    faster wherever measured: docs/quantization.md, "Which dtype"), bfloat16 on CUDA."""
+    """auto: float32 on the CPU (exact, transformers' float32 tokens, and no slower for one stream:
+    docs/quantization.md, "Which dtype"), bfloat16 on CUDA."""
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return _DTYPES[name]

@@ -13,28 +13,29 @@ from engine.scheduler.results import prompt_logprobs
 from engine.scheduler.step import Step
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.model_runner import ModelRunner
+    from engine.scheduler.state import SchedulerState
 
 
-def forward(sched: Scheduler, step: Step) -> torch.Tensor:
+def forward(runner: ModelRunner, step: Step) -> torch.Tensor:
     batch = step.forward_batch
     if hooks.has("engine_forward_before"):
         hooks.call("engine_forward_before", batch=batch, rids=step.rids)
-    logits = sched.model(batch, sched.backend)
+    logits = runner.forward(batch)
     if hooks.has("engine_forward_after"):
         hooks.call("engine_forward_after", batch=batch, rids=step.rids, logits=logits)
     return logits
 
 
-def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput | None:
+def sample(state: SchedulerState, step: Step, logits: torch.Tensor) -> SampleOutput | None:
     """Prompt logprobs from the extra rows of a prefill, then one token per ordinary row (None: no
     ordinary row samples), and the beam searches' selections (kept in the step). The logits hook sees
     every row once: the ordinary rows' processed logits, then the beam rows' processed log-probabilities."""
     rows = step.rows
     n, nb = len(rows), len(step.beam_starts) or len(step.beam_reqs)
     if step.prompt_logprobs:
-        prompt_logprobs(sched, step, logits[n + nb :])
-    beam = beam_stage.prepare(sched, step, logits[n : n + nb]) if nb else None
+        prompt_logprobs(state, step, logits[n + nb :])
+    beam = beam_stage.prepare(state, step, logits[n : n + nb]) if nb else None
     logits = logits[:n]
     hook = hooks.has("engine_process_logits")
     out = None
@@ -64,14 +65,14 @@ def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput |
                 processed.copy_(both[:n])
                 beam.scores = both[n:]
 
-        grammar = (lambda lg: sched.grammars.mask(lg, rows.matchers)) if rows.any_grammar else None  # noqa: E731
+        grammar = (lambda lg: state.grammars.mask(lg, rows.matchers)) if rows.any_grammar else None  # noqa: E731
         out = sample_rows(
             logits,
             rows.sampling,
             rows.out_lens,
             rows.stop_table,
             output_ids,
-            sched.processors,
+            state.processors,
             on_logits,
             grammar,
         )
@@ -88,5 +89,5 @@ def sample(sched: Scheduler, step: Step, logits: torch.Tensor) -> SampleOutput |
             beams=beam.beams,
         )
     if beam is not None:
-        beam_stage.select(sched, step, beam)
+        beam_stage.select(state, step, beam)
     return out

@@ -10,22 +10,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.beam_search import stage as beam_stage
-from engine.scheduler.batch import RunningBatch
 from engine.scheduler.endings import abort_reqs
 from engine.scheduler.request import Req
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.state import SchedulerState
 
 RETRACT_HEADROOM_STEPS = 4  # after a retraction, room for this many decode steps of what remains
 
 
-def make_room_for_decode(sched: Scheduler) -> bool:
+def make_room_for_decode(state: SchedulerState) -> bool:
     """Ensure one pool token per decode row: evict cache, then retract the most recently admitted
     requests (a prompt part-way through chunked prefill first, beam searches last: they start over).
     Returns False when nothing is left to decode."""
-    kv = sched.kv
-    rows, beams = sched.running, sched.beams
+    kv = state.kv
+    rows, beams = state.running, state.beams
 
     def need() -> int:
         return len(rows) + beams.num_rows
@@ -35,21 +34,22 @@ def make_room_for_decode(sched: Scheduler) -> bool:
     retracted: list[Req] = []
     try:
         while kv.headroom < need() * RETRACT_HEADROOM_STEPS and (
-            sched.chunked_req is not None or len(rows) + len(beams.groups) > 1
+            state.plan.chunked is not None or len(rows) + len(beams.groups) > 1
         ):
-            if sched.chunked_req is not None:
-                req, kv_len, sched.chunked_req = sched.chunked_req, sched.chunked_req.kv_len, None
+            if state.plan.chunked is not None:
+                req = state.plan.chunked
+                kv_len, state.plan.chunked = req.kv_len, None
             elif not len(rows):
                 if (
                     kv.headroom >= need()
                 ):  # a search starts over if retracted: only when the next step cannot run
                     break
-                retracted.append(beam_stage.retract_last(sched))
+                retracted.append(beam_stage.retract_last(state))
                 continue
             else:
                 req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
                 keep = [True] * (len(rows) - 1) + [False]
-                rows.filter(torch.tensor(keep, device=sched.device), keep)
+                rows.filter(torch.tensor(keep, device=state.device), keep)
             retracted.append(
                 req
             )  # first, ready to resume: out of the batch, it must reach the queue whatever happens next
@@ -61,23 +61,22 @@ def make_room_for_decode(sched: Scheduler) -> bool:
             )  # its K/V stays in the tree, evictable, for when it resumes
     finally:  # also when freeing one raised (the step then fails): every request taken out is queued again
         if retracted:
-            sched.waiting[:0] = retracted[::-1]
-            sched.counters["retracted_requests"] += len(retracted)
-            ratio = sched.config.init_new_token_ratio
-            sched.new_token_ratio = min(1.0, max(ratio, sched.new_token_ratio + 0.1))
+            state.waiting.requeue(retracted[::-1])
+            state.counters["retracted_requests"] += len(retracted)
+            state.plan.retracted()
     if kv.headroom >= need():
         return True
     # one request left and the pool cannot hold its next token (the user process refuses requests
     # that could get here, so this guards a mis-sized pool)
     if beams:
         beam_stage.abort(
-            sched,
+            state,
             list(beams.groups),
-            f"KV pool exhausted (max_total_tokens={sched.max_total_tokens})",
+            f"KV pool exhausted (max_total_tokens={state.max_total_tokens})",
         )
         return False
     kv_len = int(rows.kv_lens[0])
-    message = f"KV pool exhausted at {kv_len} tokens (max_total_tokens={sched.max_total_tokens})"
-    abort_reqs(sched, rows.reqs, [kv_len], message, keep_kv=True)
-    sched.running = RunningBatch.empty(sched.model_config.vocab_size, sched.device)
+    message = f"KV pool exhausted at {kv_len} tokens (max_total_tokens={state.max_total_tokens})"
+    abort_reqs(state, rows.reqs, [kv_len], message, keep_kv=True)
+    state.running.clear()
     return False

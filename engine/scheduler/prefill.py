@@ -19,59 +19,57 @@ from engine.hooks import HookError
 from engine.sampling.batch_params import SamplingTensors
 from engine.scheduler.batch import RunningBatch, sampling_tensors
 from engine.scheduler.endings import abort_reqs, abort_rids, finish_unstarted
-from engine.scheduler.policy import LPM_MAX_QUEUE, order_waiting
+from engine.scheduler.policy import LPM_MAX_QUEUE
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.state import SchedulerState
 
 CLIP_NEW_TOKENS = (
     4096  # a request's remaining max_new_tokens counts at most this much in the estimate
 )
 
 
-def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
+def plan_prefill(state: SchedulerState) -> list[tuple[Req, int, int]]:
     """Pick (request, tokens already in the pool, tokens to compute now) for a prefill step.
 
     The budget is chunked_prefill_size tokens (max_prefill_tokens with chunking off, when an
     over-budget prompt still runs whole, alone). Memory: what the step takes plus an estimate of
     every admitted request's new tokens must fit in free plus evictable pool tokens.
     """
-    chunk = sched.config.chunked_prefill_size
-    budget = chunk if chunk > 0 else sched.config.max_prefill_tokens
-    kv = sched.kv
-    reserved = int(sched.new_token_ratio * sched.running.remaining_new_tokens(CLIP_NEW_TOKENS))
-    reserved += sched.beams.remaining_tokens()  # beam searches keep their whole reservation
+    chunk = state.config.chunked_prefill_size
+    budget = chunk if chunk > 0 else state.config.max_prefill_tokens
+    kv = state.kv
+    reserved = int(state.plan.new_token_ratio * state.running.remaining_new_tokens(CLIP_NEW_TOKENS))
+    reserved += state.beams.remaining_tokens()  # beam searches keep their whole reservation
     entries: list[tuple[Req, int, int]] = []
-    req = in_progress = sched.chunked_req  # its prompt is not cached until its last chunk is done
+    req = in_progress = state.plan.chunked  # its prompt is not cached until its last chunk is done
     if req is not None:
         take = min(len(req.fill_ids) - req.kv_len, budget)
         if (
-            take > kv.headroom - len(sched.running) - sched.beams.num_rows
+            take > kv.headroom - len(state.running) - state.beams.num_rows
         ):  # leave the running rows their next token
             return []  # decode steps will finish requests and free memory
         entries.append((req, req.kv_len, take))
-        sched._planned.append(req)
+        state.plan.admitted(req)
         budget -= take
         reserved += (
             beam_stage.admission_need(req, take) if req.beam is not None else take
         )  # a search's beams too
         if req.kv_len + take < len(req.fill_ids):
             return entries
-        sched.chunked_req = None
-    if not sched.waiting or budget <= 0 or not admissible(sched, reserved, entries):
+        state.plan.chunked = None
+    if not state.waiting or budget <= 0 or not admissible(state, reserved, entries):
         return entries
-    taken: set[int] = set()
-    free_slots = sched.req_to_token.available
-    ordered = order_waiting(
-        sched.waiting, sched.config.schedule_policy, kv.cache, in_progress, free_slots
-    )
+    taken: list[Req] = []
+    free_slots = state.req_to_token.available
+    ordered = state.waiting.ordered(state.config.schedule_policy, kv.cache, in_progress, free_slots)
     if hooks.has("engine_schedule"):
         shown = list(ordered)
         try:
-            hooks.call("engine_schedule", waiting=ordered, running=len(sched.running))
+            hooks.call("engine_schedule", waiting=ordered, running=len(state.running))
             ids = [id(r) for r in ordered]
             if len(set(ids)) != len(ids) or not set(ids) <= {id(r) for r in shown}:
                 raise HookError(
@@ -80,25 +78,25 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
                     ValueError("may only reorder or remove the waiting requests"),
                 )
         except HookError as exc:  # it touched every waiting request it was shown
-            abort_rids(sched, dict.fromkeys(r.rid for r in shown), str(exc))
+            abort_rids(state, dict.fromkeys(r.rid for r in shown), str(exc))
             return entries
     for req in ordered:
-        if budget <= 0 or not sched.req_to_token.available:
+        if budget <= 0 or not state.req_to_token.available:
             break
-        if req.beam is not None and sched.req_to_token.available < req.beam.width:
+        if req.beam is not None and state.req_to_token.available < req.beam.width:
             break  # a slot per beam
         if req.grammar is not None and req.matcher is None:
             if not req.grammar.done():
                 continue  # its grammar is compiling: the requests behind it go on
-            limit = sched.grammars.problem(req.grammar, constraint_of(req.sampling)[0])
+            limit = state.grammars.problem(req.grammar, constraint_of(req.sampling)[0])
             if limit is not None:
-                taken.add(id(req))
-                finish_unstarted(sched, req, limit)
+                taken.append(req)
+                finish_unstarted(state, req, limit)
                 continue
-        limit = never_fits(sched, req)
+        limit = never_fits(state, req)
         if limit is not None:
-            taken.add(id(req))
-            finish_unstarted(sched, req, limit)
+            taken.append(req)
+            finish_unstarted(state, req, limit)
             continue
         prefix = kv.lend_prefix(req)  # locked first: a prefix in use is no longer evictable
         ext = len(req.fill_ids) - prefix
@@ -106,8 +104,8 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
         if chunk <= 0 and entries and take > budget:
             kv.unlend(req)
             break
-        need = need_of(sched, req, take)
-        alone = not entries and not len(sched.running) and not sched.beams
+        need = need_of(state, req, take)
+        alone = not entries and not len(state.running) and not state.beams
         if (
             req.beam is not None
         ):  # reserved whole: beams are never retracted part-way for lack of KV
@@ -117,19 +115,17 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
             kv.unlend(req)
             break
         kv.assign_slot(req)
-        sched._planned.append(
-            req
-        )  # it holds a slot and a prefix lock now: schedule_failed must free them
+        state.plan.admitted(req)  # it holds a slot and a prefix lock now
         if req.beam is not None:
-            beam_stage.take_slots(sched, req)
+            beam_stage.take_slots(state, req)
         if req.grammar is not None and req.matcher is None:
             try:
-                req.matcher = sched.grammars.matcher(req.grammar)
+                req.matcher = state.grammars.matcher(req.grammar)
             except Exception as exc:  # noqa: BLE001 - this request fails alone, before any work
                 kv.free_request(req, req.kv_len)
-                taken.add(id(req))
+                taken.append(req)
                 finish_unstarted(
-                    sched,
+                    state,
                     req,
                     f"{constraint_of(req.sampling)[0]}: the grammar matcher could not be "
                     f"made: {type(exc).__name__}: {exc}",
@@ -145,66 +141,65 @@ def plan_prefill(sched: Scheduler) -> list[tuple[Req, int, int]]:
                 hooks.call("engine_request_admitted", req=req, cached_tokens=prefix)
             except HookError as exc:  # this request fails alone, before any work
                 kv.free_request(req, req.kv_len)
-                taken.add(id(req))
-                finish_unstarted(sched, req, str(exc))
+                taken.append(req)
+                finish_unstarted(state, req, str(exc))
                 continue
         if first:  # counted once admitted: a prompt the hook refused was never taken in
-            sched.counters["prompt_tokens"] += req.prompt_len
-            sched.counters["prompt_cache_hit_tokens"] += req.cached_tokens
-        sched.counters["cache_hit_tokens"] += prefix
+            state.counters["prompt_tokens"] += req.prompt_len
+            state.counters["prompt_cache_hit_tokens"] += req.cached_tokens
+        state.counters["cache_hit_tokens"] += prefix
         entries.append((req, prefix, take))
-        taken.add(id(req))
+        taken.append(req)
         budget -= take
         reserved += need
         if take < ext:
-            sched.chunked_req = req
+            state.plan.chunked = req
             break
-    if taken:
-        sched.waiting = [r for r in sched.waiting if id(r) not in taken]
+    state.waiting.remove(taken)
     return entries
 
 
-def admissible(sched: Scheduler, reserved: int, entries: list) -> bool:
+def admissible(state: SchedulerState, reserved: int, entries: list) -> bool:
     """Whether a waiting request could be admitted at all: a request slot is free, and the pool has room
     beyond what the running requests reserve for the least any waiting request needs (a request alone
     may use it all). Else the queue is not ordered (a prefix match, slices and a tree insert per waiting
-    request: 16 ms a decode step for 122 waiting 1,000-token prompts) for nothing."""
-    if not sched.req_to_token.available:
+    request) for nothing."""
+    if not state.req_to_token.available:
         return False
-    if not entries and not len(sched.running) and not sched.beams:
+    if not entries and not len(state.running) and not state.beams:
         return True
-    room = sched.kv.headroom - reserved
+    room = state.kv.headroom - reserved
     if (
-        room < 1 or len(sched.waiting) > LPM_MAX_QUEUE
+        room < 1 or len(state.waiting) > LPM_MAX_QUEUE
     ):  # a long queue is not ordered anyway: no need to look
         return room >= 1
     if room >= 1 + int(
-        sched.new_token_ratio * CLIP_NEW_TOKENS
+        state.plan.new_token_ratio * CLIP_NEW_TOKENS
     ):  # past any request's least need: no loop
         return True
-    return room >= min(least_need(sched, r) for r in sched.waiting)
+    return room >= min(least_need(state, r) for r in state.waiting)
 
 
-def need_of(sched: Scheduler, req: Req, take: int) -> int:
+def need_of(state: SchedulerState, req: Req, take: int) -> int:
     """Pool tokens admitting a request asks for: the `take` tokens computed now and an estimate of its
     new tokens (a beam search asks for its whole reservation instead: beam_stage.admission_need)."""
     remaining = req.sampling.max_new_tokens - len(req.output_ids)
-    return take + int(sched.new_token_ratio * min(remaining, CLIP_NEW_TOKENS))
+    return take + int(state.plan.new_token_ratio * min(remaining, CLIP_NEW_TOKENS))
 
 
-def least_need(sched: Scheduler, req: Req) -> int:
+def least_need(state: SchedulerState, req: Req) -> int:
     """The least pool room admission can ask of a request: one token to compute (all the rest could be
     cached) and its estimated new tokens. A beam search's whole reservation is not bounded here: 1."""
-    return 1 if req.beam is not None else need_of(sched, req, 1)
+    return 1 if req.beam is not None else need_of(state, req, 1)
 
 
 def build_sampling(
-    sched: Scheduler, entries: list[tuple[Req, int, int]]
+    state: SchedulerState, entries: list[tuple[Req, int, int]]
 ) -> tuple[list, SamplingTensors]:
     """The sampling tensors of the requests whose prompt this step completes, built before anything is
     allocated. If building them raises, each is built alone and only those that fail are aborted (they
     hold a slot and a prefix, nothing more yet), not every request admitted with them."""
-    vocab, dev = sched.model_config.vocab_size, sched.device
+    vocab, dev = state.vocab_size, state.device
     completing = [
         r for r, prefix, take in entries if r.beam is None and prefix + take == len(r.fill_ids)
     ]
@@ -220,37 +215,37 @@ def build_sampling(
             failed[id(req)] = f"sampling: {type(exc).__name__}: {exc}"
     for req in completing:
         if id(req) in failed:
-            abort_reqs(sched, [req], [req.kv_len], failed[id(req)])
+            abort_reqs(state, [req], [req.kv_len], failed[id(req)])
     entries = [e for e in entries if id(e[0]) not in failed]
     completing = [r for r in completing if id(r) not in failed]
     return entries, sampling_tensors(completing, vocab, dev)
 
 
-def never_fits(sched: Scheduler, req: Req) -> str | None:
+def never_fits(state: SchedulerState, req: Req) -> str | None:
     """Why a request can never run here (the user process refuses these up front; this is the guard)."""
     n = req.prompt_len
-    if n >= sched.context_len:
-        return f"the prompt has {n} tokens but context_length is {sched.context_len}"
+    if n >= state.context_len:
+        return f"the prompt has {n} tokens but context_length is {state.context_len}"
     if req.beam is not None:
-        return beam_stage.never_fits(sched, req)
+        return beam_stage.never_fits(state, req)
     most = n + req.sampling.max_new_tokens - 1
-    if most > sched.max_total_tokens:
+    if most > state.max_total_tokens:
         return (
             f"the prompt ({n} tokens) plus max_new_tokens needs up to {most} KV tokens but the pool holds "
-            f"max_total_tokens={sched.max_total_tokens}"
+            f"max_total_tokens={state.max_total_tokens}"
         )
     return None
 
 
-def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step | None:
+def prefill_step(state: SchedulerState, entries: list[tuple[Req, int, int]]) -> Step | None:
     """The EXTEND step for the planned entries (None if none is left: each failed building its sampling)."""
-    entries, sampling = build_sampling(sched, entries)
+    entries, sampling = build_sampling(state, entries)
     if not entries:
         return None
-    dev = sched.device
+    dev = state.device
     takes = [take for _, _, take in entries]
     total = sum(takes)
-    loc = sched.kv.alloc(total)
+    loc = state.kv.alloc(total)
     takes_t = torch.tensor(takes, dtype=torch.int64, device=dev)
     prefix_t = torch.tensor([p for _, p, _ in entries], dtype=torch.int64, device=dev)
     ends = torch.cumsum(takes_t, 0)
@@ -258,7 +253,7 @@ def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step 
         prefix_t - (ends - takes_t), takes_t
     )
     slots = torch.tensor([r.slot for r, _, _ in entries], dtype=torch.int64, device=dev)
-    sched.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
+    state.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
     input_ids: list[int] = []
     completing, logits_rows = [], []
     beam_starts, beam_rows = (
@@ -282,10 +277,10 @@ def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step 
                 prompt_logprobs.append((req, len(extra_rows), hi - lo, lo))
                 extra_rows.extend(range(start + lo - prefix, start + hi - prefix))
         start += take
-    sched.counters["prefill_steps"] += 1
-    sched.counters["prefill_tokens"] += total
+    state.counters["prefill_steps"] += 1
+    state.counters["prefill_tokens"] += total
     if len(completing) + len(beam_starts) < len(entries):
-        sched.counters["chunked_prefill_steps"] += 1
+        state.counters["chunked_prefill_steps"] += 1
     seq_lens = prefix_t + takes_t
     batch = ForwardBatch(
         mode=ForwardMode.EXTEND,
@@ -301,7 +296,7 @@ def prefill_step(sched: Scheduler, entries: list[tuple[Req, int, int]]) -> Step 
         extend_lens=takes,
         prefix_lens=[p for _, p, _ in entries],
     )
-    rows = RunningBatch(completing, sched.model_config.vocab_size, dev, sampling)
+    rows = RunningBatch(completing, state.vocab_size, dev, sampling)
     return Step(
         batch, rows, [req for req, _, _ in entries], prompt_logprobs, beam_starts=beam_starts
     )

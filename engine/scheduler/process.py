@@ -14,9 +14,8 @@ def run_scheduler_process(
         from engine.config import EngineConfig
         from engine.scheduler.scheduler import Scheduler
 
-        # torch's import leaves ~170k objects that live as long as the process: out of the collector's
-        # sight, the full collection that building the model's modules set off (0.08 s on an AMD EPYC Zen 1)
-        # looks at none of them
+        # torch's import leaves many objects that live as long as the process: frozen, the full
+        # collections that building the model's modules sets off skip them
         gc.freeze()
         return Scheduler(EngineConfig.from_json(config_json), model_dir, endpoints, progress)
 

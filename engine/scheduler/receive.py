@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from engine import hooks
 from engine.beam_search import stage as beam_stage
 from engine.hooks import HookError
+from engine.ipc.inbox import Inbox
 from engine.ipc.messages import (
     AbortRequest,
     BatchTokenOut,
@@ -26,22 +27,23 @@ from engine.grammar.stage import constraint_of
 from engine.scheduler.admission import check_request, clip_to_context
 from engine.scheduler.endings import abort_rids, finish_unstarted
 from engine.scheduler.request import Req
+from engine.scheduler.stats import stats
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)
 SUPERSEDED = "superseded: a new request reused this rid"
 
 
-def recv_requests(sched: Scheduler, block: bool) -> None:
+def recv_requests(state: SchedulerState, inbox: Inbox, block: bool) -> None:
     """Drain the request socket; when nothing runs, block on it (no spinning on an idle machine).
     A message that cannot be handled is reported and dropped: it never stops the loop."""
     if block:
-        sched.recv_sock.poll(timeout=None)
-    for message in sched.inbox.drain():
+        inbox.sock.poll(timeout=None)
+    for message in inbox.drain():
         try:
-            handle(sched, message)
+            handle(state, message)
         except Exception as exc:  # noqa: BLE001 - one message must not take the process down
             logger.error(
                 "engine::scheduler: dropped a %s message that failed (%s: %s)",
@@ -51,78 +53,78 @@ def recv_requests(sched: Scheduler, block: bool) -> None:
             )
 
 
-def handle(sched: Scheduler, message) -> None:
+def handle(state: SchedulerState, message) -> None:
     if isinstance(message, GenerateBatch):
-        admit_arrivals(sched, message.reqs)
+        admit_arrivals(state, message.reqs)
     elif isinstance(message, AbortRequest):
-        abort_rids(sched, abort_targets(message), message.message)
+        abort_rids(state, abort_targets(message), message.message)
     elif isinstance(message, StatsRequest):
-        sched.send_sock.send(sched.send_codec.encode(sched.stats(message.req_id)))
+        state.outbox.send(stats(state, message.req_id))
     elif isinstance(message, FlushCache):
-        flushed = sched.kv.cache.flush()
-        sched.send_sock.send(sched.send_codec.encode(sched.stats(message.req_id, flushed)))
+        flushed = state.kv.cache.flush()
+        state.outbox.send(stats(state, message.req_id, flushed))
 
 
-def admit_arrivals(sched: Scheduler, arrivals: list) -> None:
+def admit_arrivals(state: SchedulerState, arrivals: list) -> None:
     """Queue each request that passes the arrival checks; answer the others with an abort naming the
     field at fault (each fails alone)."""
-    eos = sched.model_config.eos_token_ids
+    eos = state.eos_ids
     now = time.time_ns()
-    vocab = sched.model_config.vocab_size
-    live = live_rids(sched)
+    vocab = state.vocab_size
+    live = state.live_rids()
     arrived_hook = hooks.has("engine_request_arrived")
     constrained = False
     for r in arrivals:
         if r.rid in live:  # reused: the user process only reuses a rid whose request it saw finish,
             # here by a stop string whose abort is still on its way from the detokenizer; ended first,
             # even if the new one is refused, or it would run on under a rid nobody reads
-            abort_rids(sched, {r.rid: {live.pop(r.rid)}}, SUPERSEDED)
-        problem = arrival_problem(sched, r, vocab)
+            abort_rids(state, {r.rid: {live.pop(r.rid)}}, SUPERSEDED)
+        problem = arrival_problem(state, r, vocab)
         if problem is None:
             try:
-                req = new_req(sched, r, eos, now)
+                req = new_req(state, r, eos, now)
             except Exception as exc:  # noqa: BLE001 - as in arrival_problem: this request alone
                 problem = f"the request could not be queued: {type(exc).__name__}: {exc}"
         if problem is not None:
-            refuse(sched, r, problem)
+            refuse(state, r, problem)
             continue
         if arrived_hook:
             try:
                 hooks.call("engine_request_arrived", req=req)
             except HookError as exc:  # this request fails alone, before it waits
-                finish_unstarted(sched, req, str(exc))
+                finish_unstarted(state, req, str(exc))
                 continue
         try:
             constraint = constraint_of(r.sampling)
             if (
                 constraint is not None
             ):  # compiled off the loop; the request waits for it, the others do not
-                req.grammar = sched.grammars.request(*constraint)
+                req.grammar = state.grammars.request(*constraint)
                 constrained = True
         except Exception as exc:  # noqa: BLE001 - this request alone
-            finish_unstarted(sched, req, f"{type(exc).__name__}: {exc}")
+            finish_unstarted(state, req, f"{type(exc).__name__}: {exc}")
             continue
-        sched.waiting.append(req)
+        state.waiting.add(req)
         live[r.rid] = r.seq
     if constrained:  # compiles queued for requests gone meanwhile would run before these
-        sched.grammars.sweep(sched.waiting)
+        state.grammars.sweep(state.waiting.reqs)
 
 
-def arrival_problem(sched: Scheduler, r, vocab: int) -> str | None:
+def arrival_problem(state: SchedulerState, r, vocab: int) -> str | None:
     """Why this arrival cannot be queued, or None. A check that raises refuses this request alone: an
     exception escaping here would drop the rest of its GenerateBatch, whose callers would wait forever."""
     try:
-        problem = check_request(r, vocab, sched.context_len)
+        problem = check_request(r, vocab, state.context_len)
         if problem is None and r.beam is not None:
-            problem = beam_stage.arrival_problem(sched, r)
+            problem = beam_stage.arrival_problem(state, r)
         return problem
     except Exception as exc:  # noqa: BLE001 - one request's failure is not its neighbours'
         return f"the arrival checks failed: {type(exc).__name__}: {exc}"
 
 
-def new_req(sched: Scheduler, r, eos, now: int) -> Req:
+def new_req(state: SchedulerState, r, eos, now: int) -> Req:
     """The scheduler's request for an arrival that passed the checks."""
-    r = clip_to_context(r, sched.context_len)  # the user process does this too; be safe
+    r = clip_to_context(r, state.context_len)  # the user process does this too; be safe
     return Req(
         r.rid,
         r.input_ids,
@@ -139,22 +141,12 @@ def new_req(sched: Scheduler, r, eos, now: int) -> Req:
     )
 
 
-def live_rids(sched: Scheduler) -> dict[str, int]:
-    """rid -> seq of every request the scheduler holds."""
-    live = {r.rid: r.seq for r in sched.waiting}
-    live.update((r.rid, r.seq) for r in sched.running.reqs)
-    live.update((g.req.rid, g.req.seq) for g in sched.beams.groups)
-    if sched.chunked_req is not None:
-        live[sched.chunked_req.rid] = sched.chunked_req.seq
-    return live
-
-
-def refuse(sched: Scheduler, r, problem: str) -> None:
+def refuse(state: SchedulerState, r, problem: str) -> None:
     """Answer a request that failed the arrival checks: finished, reason abort, nothing queued."""
     reason = FinishReason("abort", message=f"invalid request: {problem}")
     out = BatchTokenOut([r.rid], [NO_TOKEN], [reason], [RequestMeta(len(r.input_ids), 0, 0)])
-    sched.send_sock.send(sched.send_codec.encode(out))
-    sched.counters["aborted_requests"] += 1
+    state.outbox.send(out)
+    state.counters["aborted_requests"] += 1
 
 
 def abort_targets(message: AbortRequest) -> dict[str, set[int] | None]:

@@ -18,20 +18,20 @@ from engine.ipc.messages import (
 )
 from engine.sampling.sampler import SampleOutput
 from engine.scheduler.batch import RunningBatch
-from engine.scheduler.endings import finished_hook, request_meta
+from engine.scheduler.finish import finished_hook, request_meta
 from engine.scheduler.request import Req
 from engine.scheduler.step import Step
 from engine.model.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.state import SchedulerState
 
 
-def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) -> None:
+def process_results(state: SchedulerState, step: Step, sampled: SampleOutput | None) -> None:
     """Append each row's token, finish rows that hit a stop token or their length, emit one message.
     After a prefill, requests that go on decoding put their prompt in the prefix cache."""
     if step.beam_out is not None:
-        beam_stage.process_results(sched, step)
+        beam_stage.process_results(state, step)
     rows = step.rows
     if sampled is None:
         return
@@ -44,7 +44,7 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
     rids = rows.rids
     reqs = rows.reqs
     if rows.any_grammar:  # each constrained row's matcher takes its token (a refusal fails the row)
-        for i, problem in sched.grammars.accept(rows.matchers, ids).items():
+        for i, problem in state.grammars.accept(rows.matchers, ids).items():
             sampled.failed.setdefault(i, problem)
     if (
         sampled.failed
@@ -57,9 +57,9 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
             req.output_ids.append(token)
     finished: list = [None] * len(ids)
     meta: list = [None] * len(ids)
-    headers = first_headers(sched, reqs) if step.mode is ForwardMode.EXTEND else []
+    headers = first_headers(state, reqs) if step.mode is ForwardMode.EXTEND else []
     logprobs = output_logprobs(rows, sampled) if sampled.logprobs is not None else []
-    sched.counters["generated_tokens"] += len(ids) - len(sampled.failed)
+    state.counters["generated_tokens"] += len(ids) - len(sampled.failed)
     error: Exception | None = (
         None  # freeing a finished request failed: raised once the step's answer is sent
     )
@@ -74,35 +74,35 @@ def process_results(sched: Scheduler, step: Step, sampled: SampleOutput | None) 
             n_out = len(req.output_ids)
             if i in sampled.failed:
                 reason = FinishReason("abort", message=sampled.failed[i])
-                sched.counters["aborted_requests"] += 1
+                state.counters["aborted_requests"] += 1
             else:
                 reason = (
                     FinishReason("stop", matched=ids[i])
                     if stop_list[i]
                     else FinishReason("length", length=n_out)
                 )
-                sched.counters["finished_requests"] += 1
+                state.counters["finished_requests"] += 1
             finished[i] = req.finished = reason
             meta[i] = request_meta(req)
             try:
-                sched.kv.free_request(req, kv_lens[i], keep=i not in sampled.failed)
+                state.kv.free_request(req, kv_lens[i], keep=i not in sampled.failed)
             except Exception as exc:  # noqa: BLE001 - marked finished, so the failure handler skips it: answer it first
                 error = error or exc
             finished_hook(req)
         rows.filter(~done, [not d for d in done_list])
     out = BatchTokenOut(rids, ids, finished, meta, headers, logprobs)
-    sched.send_sock.send(sched.send_codec.encode(out))
+    state.outbox.send(out)
     if (
         error is not None
     ):  # the step fails as it would have (its other requests end), none unanswered
         raise error
     if step.mode is ForwardMode.EXTEND and len(rows):
         for req in rows.reqs:
-            sched.kv.cache_prompt(req)
-        sched.running.merge(rows)
+            state.kv.cache_prompt(req)
+        state.running.merge(rows)
 
 
-def first_headers(sched: Scheduler, reqs: list[Req]) -> list:
+def first_headers(state: SchedulerState, reqs: list[Req]) -> list:
     """A RequestHeader for each request whose first output this is (prefill steps only)."""
     headers: list = []
     now = time.time_ns()
@@ -148,7 +148,7 @@ def output_logprobs(rows: RunningBatch, sampled: SampleOutput) -> list:
     return out
 
 
-def prompt_logprobs(sched: Scheduler, step: Step, logits: torch.Tensor) -> None:
+def prompt_logprobs(state: SchedulerState, step: Step, logits: torch.Tensor) -> None:
     """Each prompt token's logprob given the tokens before it, from the prefill's extra rows."""
     logprobs = torch.log_softmax(logits, dim=-1)
     for req, first, count, pos in step.prompt_logprobs:

@@ -11,25 +11,25 @@ from engine.scheduler.step import Step
 from engine.model.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.state import SchedulerState
 
 
-def schedule(sched: Scheduler) -> Step | None:
+def schedule(state: SchedulerState) -> Step | None:
     """A prefill step if anything can be admitted, else a decode step of the running batch. While a
     chunked prefill is in progress, decode steps alternate with its chunks."""
-    sched._planned = []
-    sched._phase = ForwardMode.EXTEND
-    running = len(sched.running) > 0 or bool(sched.beams)
-    interleave = sched.chunked_req is not None and running and sched.last_mode is ForwardMode.EXTEND
+    plan = state.plan
+    plan.begin()
+    running = len(state.running) > 0 or bool(state.beams)
+    interleave = plan.chunked is not None and running and plan.last_mode is ForwardMode.EXTEND
     if not interleave:
-        entries = plan_prefill(sched)
-        step = prefill_step(sched, entries) if entries else None
+        entries = plan_prefill(state)
+        step = prefill_step(state, entries) if entries else None
         if step is not None:
-            sched.last_mode = ForwardMode.EXTEND
+            plan.last_mode = ForwardMode.EXTEND
             return step
-    sched._phase = ForwardMode.DECODE
-    if running and make_room_for_decode(sched):
-        sched.last_mode = ForwardMode.DECODE
-        return decode_step(sched)
-    sched.last_mode = None
+    plan.begin_decode()
+    if running and make_room_for_decode(state):
+        plan.last_mode = ForwardMode.DECODE
+        return decode_step(state)
+    plan.last_mode = None
     return None

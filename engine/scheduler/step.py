@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
+from engine import hooks
+from engine.hooks import HookError
+from engine.hooks.types import StepRecord
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.scheduler.batch import RunningBatch
 from engine.scheduler.request import Req
-from engine.model.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,3 +52,17 @@ class Step:
         if self.extend_reqs:
             return self.extend_reqs
         return self.rows.reqs + list({id(r): r for r in self.beam_reqs}.values())
+
+
+def step_end_hook(step: Step, reqs: list[Req], times: tuple, error: str | None) -> None:
+    """engine_step_end with wall-clock times: the loop's perf_counter marks, anchored once."""
+    wall, perf = time.time_ns(), time.perf_counter()
+    t0, t1, t2, t3, t4 = (None if t is None else wall - int((perf - t) * 1e9) for t in times)
+    mode = "prefill" if step.mode is ForwardMode.EXTEND else "decode"
+    record = StepRecord(
+        mode, reqs, int(step.forward_batch.input_ids.numel()), t0, t1, t2, t3, t4, error
+    )
+    try:
+        hooks.call("engine_step_end", step=record)
+    except HookError as exc:  # the step is over: report, nothing to fail
+        logger.error("engine::scheduler: %s", exc)
