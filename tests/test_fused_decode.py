@@ -67,7 +67,7 @@ def _both_ways(
     """Three requests and a short one to the end, every decode step computed by the plain forward, by the
     fused one's Python loop (decode_layers.py's one C call switched off for the step) and then by the
     installed fused one (which the step goes on with): (finished requests, [(plain, loop, fused) logits])."""
-    model, seen = run.sched.model, []
+    model, seen = run.sched.runner.model, []
     fused = model.forward
 
     def loop(batch, backend):
@@ -122,9 +122,9 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     which moves fewer values by a step). The greedy tokens are the same."""
     run = InProcess(model_dir, max_total_tokens=2048, quantization=mode)
     try:
-        model = run.sched.model
+        model = run.sched.runner.model
         assert (
-            run.sched.backend.rows_decoder() is not None
+            run.sched.runner.backend.rows_decoder() is not None
         )  # the K/V store and attention as one C call
         done, seen = _both_ways(run, 12)
         buffers, rows = model.__dict__["_fused_buffers"], model.__dict__["_fused_rows"]
@@ -136,7 +136,7 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
             native._layers[0].qkv.kind = 99
             h, cs = torch.zeros(1, model.cfg.hidden_size), torch.zeros(1, model.cfg.head_dim)
             with pytest.raises(RuntimeError, match="layer 0's qkv_proj failed with code -100"):
-                native.run(h, cs, cs, run.sched.backend.step_args(), 2)
+                native.run(h, cs, cs, run.sched.runner.backend.step_args(), 2)
     finally:
         run.close()
     assert len(done) == 4 and len(seen) >= 10
@@ -163,15 +163,17 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
 
     run = InProcess(model_dir, dtype="bfloat16", max_total_tokens=2048)
     try:
-        model = run.sched.model
+        model = run.sched.runner.model
         installed = model.decode_path is not None  # llama.py's choose_decode_path sets it
-        assert installed == (bf16.runs_here(load_native()) and run.sched.dtype == torch.bfloat16)
+        assert installed == (
+            bf16.runs_here(load_native()) and run.sched.runner.dtype == torch.bfloat16
+        )
         if not installed:
             pytest.skip(
                 "no fused bfloat16 decode here (no AVX512_BF16, or AMX): checked it is not installed"
             )
         assert (
-            run.sched.backend.rows_decoder() is not None
+            run.sched.runner.backend.rows_decoder() is not None
         )  # the K/V store and attention as one bfloat16 call
         done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.bfloat16
@@ -200,7 +202,7 @@ def test_exact_float32_decode_steps_are_bitwise_the_plain_forwards(model_dir):
 
     run = InProcess(model_dir, dtype="float32", max_total_tokens=2048)
     try:
-        model = run.sched.model
+        model = run.sched.runner.model
         installed = model.decode_path is not None  # llama.py's choose_decode_path sets it
         here = f32_panels.runs_here(load_native()) and packing_available(torch.float32, "cpu")
         assert installed == here
