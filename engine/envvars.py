@@ -66,12 +66,6 @@ VARIABLES: dict[str, EnvVar] = {
             "0: never build or load the C kernels (torch attention only; quantization=int8 and gguf refused)",
         ),
         EnvVar(
-            "ENGINE_NATIVE_EXTEND",
-            "1",
-            "1 or 0",
-            "0: prefill attention on the CPU runs torch's SDPA even where the native extend kernel is built (A/B runs)",
-        ),
-        EnvVar(
             "ENGINE_PYSPY",
             "",
             "a file path",

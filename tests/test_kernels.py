@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import EngineConfig
 from engine.kernels.attention import create_backend
+from engine.linear.choose import native_extend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.cpu import load_native
 
@@ -176,7 +178,6 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim, monkeypatch)
 
     if load_native() is None:
         pytest.skip("no C compiler")
-    monkeypatch.delenv("ENGINE_NATIVE_EXTEND", raising=False)
     flags = cpu_flags()
     backend = create_backend(
         "auto",
@@ -196,7 +197,8 @@ def test_native_backend_decides_its_prefill_path_at_start(head_dim, monkeypatch)
 
 
 def test_native_extend_can_be_switched_off_for_ab_runs(monkeypatch):
-    """ENGINE_NATIVE_EXTEND=0: the native backend keeps its decode and sends prefill to torch's SDPA."""
+    """native_extend=False (the table's native-extend row off): the native backend keeps its decode and
+    sends prefill to torch's SDPA."""
     if load_native() is None:
         pytest.skip("no C compiler")
     from engine.kernels.attention.cpu_native_backend import (
@@ -205,10 +207,11 @@ def test_native_extend_can_be_switched_off_for_ab_runs(monkeypatch):
         native_support,
     )
 
-    def backend():
+    def backend(native_extend: bool = True):
         return create_backend(
             "auto",
             "cpu",
+            native_extend,
             num_heads=9,
             num_kv_heads=3,
             head_dim=64,
@@ -217,12 +220,12 @@ def test_native_extend_can_be_switched_off_for_ab_runs(monkeypatch):
             req_to_token=torch.zeros(1, 4, dtype=torch.int64),
         )
 
-    monkeypatch.delenv("ENGINE_NATIVE_EXTEND", raising=False)
     assert backend().native_extend == bool(
         native_support(load_native(), 9, 3, 64) & EXTEND
     )  # the build decides
-    monkeypatch.setenv("ENGINE_NATIVE_EXTEND", "0")
-    off = backend()
+    off = backend(
+        native_extend(EngineConfig(kernel_overrides={"native-extend": "off"}).kernel_overrides)
+    )
     assert type(off) is CpuNativeAttentionBackend and off.native_extend is False
 
 

@@ -347,9 +347,9 @@ def test_bad_number_options_are_value_errors_naming_them(option, value):
     "name, value",
     [
         ("ENGINE_NATIVE_KERNELS", "no"),
-        ("ENGINE_NATIVE_EXTEND", "yes"),
+        ("ENGINE_TRACING", "yes"),
         ("ENGINE_PLUGIN_ERRORS", "yes"),
-        ("ENGINE_NATIVE_EXTEND", "off"),
+        ("ENGINE_NATIVE_KERNELS", "off"),
     ],
 )
 def test_a_switch_set_to_a_value_it_does_not_take_stops_the_start_naming_it(

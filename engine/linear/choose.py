@@ -179,7 +179,13 @@ DECODE_ROWS: tuple[Row, ...] = (
     ),
     Row("plain", "plain", lambda w: True, "llama.py's forward, op by op"),
 )
-ROWS_BY_NAME = {row.name: row for row in (*ROWS, *DECODE_ROWS)}
+# prefill attention: the native backend's C kernel where its build and head_dim allow, else torch's SDPA
+ATTENTION_ROWS: tuple[Row, ...] = (
+    Row(
+        "native-extend", "native", lambda w: True, "prefill attention in our C kernel (extend_*.c)"
+    ),
+)
+ROWS_BY_NAME = {row.name: row for row in (*ROWS, *DECODE_ROWS, *ATTENTION_ROWS)}
 
 
 @dataclass(frozen=True)
@@ -230,10 +236,15 @@ def choose_decode_path(where: Where, impls: set[str]) -> Choice:
     raise AssertionError("plain takes every model")
 
 
+def native_extend(overrides: dict[str, str]) -> bool:
+    """Whether the native attention backend may run prefill in C (create_backend's native_extend)."""
+    return overrides.get("native-extend", "on") == "on"
+
+
 def table() -> str:
     """The rows, as `engine info` prints them."""
     lines = []
-    for row in (*ROWS, *DECODE_ROWS):
+    for row in (*ROWS, *DECODE_ROWS, *ATTENTION_ROWS):
         opt = " (opt-in)" if not row.default_on else ""
         lines.append(f"  {row.name:<18} {row.impl:<18} {row.reason}{opt}")
     return "\n".join(lines)

@@ -6,11 +6,13 @@ from engine.kernels.attention.base import AttentionBackend
 BACKENDS = ("auto", "torch", "cpu_native")
 
 
-def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
+def create_backend(
+    name: str, device: str, native_extend: bool = True, **kwargs
+) -> AttentionBackend:
     """`auto`: cpu_native on the CPU when its C kernel builds here and handles the model's heads, else
     torch. `torch` works everywhere. cpu_native runs prefill natively only where its build and head_dim
-    allow (AVX-512 and head_dim a multiple of 16, or AVX2 with FMA and a multiple of 8), in torch otherwise:
-    decided here, at start."""
+    allow (AVX-512 and head_dim a multiple of 16, or AVX2 with FMA and a multiple of 8) and native_extend
+    (the choice table's native-extend row, engine/linear/choose.py), in torch otherwise: decided here."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     if name in ("auto", "cpu_native") and device == "cpu":
@@ -39,7 +41,7 @@ def create_backend(name: str, device: str, **kwargs) -> AttentionBackend:
             if (
                 native_support(lib, heads, kv_heads, head_dim) & DECODE
             ):  # asked once: no failures per request
-                return CpuNativeAttentionBackend(lib, **kwargs)
+                return CpuNativeAttentionBackend(lib, native_extend, **kwargs)
             if name == "cpu_native":
                 raise ValueError(
                     f"attention_backend='cpu_native' does not handle {heads} heads of {head_dim} here"

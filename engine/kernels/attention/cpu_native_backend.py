@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from engine import envvars
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels.attention.torch_backend import TorchAttentionBackend
 
@@ -29,7 +28,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     """Native decode; native extend where the build and head_dim allow (AVX-512 and head_dim a multiple of
     16, or AVX2 with FMA and a multiple of 8), torch's otherwise. Decided here, once: a kernel's non-zero code in a step is an error."""
 
-    def __init__(self, lib: ctypes.CDLL, **kwargs) -> None:
+    def __init__(self, lib: ctypes.CDLL, native_extend: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.lib = lib
         self.num_threads = torch.get_num_threads()
@@ -39,7 +38,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                 f"the native kernels do not handle {self.num_heads} heads ({self.num_kv_heads} KV heads) of "
                 f"head_dim {self.head_dim}"
             )
-        self.native_extend = bool(support & EXTEND) and envvars.read("ENGINE_NATIVE_EXTEND") != "0"
+        self.native_extend = bool(support & EXTEND) and native_extend
         pool = self.kv_pool.k_buffers[
             0
         ].dtype  # the one-call decode's storage types: float32, bfloat16
