@@ -7,6 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kernels.attention import create_backend
+from engine.linear.choose import native_extend
 from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.model.config import load_hf_config
 from engine.model.forward_batch import ForwardBatch
@@ -64,6 +65,7 @@ class ModelRunner:
         self.backend = create_backend(
             config.attention_backend,
             self.device,
+            native_extend(config.kernel_overrides),
             num_heads=mc.num_heads,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
