@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from engine.kernels.attention import AttentionBackend
 from engine.model.decode_layers import DecodeLayers
 from engine.model.decode_layers import build as build_decode_layers
 from engine.model.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+from torch import nn
 
 MAX_ROWS = 64
 
@@ -42,7 +38,7 @@ class FusedDecode:
 
     @torch.inference_mode()
     def __call__(
-        self, model: LlamaForCausalLM, batch: ForwardBatch, backend: AttentionBackend
+        self, model: nn.Module, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         return decode_forward(model, batch, backend, self.lib, self.one_call)
 
@@ -76,14 +72,14 @@ class _Rows:
         self.ptr = {name: getattr(self, name).data_ptr() for name in (*full, "k", "v")}
 
 
-def _plan(model: LlamaForCausalLM) -> list[_Layer]:
+def _plan(model: nn.Module) -> list[_Layer]:
     plan = model.__dict__.get("_fused_plan")
     if plan is None:
         plan = model.__dict__["_fused_plan"] = [_Layer(layer) for layer in model.layers]
     return plan
 
 
-def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
+def _rows(model: nn.Module, t: int, dtype: torch.dtype) -> _Rows:
     """Views for t rows; the buffers themselves exist once, for MAX_ROWS (about 1.8 MB for SmolLM2-135M in
     float32), in the hidden state's dtype."""
     cache = model.__dict__.setdefault("_fused_rows", {})
@@ -113,7 +109,7 @@ def _rows(model: LlamaForCausalLM, t: int, dtype: torch.dtype) -> _Rows:
 
 
 def _native(
-    model: LlamaForCausalLM, backend: AttentionBackend, lib, one_call: bool
+    model: nn.Module, backend: AttentionBackend, lib, one_call: bool
 ) -> DecodeLayers | None:
     """The one-call C step for this model and backend (decode_layers.py), described once; None where it
     cannot run, and the loop of decode_forward does the step."""
@@ -135,13 +131,13 @@ def _kernels(lib, dtype: torch.dtype) -> tuple:
 
 
 def decode_forward(
-    model: LlamaForCausalLM,
+    model: nn.Module,
     batch: ForwardBatch,
     backend: AttentionBackend,
     lib,
     one_call: bool = True,
 ) -> torch.Tensor:
-    """What LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused and the
+    """What nn.Module.forward computes for a decode step, with the elementwise ops fused and the
     linear layers' kernels called straight into reused rows."""
     cfg = model.cfg
     backend.init_forward_metadata(batch)
