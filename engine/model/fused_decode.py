@@ -16,12 +16,12 @@ order; the loop stays for bfloat16 and where the table's decode-layers-c row is 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from engine.kernels.attention import AttentionBackend
 from engine.model.decode_layers import DecodeLayers
 from engine.model.decode_layers import build as build_decode_layers
 from engine.model.forward_batch import ForwardBatch, ForwardMode
-from torch import nn
 
 MAX_ROWS = 64
 
@@ -137,7 +137,7 @@ def decode_forward(
     lib,
     one_call: bool = True,
 ) -> torch.Tensor:
-    """What nn.Module.forward computes for a decode step, with the elementwise ops fused and the
+    """What llama.py's LlamaForCausalLM.forward computes for a decode step, with the elementwise ops fused and the
     linear layers' kernels called straight into reused rows."""
     cfg = model.cfg
     backend.init_forward_metadata(batch)
