@@ -128,7 +128,7 @@ def load_model(
     views = WeightViews()
     try:
         src = Sources(lib=lib, tied=tied)
-        src.stored = load_stored(
+        src.stored = load_stored(  # quantized weights at hand: those layers' floats stay unread
             model_dir,
             quantization,
             shapes,
@@ -141,19 +141,19 @@ def load_model(
             n: choose(where, Layer(n, *shapes[n], model.get_submodule(n).bias is not None))
             for n in shapes
         }
-        plan, deferred = _split_plan(plan, choices, mapped is not None, src.stored is not None)
-        total = len(plan)
-        state = read_planned(plan, entries, dtype, progress and (lambda i, n: progress(i, total)))
+        now, later = _split_plan(plan, choices, mapped is not None, src.stored is not None)
+        total = len(now) + len(later)
+        state = read_planned(now, entries, dtype, progress and (lambda i, n: progress(i, total)))
         if mapped is not None:
             state["embed_tokens.weight"] = mapped.tensor
         if device != "cpu":
             state = {k: v.to(device) for k, v in state.items()}
-        unread = set(deferred) | ({f"{n}.weight" for n in shapes} if src.stored else set())
+        unread = set(later) | ({f"{n}.weight" for n in shapes} if src.stored is not None else set())
         _assign(model, state, unread | ({"lm_head.weight"} if tied else set()))
+        del state  # the model holds the weights now: replacing a layer frees its plain weight
         model.rope_cos, model.rope_sin = cos, sin
         model.eval()
-        del state  # the model holds the weights now: replacing a layer frees its plain weight
-        src.file_weight = _file_weights(deferred, entries, views, dtype, progress, total, len(plan))
+        src.file_weight = _file_weights(later, entries, views, dtype, progress, total, len(now))
         _replace_linears(model, choices, src)
     finally:
         views.close()
