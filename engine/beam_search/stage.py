@@ -29,6 +29,7 @@ from engine.ipc.messages import (
     FinishReason,
     NO_TOKEN,
     RequestMeta,
+    TokenizedRequest,
 )
 from engine.sampling.sampler import process_logits
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------ arrival and admission
 
 
-def arrival_problem(state: SchedulerState, r) -> str | None:
+def arrival_problem(state: SchedulerState, r: TokenizedRequest) -> str | None:
     """Why a beam search cannot be queued here (the user process checks the same)."""
     problem = check_beam(r.beam, r.sampling, state.req_to_token.size)
     if problem is None and r.return_logprob:

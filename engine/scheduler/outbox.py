@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import zmq
 
 from engine.ipc.messages import Codec, ToDetokenizer
@@ -12,5 +13,5 @@ class Outbox:
         self.sock = sock
         self.codec = Codec(ToDetokenizer)
 
-    def send(self, message) -> None:
+    def send(self, message: msgspec.Struct) -> None:
         self.sock.send(self.codec.encode(message))

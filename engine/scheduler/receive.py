@@ -22,6 +22,8 @@ from engine.ipc.messages import (
     NO_TOKEN,
     RequestMeta,
     StatsRequest,
+    ToScheduler,
+    TokenizedRequest,
 )
 from engine.grammar.stage import constraint_of
 from engine.scheduler.admission import check_request, clip_to_context
@@ -53,7 +55,7 @@ def recv_requests(state: SchedulerState, inbox: Inbox, block: bool) -> None:
             )
 
 
-def handle(state: SchedulerState, message) -> None:
+def handle(state: SchedulerState, message: ToScheduler) -> None:
     if isinstance(message, GenerateBatch):
         admit_arrivals(state, message.reqs)
     elif isinstance(message, AbortRequest):
@@ -65,7 +67,7 @@ def handle(state: SchedulerState, message) -> None:
         state.outbox.send(stats(state, message.req_id, flushed))
 
 
-def admit_arrivals(state: SchedulerState, arrivals: list) -> None:
+def admit_arrivals(state: SchedulerState, arrivals: list[TokenizedRequest]) -> None:
     """Queue each request that passes the arrival checks; answer the others with an abort naming the
     field at fault (each fails alone)."""
     eos = state.eos_ids
@@ -110,7 +112,7 @@ def admit_arrivals(state: SchedulerState, arrivals: list) -> None:
         state.grammars.sweep(state.waiting.reqs)
 
 
-def arrival_problem(state: SchedulerState, r, vocab: int) -> str | None:
+def arrival_problem(state: SchedulerState, r: TokenizedRequest, vocab: int) -> str | None:
     """Why this arrival cannot be queued, or None. A check that raises refuses this request alone: an
     exception escaping here would drop the rest of its GenerateBatch, whose callers would wait forever."""
     try:
@@ -122,7 +124,7 @@ def arrival_problem(state: SchedulerState, r, vocab: int) -> str | None:
         return f"the arrival checks failed: {type(exc).__name__}: {exc}"
 
 
-def new_req(state: SchedulerState, r, eos, now: int) -> Req:
+def new_req(state: SchedulerState, r: TokenizedRequest, eos: tuple[int, ...], now: int) -> Req:
     """The scheduler's request for an arrival that passed the checks."""
     r = clip_to_context(r, state.context_len)  # the user process does this too; be safe
     return Req(
@@ -141,7 +143,7 @@ def new_req(state: SchedulerState, r, eos, now: int) -> Req:
     )
 
 
-def refuse(state: SchedulerState, r, problem: str) -> None:
+def refuse(state: SchedulerState, r: TokenizedRequest, problem: str) -> None:
     """Answer a request that failed the arrival checks: finished, reason abort, nothing queued."""
     reason = FinishReason("abort", message=f"invalid request: {problem}")
     out = BatchTokenOut([r.rid], [NO_TOKEN], [reason], [RequestMeta(len(r.input_ids), 0, 0)])

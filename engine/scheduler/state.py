@@ -27,7 +27,7 @@ class SchedulerState:
     config: EngineConfig
     device: str
     vocab_size: int
-    eos_ids: list[int]
+    eos_ids: tuple[int, ...]
     context_len: int
     max_total_tokens: int
     req_to_token: ReqToTokenPool  # request slots and each one's row of pool locations
