@@ -169,7 +169,7 @@ DECODE_ROWS: tuple[Row, ...] = (
         "decode-layers-c",
         "fused-c",
         lambda w: w.dtype == "float32",
-        "every layer of a float32 decode step in one C call (decode_layers.c)",
+        "a float32 decode step's layers in one C call, where the attention backend allows",
     ),
     Row(
         "fused-decode",

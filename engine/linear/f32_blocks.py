@@ -91,7 +91,8 @@ class F32BlockLinear(KernelLinear):
         }
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, GGUF blocks, exact float32"
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, bias=False, GGUF blocks, exact float32"
 
 
 def exact_blocks(

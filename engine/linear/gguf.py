@@ -302,4 +302,5 @@ class GGUFLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         acts = "int8" if self.int8_activations else "int16"
-        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {TYPE_NAMES[self.kind]} blocks, {acts} activations"
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, GGUF {TYPE_NAMES[self.kind]} blocks, {acts} activations"

@@ -3,8 +3,9 @@ of their file (mapped_weight.py), instead of being read into memory first.
 
 Why: a plain read copies every byte into freshly allocated memory, and the transform then writes a
 second fresh copy; the kernel zeroes each new page on first touch. Mapping costs a fraction of
-reading (docs/performance.md); packing from the mapping skips the read. A weight of several parts (fused qkv, gate_up) or of another dtype is stacked into one scratch
-buffer, reused for the next weight, so its pages are touched once. The pages of a weight already
+reading (docs/performance.md); packing from the mapping skips the read. A weight of several parts
+(fused qkv, gate_up) or of another dtype is stacked into one scratch buffer, reused for the next
+weight, so its pages are touched once. The pages of a weight already
 transformed are given back before the next one is mapped in: the scheduler never holds the file beside
 the packed copies.
 """
