@@ -323,3 +323,27 @@ def test_server_flags_out_of_range_are_refused_before_the_engine_starts(flag, va
         parser().parse_args([flag, value])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_serve_flags_build_a_valid_engine_config():
+    """Every EngineConfig field's flag default is a valid value (a dict field's default once arrived as
+    dataclasses.MISSING and every `engine serve` failed to start); `--kernel-overrides` parses rows."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from engine.serve.cli import parser
+
+    args = parser().parse_args([])
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    assert EngineConfig(**options).kernel_overrides == {}  # constructs: every default is valid
+    args = parser().parse_args(["--kernel-overrides", "fused-decode=off,native-extend=off"])
+    assert args.kernel_overrides == {"fused-decode": "off", "native-extend": "off"}
+
+
+def test_serve_kernel_overrides_flag_malformed_is_refused(capsys):
+    from engine.serve.cli import parser
+
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(["--kernel-overrides", "fused-decode"])
+    assert exc.value.code == 2
+    assert "--kernel-overrides" in capsys.readouterr().err

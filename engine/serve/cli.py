@@ -26,7 +26,12 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
-        default = f.default
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if kind.startswith("dict"):
+            group.add_argument(
+                flag, dest=f.name, type=_pairs, default=default, help="ROW=VALUE,... (default none)"
+            )
+            continue
         if kind.startswith("bool"):
             group.add_argument(
                 flag,
@@ -40,6 +45,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag, dest=f.name, type=convert, default=default, help="(default %(default)s)"
         )
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """argparse's type for `a=b,c=d` (EngineConfig checks the names and values)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not all("=" in item for item in items):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+    return dict(tuple(part.strip() for part in item.split("=", 1)) for item in items)
 
 
 def _number(text: str, kind: type, ok, what: str):
