@@ -105,7 +105,8 @@ class EngineConfig:
             and not str(self.model_path).endswith(".gguf")
         ):
             raise ValueError(
-                f"quantization={self.quantization!r} computes from a GGUF file's blocks; model_path {str(self.model_path)!r} "
+                f"quantization={self.quantization!r} computes from a GGUF file's blocks; "
+                f"model_path {str(self.model_path)!r} "
                 "is not a .gguf file (leave it unset for the embedded model)"
             )
         if self.device not in DEVICES:

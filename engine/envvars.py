@@ -57,7 +57,10 @@ VARIABLES: dict[str, EnvVar] = {
             "ENGINE_CACHE_DIR",
             "",
             "a directory",
-            "where the dequantized embedded model, the compiled C kernels, int8 weights and float32 panels are cached (default: the user cache dir); its folders named `<name>-<16 hex digits>` with a `.complete` mark are the engine's conversions, which a new conversion may remove",
+            "where the dequantized embedded model, the compiled C kernels, int8 weights and float32 "
+            "panels are cached (default: the user cache dir); its folders named "
+            "`<name>-<16 hex digits>` with a `.complete` mark are the engine's conversions, "
+            "which a new conversion may remove",
         ),
         EnvVar(
             "ENGINE_NATIVE_KERNELS",

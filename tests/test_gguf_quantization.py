@@ -222,10 +222,7 @@ def test_block_panels_where_the_offsets_weigh(kind, out_features, in_features, r
     want = _want(kind, blocks, x, bias)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
     if kind != 8:  # without the residue the error would be far beyond that bound
-        weight, m = (
-            dequantize(kind, blocks, in_features).double(),
-            block_mins(kind, blocks, in_features).double(),
-        )
+        weight = dequantize(kind, blocks, in_features).double()
         q, d = blockwise_x(x)
         seen = (q * d).reshape(x.shape).double()
         no_residue = torch.nn.functional.linear(seen, weight, bias.double())

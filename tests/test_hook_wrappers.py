@@ -452,7 +452,10 @@ def test_plugins_load_in_their_order_when_some_can_only_load_in_the_strict_pass(
     processes disagreed on call order (which firstresult hook wins, how wrappers nest)."""
     import sys
 
-    code = "from engine.hooks import hookimpl\n\nclass P:\n    @hookimpl\n    def engine_output(self, result):\n        pass\n\nplugin = P()\n"
+    code = (
+        "from engine.hooks import hookimpl\n\nclass P:\n    @hookimpl\n"
+        "    def engine_output(self, result):\n        pass\n\nplugin = P()\n"
+    )
     late, early = tmp_path / "late", tmp_path / "early"
     for folder, module in ((late, "order_late_plugin"), (early, "order_early_plugin")):
         folder.mkdir()

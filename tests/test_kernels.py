@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.kernels.attention import create_backend

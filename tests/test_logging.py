@@ -71,8 +71,10 @@ def test_engine_messages_reach_stderr_unless_the_engine_logger_is_silenced(
         "done",
     }  # both hooks failed
     lines = proc.stderr.splitlines()
-    scheduler = [l for l in lines if l.startswith("engine::scheduler: ") and "step_end broke" in l]
-    user = [l for l in lines if l.startswith("engine: ") and "done broke" in l]
+    scheduler = [
+        ln for ln in lines if ln.startswith("engine::scheduler: ") and "step_end broke" in ln
+    ]
+    user = [ln for ln in lines if ln.startswith("engine: ") and "done broke" in ln]
     if mode == "default":
         assert scheduler and user, proc.stderr[-3000:]
     else:

@@ -803,7 +803,8 @@ def test_one_plugin_named_two_ways_loads_once(plugin_dir):
     assert "engine.plugins.noop" not in implementers("engine_step_end")
     (plugin_dir / "tp_pkg").mkdir()
     (plugin_dir / "tp_pkg" / "impl.py").write_text(
-        "from engine.hooks import hookimpl\n\nclass P:\n    @hookimpl\n    def engine_step_end(self, step):\n        pass\n"
+        "from engine.hooks import hookimpl\n\nclass P:\n    @hookimpl\n"
+        "    def engine_step_end(self, step):\n        pass\n"
     )
     (plugin_dir / "tp_pkg" / "__init__.py").write_text("from tp_pkg.impl import P\n")
     load_plugins("tp_pkg:P,tp_pkg.impl:P")

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         with Engine(dtype="float32", max_total_tokens=2048) as engine:
-            out = engine.generate("The capital of France is", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+            greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+            out = engine.generate("The capital of France is", greedy)
             print("RESULT " + json.dumps({"text": out["text"], "ids": out["output_ids"], "pids": engine.pids}))
     """
 )
@@ -88,7 +89,8 @@ WRAPPER_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         with Engine(dtype="float32", max_total_tokens=2048) as engine:
-            out = engine.generate("The capital of France is", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+            greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+            out = engine.generate("The capital of France is", greedy)
             stats = engine.get_stats()["plugins"]
             print("RESULT " + json.dumps({"text": out["text"], "ids": out["output_ids"], "pids": engine.pids,
                                           "meta": out["meta_info"], "stats": stats}))
@@ -112,7 +114,7 @@ def run(tmp_path, env_extra: dict, script: str = SCRIPT) -> subprocess.Completed
 
 def result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 
 
@@ -130,7 +132,7 @@ def test_plugin_is_active_in_all_three_processes_and_skipdetok_skips(tmp_path):
             WRAPPER_SCRIPT,
         )
     )
-    lines = [l.split() for l in (pkg / "active.log").read_text().splitlines()]
+    lines = [ln.split() for ln in (pkg / "active.log").read_text().splitlines()]
     pids = out["pids"]
     assert sorted(lines) == sorted(
         [

@@ -798,7 +798,8 @@ SCRIPT = textwrap.dedent(
         engine = Engine(dtype="float32", max_total_tokens=2048)
         out = engine.generate(["Hello", "The sky is"], {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
         # a stop string: the result comes back before the scheduler has dropped the request
-        stop = engine.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8,", {"max_new_tokens": 200, "temperature": 0, "stop": [" 10"]})
+        until = {"max_new_tokens": 200, "temperature": 0, "stop": [" 10"]}
+        stop = engine.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8,", until)
         assert stop["meta_info"]["finish_reason"]["matched"] == " 10", stop
         rids = [o["meta_info"]["id"] for o in out] + [stop["meta_info"]["id"]]
         print("RESULT " + json.dumps({"rids": rids, "pids": engine.pids}))

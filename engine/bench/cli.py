@@ -12,7 +12,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload serve                 # engine serve against in-process streams
     python -m engine.bench --workload beam                  # native beam search against a client loop, transformers
     python -m engine.bench --workload grammar               # one JSON schema against the same requests unconstrained
-    python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch: engine, transformers, llama.cpp
+    python -m engine.bench --workload cpu                   # start-up, memory, one stream, batch
     python -m engine.bench --workload quality               # each quantization against the exact weights
     python -m engine.bench --workload dtype-quality         # float32 and bfloat16 against transformers' float32
     python -m engine.bench --workload logits-head           # bfloat16 logits against float32 ones, the lm_head alone
@@ -112,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "grammar: requests under one JSON schema against the same requests unconstrained; "
         "cpu: start-up, memory, single stream and batch against transformers float32 and llama.cpp; "
         "quality: each quantization's perplexity and greedy agreement against the exact weights; "
-        "dtype-quality: the exact mode and transformers in float32 and bfloat16 against transformers float32 (not in all); "
+        "dtype-quality: the exact mode and transformers in float32 and bfloat16 against "
+        "transformers float32 (not in all); "
         "logits-head: a bfloat16 model's lm_head with bfloat16 logits against float32 ones; "
         "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all)",
     )

@@ -1,4 +1,5 @@
-"""CPU speed and footprint: the engine (each --cpu-quantizations mode) against transformers (float32, and the engine's `auto` dtype where that differs) and llama.cpp.
+"""CPU speed and footprint: the engine (each --cpu-quantizations mode) against transformers
+(float32, and the engine's `auto` dtype where that differs) and llama.cpp.
 
 Why: on a CPU a user picks a runtime by start-up and memory, one stream's speed and batch throughput.
 One run measures all three for every backend on the same model (the embedded SmolLM2 GGUF: llama.cpp

@@ -145,7 +145,8 @@ def run_dtype_quality(args: argparse.Namespace) -> dict:
 
 def print_dtype_quality(r: dict) -> None:
     print(
-        f"\ndtype quality against transformers float32 ({r['prompts']} held-out prompts, greedy up to {r['new_tokens']} "
+        f"\ndtype quality against transformers float32 ({r['prompts']} held-out prompts, "
+        f"greedy up to {r['new_tokens']} "
         f"tokens; perplexity on {r['windows']} x {r['window_len']} held-out tokens)\n  {r['machine']}"
     )
     print(

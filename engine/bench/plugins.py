@@ -18,7 +18,8 @@ import time
 
 from engine.bench.prompts import build_prompts
 
-HOOK_SITES_PER_STEP = 11  # forward before/after, process_logits, sample_after, step_end, detokenize, detokenize_after, detokenize_output, ...
+# forward before/after, process_logits, sample_after, step_end, detokenize, detokenize_after, ...
+HOOK_SITES_PER_STEP = 11
 
 
 def throughput(eng, prompts: list[list[int]], new_tokens: int) -> float:
@@ -161,10 +162,12 @@ def print_plugins(r: dict) -> None:
     c, s = r["hook_cost"], r["skipdetok"]
     print("\nplugins: hook cost (throughput workload, median of rounds)")
     print(
-        f"  no plugin                   {c['median_none']:10.1f} tok/s   rounds {['%.1f' % x for x in c['tokens_per_s']['none']]}"
+        f"  no plugin                   {c['median_none']:10.1f} tok/s   "
+        f"rounds {['%.1f' % x for x in c['tokens_per_s']['none']]}"
     )
     print(
-        f"  noop on every hook          {c['median_noop']:10.1f} tok/s   rounds {['%.1f' % x for x in c['tokens_per_s']['noop']]}"
+        f"  noop on every hook          {c['median_noop']:10.1f} tok/s   "
+        f"rounds {['%.1f' % x for x in c['tokens_per_s']['noop']]}"
     )
     print(f"  loss with noop              {c['noop_loss_pct']:9.1f}%")
     print(f"  empty call site             {c['empty_check_ns']:9.0f} ns per has() check")
@@ -173,10 +176,12 @@ def print_plugins(r: dict) -> None:
     )
     print("plugins: skipdetok on a user-side beam search (200 candidates x 3 tokens x 10 rounds)")
     print(
-        f"  wall, decoding              {s['median_wall_decode_s']:9.2f} s   {['%.2f' % x for x in s['runs']['decode']['wall_s']]}"
+        f"  wall, decoding              {s['median_wall_decode_s']:9.2f} s   "
+        f"{['%.2f' % x for x in s['runs']['decode']['wall_s']]}"
     )
     print(
-        f"  wall, skipdetok             {s['median_wall_skipdetok_s']:9.2f} s   {['%.2f' % x for x in s['runs']['skipdetok']['wall_s']]}"
+        f"  wall, skipdetok             {s['median_wall_skipdetok_s']:9.2f} s   "
+        f"{['%.2f' % x for x in s['runs']['skipdetok']['wall_s']]}"
     )
     print(f"  wall saved                  {s['wall_saved_pct']:9.1f}%")
     print(f"  detokenizer CPU saved       {s['detokenizer_cpu_saved_pct']:9.1f}%", flush=True)

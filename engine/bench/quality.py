@@ -155,6 +155,7 @@ def print_quality(r: dict) -> None:
             print(f"  {mode:<8}{m['perplexity']:12.3f}{'-':>9}{'-':>17}{'-':>19}")
         else:
             print(
-                f"  {mode:<8}{m['perplexity']:12.3f}{m['perplexity_change_pct']:8.2f}%{100 * m['token_agreement']:16.1f}%"
+                f"  {mode:<8}{m['perplexity']:12.3f}{m['perplexity_change_pct']:8.2f}%"
+                f"{100 * m['token_agreement']:16.1f}%"
                 f"{m['identical_outputs']:>15}/{m['outputs']}"
             )

@@ -165,7 +165,8 @@ def print_soak(r: dict | None) -> None:
     if not r:
         return
     print(
-        f"\n  soak: {r['rounds']} rounds of {r['requests_per_round']} concurrent requests ({r['total_requests']} in all, "
+        f"\n  soak: {r['rounds']} rounds of {r['requests_per_round']} concurrent requests "
+        f"({r['total_requests']} in all, "
         f"{r['seconds']:.0f} s, {r['dtype']}); problems: {r['failure_count']}"
     )
     for line in r["failures"][:10]:

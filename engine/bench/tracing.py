@@ -212,10 +212,12 @@ def print_tracing(r: dict) -> None:
         "\ntracing: throughput workload, off against on (OTLP/gRPC, batch span processor), median of runs"
     )
     print(
-        f"  tracing off                 {r['median_off']:10.1f} tok/s   runs {['%.1f' % x for x in r['tokens_per_s']['off']]}"
+        f"  tracing off                 {r['median_off']:10.1f} tok/s   "
+        f"runs {['%.1f' % x for x in r['tokens_per_s']['off']]}"
     )
     print(
-        f"  tracing on                  {r['median_on']:10.1f} tok/s   runs {['%.1f' % x for x in r['tokens_per_s']['on']]}"
+        f"  tracing on                  {r['median_on']:10.1f} tok/s   "
+        f"runs {['%.1f' % x for x in r['tokens_per_s']['on']]}"
     )
     print(f"  loss with tracing on        {r['on_loss_pct']:9.1f}%")
     print(

@@ -217,4 +217,5 @@ class Grammars:
 
 
 def _backend_failed(backend, exc: BaseException) -> str:
-    return f"the grammar backend {getattr(backend, 'name', type(backend).__name__)!r} failed: {type(exc).__name__}: {exc}"
+    name = getattr(backend, "name", type(backend).__name__)
+    return f"the grammar backend {name!r} failed: {type(exc).__name__}: {exc}"

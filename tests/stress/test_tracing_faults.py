@@ -23,9 +23,11 @@ if __name__ == "__main__":
     with Engine(model_path=sys.argv[1], dtype="float32", max_total_tokens=1024) as eng:
         pids = eng.pids
         t1 = time.monotonic()
-        outs = [eng.generate("Hello there", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}) for _ in range(5)]
+        greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        outs = [eng.generate("Hello there", greedy) for _ in range(5)]
         t2 = time.monotonic()
-    print("RESULT " + json.dumps({"pids": pids, "start_s": t1 - t0, "generate_s": t2 - t1, "shutdown_s": time.monotonic() - t2,
+    print("RESULT " + json.dumps({"pids": pids, "start_s": t1 - t0, "generate_s": t2 - t1,
+                                  "shutdown_s": time.monotonic() - t2,
                                   "tokens": [len(o["output_ids"]) for o in outs]}), flush=True)
 """
 

@@ -26,7 +26,8 @@ def native_support(lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     """Native decode; native extend where the build and head_dim allow (AVX-512 and head_dim a multiple of
-    16, or AVX2 with FMA and a multiple of 8), torch's otherwise. Decided here, once: a kernel's non-zero code in a step is an error."""
+    16, or AVX2 with FMA and a multiple of 8), torch's otherwise. Decided here, once: a kernel's
+    non-zero code in a step is an error."""
 
     def __init__(self, lib: ctypes.CDLL, native_extend: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)

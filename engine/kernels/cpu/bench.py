@@ -76,9 +76,8 @@ def _time_library(path: str, repeats: int) -> dict:
             for _ in range(LAYERS - 1)
         ] + [(k, v)]
 
-        def decode_layers() -> (
-            int
-        ):  # a step's pass over every layer: each pool out of cache when its turn comes
+        # a step's pass over every layer: each pool out of cache when its turn comes
+        def decode_layers() -> int:
             rc = 0
             for lk, lv in layers:
                 rc |= lib.decode_attention(
@@ -144,7 +143,7 @@ def _time_library(path: str, repeats: int) -> dict:
                 fn()
                 times.append((time.perf_counter() - t0) / per)
             out[key] = min(times) * 1e3  # the least disturbed call: 2-core machines are noisy
-        del layers
+        layers.clear()  # the pools go before the next dtype's
     return out
 
 
