@@ -13,7 +13,7 @@ CONSTRAINTS := constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
 STAMP  := $(VENV)/.installed$(if $(CONSTRAINTS),,-unpinned)
 
-.PHONY: setup bytecode run test stress bench clean
+.PHONY: setup bytecode lint run test stress bench clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,12 @@ bytecode: $(STAMP)
 run: bytecode
 	$(BIN)/python run.py
 
-test: bytecode
+# ruff (configured in pyproject.toml): the lint rules and the formatting, checked before the suite.
+lint: $(STAMP)
+	$(BIN)/ruff check engine tests run.py
+	$(BIN)/ruff format --check engine tests run.py
+
+test: bytecode lint
 	$(BIN)/python -m pytest
 
 # tests/stress/ in full: the long forms (1,000 concurrent requests in-process and over HTTP, a long
