@@ -59,10 +59,8 @@ def hf_beam_search(
 
 def _same(ours: list[dict], ref: list[tuple[list[int], float]], eos: int) -> None:
     """The same hypotheses, token for token, with the same scores to float32 rounding: within 1e-4, or 1e-5 of
-    the score. Our float32 linear layers are oneDNN's packed kernel on AVX2 CPUs, transformers' MKL's
-    sgemm: the sums run in another order, and a score multiplies its summed logprobs by len ** -penalty (on
-    an AMD EPYC Zen 1 a score of -47.25 with penalty -0.5 differed by 1.4e-4; with ENGINE_PACK_WEIGHTS=0,
-    MKL's kernel on both sides, by under 1e-4)."""
+    the score. Our linear layers may run another kernel than transformers' (oneDNN's or ours), summing in
+    another order, and a score scales its summed logprobs by len ** -penalty, which can scale that gap."""
     assert len(ours) == len(ref)
     for h, (ids, score) in zip(ours, ref):
         padded = h["output_ids"] + [eos] * (len(ids) - len(h["output_ids"]))
