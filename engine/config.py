@@ -29,46 +29,39 @@ GGUF_MODES = (
 class EngineConfig:
     """Everything the three processes need to agree on. Defaults suit the embedded model on a small CPU."""
 
-    model_path: str | None = (
-        None  # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
-    )
-    dtype: str = "auto"  # auto: float32 on the CPU (exact), bfloat16 on CUDA; bfloat16 on the CPU is a choice
-    quantization: str = (
-        "none"  # none: exact weights (token parity with transformers); int8: per-channel int8
-    )
-    # weights (CPU); gguf: the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU, a model loaded from a .gguf);
-    # gguf-q8: the same blocks against activations rounded to int8, as llama.cpp does (faster, +0.2-0.6% perplexity)
+    # None: the embedded SmolLM2-135M-Instruct; a HF directory or a .gguf file
+    model_path: str | None = None
+    # auto: float32 on the CPU (exact), bfloat16 on CUDA; bfloat16 on the CPU is a choice
+    dtype: str = "auto"
+    # none: exact weights (token parity with transformers); int8: per-channel int8 weights (CPU);
+    # gguf: the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU, a model loaded from a .gguf);
+    # gguf-q8: the same blocks against activations rounded to int8, as llama.cpp does
+    quantization: str = "none"
     device: str = "auto"  # auto: CUDA when torch sees one, else the CPU (the CPU under int8)
     attention_backend: str = "auto"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: derived from mem_fraction
-    mem_fraction: float = (
-        0.10  # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None
-    )
+    # share of free memory (RAM or GPU) the KV pool may take when max_total_tokens is None
+    mem_fraction: float = 0.10
     max_running_requests: int = 256  # rows of the req_to_token table
     max_prefill_tokens: int = 8192  # prompt tokens in one prefill step when chunked prefill is off
-    chunked_prefill_size: int = (
-        2048  # prompt tokens per prefill step; longer prompts go in chunks; 0: off
-    )
+    # prompt tokens per prefill step; longer prompts go in chunks; 0: off
+    chunked_prefill_size: int = 2048
     enable_prefix_cache: bool = True  # RadixAttention: reuse the K/V of prompts seen before
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) or fcfs
-    init_new_token_ratio: float = (
-        0.7  # share of max_new_tokens admission reserves at first (it decays)
-    )
-    context_length: int | None = (
-        None  # None: the model's max_position_embeddings (more: refused at start)
-    )
+    # share of max_new_tokens admission reserves at first (it decays)
+    init_new_token_ratio: float = 0.7
+    # None: the model's max_position_embeddings (more: refused at start)
+    context_length: int | None = None
     num_threads: int | None = None  # torch threads in the scheduler; None: all cores
     startup_timeout: float = 600.0  # seconds to wait for the children to report ready
     show_progress: bool = False  # progress bar while the model loads
-    preload_tokenizer: bool = (
-        False  # load transformers' tokenizer (chat templates, engine.tokenizer) while the
-    )
-    # children start, not on first use (it imports torch: seconds); engine serve turns it on
-    plugins: str | None = (
-        None  # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
-    )
-    # sequences one generate or beam_search call may create (prompts x n; a beam search's beams): a few KB of
-    # input must not queue a hundred thousand requests; 4,096 holds the suite's 1,000-request crowd 4 times
+    # load transformers' tokenizer (chat templates, engine.tokenizer) while the children start, not
+    # on first use (it imports torch: seconds); engine serve turns it on
+    preload_tokenizer: bool = False
+    # like ENGINE_PLUGINS ("a,b,pkg.module:obj"); None: read ENGINE_PLUGINS
+    plugins: str | None = None
+    # sequences one generate or beam_search call may create (prompts x n; a beam search's beams):
+    # a few KB of input must not queue a hundred thousand requests
     max_sequences_per_call: int = 4096
     # A/B runs of the kernels: {row of engine/linear/choose.py's table: "off", or "on" for an opt-in row},
     # e.g. {"f32-blocks": "off"}; `engine info` prints the rows. Empty: the table's own choice.

@@ -13,9 +13,8 @@ from typing import Any, Callable
 import msgspec
 
 DEFAULT_MAX_NEW_TOKENS = 128
-GREEDY_TEMPERATURE = (
-    1e-5  # below this a temperature is treated as 0: dividing logits by it would overflow
-)
+# below this a temperature is treated as 0: dividing logits by it would overflow
+GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 # Each stop token id widens a beam search's selection (1 + stop ids candidates per beam) and adds an entry to

@@ -34,18 +34,16 @@ class BeamGroup:
     def __init__(self, req: Req, selection: BeamSelection, slots: torch.Tensor) -> None:
         self.req = req
         self.selection = selection
-        self.slots = (
-            slots  # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
-        )
+        # [K] int64: beam i's row of req_to_token (beam 0's is the request's own)
+        self.slots = slots
         self.owned: list[
             torch.Tensor
         ] = []  # pool indices of generated tokens, all freed at the end
         self.matchers: list = [
             None
         ] * selection.width  # each beam's grammar matcher (structured output)
-        self.failed: str | None = (
-            None  # why its grammar backend failed advancing its matchers: it ends
-        )
+        # why its grammar backend failed advancing its matchers: it ends
+        self.failed: str | None = None
 
     @property
     def width(self) -> int:

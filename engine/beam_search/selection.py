@@ -54,9 +54,8 @@ class BeamSelection:
         self.keep = max(2, 1 + len(stop_ids)) * k
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.int64, device=device)
         self.scores = torch.zeros(k, dtype=torch.float32, device=device)
-        self.scores[1:] = (
-            PUSH_DOWN  # at the start every beam is the prompt: only the first one counts
-        )
+        # at the start every beam is the prompt: only the first one counts
+        self.scores[1:] = PUSH_DOWN
         self.tokens = torch.full((k, max_new_tokens), -1, dtype=torch.int64, device=device)
         self.fin_scores = torch.full((k,), PUSH_DOWN, dtype=torch.float32, device=device)
         self.fin_logprobs = torch.zeros(k, dtype=torch.float32, device=device)

@@ -31,9 +31,8 @@ import torch
 
 from engine.bench.prompts import build_prompts
 
-ENGINE_TOP_LOGPROBS = (
-    100  # the most top_logprobs_num a request may ask for (engine/frontend/request_checks.py)
-)
+# the most top_logprobs_num a request may ask for (engine/frontend/request_checks.py)
+ENGINE_TOP_LOGPROBS = 100
 
 
 @dataclass

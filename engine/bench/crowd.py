@@ -29,9 +29,8 @@ class Spec:
     stream: bool
     logprobs: bool
     early: str | None = None  # one of EARLY_ENDS
-    early_after: float = (
-        0.0  # chunks to read (leave_stream) or seconds to wait (abort_rid, cancel_task)
-    )
+    # chunks to read (leave_stream) or seconds to wait (abort_rid, cancel_task)
+    early_after: float = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -24,9 +24,8 @@ class DecodeState:
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
-    held_out: int = (
-        0  # characters past the prefix text already emitted while the window ended in U+FFFD
-    )
+    # characters past the prefix text already emitted while the window ended in U+FFFD
+    held_out: int = 0
     flags: tuple[bool, bool] = (True, True)  # skip_special_tokens, spaces_between_special_tokens
 
 

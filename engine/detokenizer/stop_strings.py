@@ -18,9 +18,8 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
         self.pending = ""  # held back: a suffix that is the start of some stop string
-        self.early = (
-            0  # leading characters of pending from before min_new_tokens: no match may end in them
-        )
+        # leading characters of pending from before min_new_tokens: no match may end in them
+        self.early = 0
 
     def feed(self, delta: str, final: bool) -> tuple[str, str | None]:
         """New text in; (text to release, the stop string matched or None) out. `final`: the request

@@ -39,9 +39,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
         self._backend: GrammarBackend | None = None
-        self._backend_error: BaseException | None = (
-            None  # making the backend failed: kept, not retried
-        )
+        # making the backend failed: kept, not retried
+        self._backend_error: BaseException | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: collections.OrderedDict[tuple[str, str], Future] = (
             collections.OrderedDict()

@@ -26,13 +26,11 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position with a returned logprob; -1: none
-    submitted_ns: int = (
-        0  # wall-clock ns when the user process sent it: where its queue time starts
-    )
+    # wall-clock ns when the user process sent it: where its queue time starts
+    submitted_ns: int = 0
     seq: int = 0  # the user process's submission number: with rid, names this request for aborts
-    beam: Union["BeamParams", None] = (
-        None  # set: a beam search (engine/beam_search), not a sampled request
-    )
+    # set: a beam search (engine/beam_search), not a sampled request
+    beam: Union["BeamParams", None] = None
 
 
 class BeamParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
@@ -214,9 +212,8 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     stage_seconds: dict[
         str, float
     ] = {}  # scheduler wall time per stage (schedule, forward_extend, ...)
-    prefill_tokens: int = (
-        0  # tokens computed by prefill steps (prompts less cache hits, chunks, resumptions)
-    )
+    # tokens computed by prefill steps (prompts less cache hits, chunks, resumptions)
+    prefill_tokens: int = 0
     chunked_prefill_steps: int = 0  # prefill steps that carried a partial prompt
     cache_hit_tokens: int = 0  # prefill tokens taken from the prefix cache instead of computed
     retracted_requests: int = 0  # times a running request went back to the queue for lack of KV
@@ -233,9 +230,8 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     grammar_compile_seconds: list[
         float
     ] = []  # structured output: each distinct constraint's compile
-    grammar_mask_seconds: float = (
-        0.0  # bitmask fill + apply, summed over steps with constrained rows
-    )
+    # bitmask fill + apply, summed over steps with constrained rows
+    grammar_mask_seconds: float = 0.0
     grammar_mask_steps: int = 0
     plugins: dict[str, dict] = {}  # role -> plugin name -> what its engine_stats hook returned
     # role (scheduler, detokenizer, user) -> per-request structure -> its size now: all 0 when idle

@@ -20,16 +20,14 @@ class Where:
     dtype: str  # float32 or bfloat16
     device: str  # cpu, cuda
     tied: bool  # the lm_head is the embedding
-    packs: bool = (
-        False  # torch's oneDNN reorders this dtype's weights here (onednn.packing_available)
-    )
+    # torch's oneDNN reorders this dtype's weights here (onednn.packing_available)
+    packs: bool = False
     avx2_only: bool = False  # the CPU is AVX2 without AVX-512 (torch's capability)
     bf16_kernel: bool = False  # our bf16_linear runs here (AVX512_BF16, no AMX)
     f32_kernel: bool = False  # our f32_linear runs here (AVX2, FMA)
     f32_blocks_kernel: bool = False  # our f32_block_linear runs here (AVX2, FMA, F16C)
-    exact_blocks: bool = (
-        False  # every layer's float32 weights are its GGUF blocks' values (checked)
-    )
+    # every layer's float32 weights are its GGUF blocks' values (checked)
+    exact_blocks: bool = False
     cached_panels: frozenset[str] = frozenset()  # layers whose f32_linear panels the cache holds
     embedding_mapped: bool = False  # the embedding stays mapped from the file (mapped_weight.py)
     overrides: dict[str, str] = field(default_factory=dict)

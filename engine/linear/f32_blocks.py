@@ -24,9 +24,8 @@ from engine.model.config import ModelConfig
 from engine.linear.f32_panels import KernelLinear
 
 PANEL = 16  # output rows a panel (f32_block_linear.c's NB)
-CHECKED_HEAD_ROWS = (
-    4096  # the rows of a large layer (the lm_head's 49,152) checked at load; the tests check all
-)
+# the rows of a large layer (the lm_head's 49,152) checked at load; the tests check all
+CHECKED_HEAD_ROWS = 4096
 
 
 def runs_here(lib) -> bool:

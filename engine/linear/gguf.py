@@ -47,9 +47,8 @@ GGML_TYPES = {
 }  # the types we do not read, for the refusal's wording
 ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
 ACT_INT8 = 0x100  # gguf_panel_linear's type flag: int8 activations, weights in gguf_q8_pack's panels (gguf_blocks.h)
-DIRECT_MAX_ROWS = (
-    64  # layers not in panels: more input rows multiply dequantized tiles (docs/quantization.md)
-)
+# layers not in panels: more input rows multiply dequantized tiles (docs/quantization.md)
+DIRECT_MAX_ROWS = 64
 PANEL = 16  # output rows gguf_panel_linear.c dequantizes together
 
 

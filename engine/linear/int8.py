@@ -19,9 +19,8 @@ import torch
 
 from engine.linear.quantized import QuantizedLinear
 
-DIRECT_MAX_ROWS = (
-    64  # row-major layers, and panels on a build without AVX2: more rows multiply dequantized tiles
-)
+# row-major layers, and panels on a build without AVX2: more rows multiply dequantized tiles
+DIRECT_MAX_ROWS = 64
 PANEL = 16  # output rows a panel (int8_linear.c's PANEL)
 
 

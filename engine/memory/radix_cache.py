@@ -49,9 +49,8 @@ def _common_len(edge: list[int], key: list[int], pos: int) -> int:
 
 class RadixCache:
     enabled = True
-    HEAP_SLACK = (
-        1024  # stale eviction candidates allowed past twice the nodes before the heap is rebuilt
-    )
+    # stale eviction candidates allowed past twice the nodes before the heap is rebuilt
+    HEAP_SLACK = 1024
 
     def __init__(self, free_fn: Callable[[torch.Tensor], None], device="cpu") -> None:
         self.free_fn = free_fn  # returns pool indices to the KV pool

@@ -28,9 +28,8 @@ class SamplingTensors:
     want_logprob: torch.Tensor  # [B] bool
     seeds: list[int | None]
     processors: list[tuple[str, dict] | None]  # custom logit processor name and params per row
-    counts: torch.Tensor | None = (
-        None  # [B, V] float32: each output token's count (frequency/presence)
-    )
+    # [B, V] float32: each output token's count (frequency/presence)
+    counts: torch.Tensor | None = None
     seen: torch.Tensor | None = None  # [B, V] bool: tokens in the prompt or output (repetition)
     bias: torch.Tensor | None = None  # [B, V] float32 logit bias
 

@@ -29,12 +29,10 @@ NEG_INF = float("-inf")
 @dataclass
 class SampleOutput:
     next_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = (
-        None  # [B] logprob of each chosen token under the raw distribution
-    )
-    top_ids: torch.Tensor | None = (
-        None  # [B, K] the K most likely tokens under the raw distribution
-    )
+    # [B] logprob of each chosen token under the raw distribution
+    logprobs: torch.Tensor | None = None
+    # [B, K] the K most likely tokens under the raw distribution
+    top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None  # [B, K]
     failed: dict[int, str] = field(default_factory=dict)  # row -> error, from a custom processor
 

@@ -21,9 +21,8 @@ from engine.scheduler.request import Req
 
 POLICIES = ("lpm", "fcfs")
 LPM_MAX_QUEUE = 128
-IN_BATCH_DEFER = (
-    32  # a request sharing this many uncached tokens (or all of them) with an earlier one waits
-)
+# a request sharing this many uncached tokens (or all of them) with an earlier one waits
+IN_BATCH_DEFER = 32
 
 
 def order_waiting(

@@ -27,9 +27,8 @@ from engine.model.forward_batch import ForwardBatch, ForwardMode
 if TYPE_CHECKING:
     from engine.scheduler.state import SchedulerState
 
-CLIP_NEW_TOKENS = (
-    4096  # a request's remaining max_new_tokens counts at most this much in the estimate
-)
+# a request's remaining max_new_tokens counts at most this much in the estimate
+CLIP_NEW_TOKENS = 4096
 
 
 def plan_prefill(state: SchedulerState) -> list[tuple[Req, int, int]]:

@@ -74,12 +74,10 @@ class Req:
         self.finished: FinishReason | None = None
         # what the next prefill computes K/V for: the prompt, plus the tokens generated before a retraction
         self.fill_ids: list[int] = input_ids
-        self.prefix_indices: torch.Tensor | None = (
-            None  # pool indices the radix cache lent this request
-        )
-        self.cache_node = (
-            None  # the tree node those indices end at, locked while the request holds them
-        )
+        # pool indices the radix cache lent this request
+        self.prefix_indices: torch.Tensor | None = None
+        # the tree node those indices end at, locked while the request holds them
+        self.cache_node = None
         self.cached_tokens = 0  # prompt tokens that came from the cache at first admission
         self.admissions = 0  # more than one: the request was retracted and resumed
         self.return_logprob = return_logprob
@@ -104,9 +102,8 @@ class Req:
             int
         ] = []  # a beam search's extra request slots, one per beam after the first
         self.beam_steps = 0  # a beam search's selections, set when it ends
-        self.grammar = (
-            None  # structured output: the compile's future (engine/grammar), None: no constraint
-        )
+        # structured output: the compile's future (engine/grammar), None: no constraint
+        self.grammar = None
         self.matcher = None  # its grammar matcher, from admission on
 
     @property

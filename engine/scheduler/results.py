@@ -60,9 +60,8 @@ def process_results(state: SchedulerState, step: Step, sampled: SampleOutput | N
     headers = first_headers(state, reqs) if step.mode is ForwardMode.EXTEND else []
     logprobs = output_logprobs(rows, sampled) if sampled.logprobs is not None else []
     state.counters["generated_tokens"] += len(ids) - len(sampled.failed)
-    error: Exception | None = (
-        None  # freeing a finished request failed: raised once the step's answer is sent
-    )
+    # freeing a finished request failed: raised once the step's answer is sent
+    error: Exception | None = None
     if bool(done.any()):
         done_list = done.tolist()
         stop_list = hit_stop.tolist()

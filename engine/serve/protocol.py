@@ -45,12 +45,10 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
-    include_obfuscation: StrictBool = (
-        False  # OpenAI pads its chunks against side channels; taken, nothing to pad
-    )
-    continuous_usage_stats: StrictBool = (
-        False  # vLLM's: every chunk carries its choice's usage so far
-    )
+    # OpenAI pads its chunks against side channels; taken, nothing to pad
+    include_obfuscation: StrictBool = False
+    # vLLM's: every chunk carries its choice's usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class StructuredOutputs(_Body):
@@ -88,9 +86,8 @@ class _EngineExtras(_Body):
     include_stop_str_in_output: StrictBool = False  # vLLM: the matched stop string ends the text
     no_stop_trim: StrictBool = False  # SGLang: the same
     json_schema: dict[str, Any] | str | None = None  # SGLang: a JSON Schema (as JSON text there)
-    guided_json: dict[str, Any] | str | None = (
-        None  # vLLM's structured output before structured_outputs
-    )
+    # vLLM's structured output before structured_outputs
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
@@ -269,9 +266,8 @@ class RefusalPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | RefusalPart] | None = None
-    name: str | None = (
-        None  # accepted, as OpenAI does, and not shown to the model (chat templates have no place for it)
-    )
+    # accepted, as OpenAI does, and not shown to the model (chat templates have no place for it)
+    name: str | None = None
     # what OpenAI puts in an assistant message (a history replayed from its responses holds them):
     # a refusal is the assistant's text, annotations (citations) say nothing to the model, and the
     # rest must be null or empty, as this server has no tools nor audio
