@@ -109,10 +109,30 @@ SWITCH_VALUES = {
 }  # the switches' accepted values (or unset, or empty)
 
 
+# the per-kernel A/B switches, now rows of engine/linear/choose.py's table: (old default, override)
+RETIRED = {
+    "ENGINE_PACK_WEIGHTS": ("1", "torch-plain=on"),
+    "ENGINE_BF16_LINEAR": ("1", "bf16-kernel=off"),
+    "ENGINE_F32_LINEAR": ("1", "f32-panels=off,f32-blocks=off"),
+    "ENGINE_EXACT_BLOCKS": ("1", "f32-blocks=off"),
+    "ENGINE_PANEL_CACHE": ("0", "f32-panels-cached=on"),
+    "ENGINE_FUSED_DECODE": ("1", "fused-decode=off"),
+    "ENGINE_DECODE_LAYERS": ("1", "decode-layers-c=off"),
+    "ENGINE_NATIVE_EXTEND": ("1", "native-extend=off"),
+}
+
+
 def check_switches() -> None:
     """Raise ValueError naming a switch set to a value it does not take: `ENGINE_NATIVE_KERNELS=no`
     read as "not 0" would leave the kernels on without a word. The other variables are checked where
     they are read (ENGINE_TRACING, ENGINE_TRACE_STEPS, ENGINE_TRACE_FILE, ENGINE_METRICS_PORT)."""
+    for name, (default, override) in RETIRED.items():
+        value = os.environ.get(name, "").strip()
+        if value and value != default:
+            raise ValueError(
+                f"{name} is retired: use kernel_overrides (engine serve --kernel-overrides "
+                f"{override}; docs/configuration.md)"
+            )
     for var in VARIABLES.values():
         allowed = SWITCH_VALUES.get(var.values)
         value = os.environ.get(var.name, "").strip()

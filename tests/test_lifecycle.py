@@ -405,3 +405,24 @@ def test_an_engine_collected_in_a_thread_holding_its_lock_closes_without_deadloc
     worker.start()
     assert done.wait(30), "the collector's close waited for a lock its own thread held"
     assert wait_gone(children, 30) == []
+
+
+@pytest.mark.parametrize(
+    "name, value, override",
+    [
+        ("ENGINE_PACK_WEIGHTS", "0", "torch-plain=on"),
+        ("ENGINE_FUSED_DECODE", "0", "fused-decode=off"),
+    ],
+)
+def test_a_retired_kernel_switch_stops_the_start_naming_its_override(
+    monkeypatch, name, value, override
+):
+    """The per-kernel switches became kernel_overrides rows: set to a value that changed something,
+    one was read by nothing, and an A/B run compared a path with itself without a word."""
+    from engine import envvars
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name} is retired: .*{override}"):
+        envvars.check_switches()
+    monkeypatch.setenv(name, "1")  # the old default changed nothing: still fine
+    envvars.check_switches()
