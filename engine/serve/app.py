@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI-compatible routes, SGLang's native ones, health and metrics.
+"""The ASGI app: OpenAI-compatible routes, SGLang's native ones, the worker routes a gateway asks
+(engine/serve/worker_api.py: health, info, loads, cache flush) and metrics.
 
 Every route only translates (engine/serve/translate.py) and calls the same Engine the offline API
 uses. A client that goes away aborts its requests: streams through the response's cancellation,
@@ -17,9 +18,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgspec
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from engine.serve import beams, errors, handlers, logprobs, sse, translate
+from engine.serve import beams, errors, handlers, logprobs, sse, translate, worker_api
 from engine.serve.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -355,27 +356,14 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             out = await until_disconnect(request, engine.async_generate(**args))
         return await json_off_loop(lambda: out)
 
-    @app.post("/flush_cache")
-    async def flush_cache():
-        freed = await asyncio.to_thread(engine.flush_cache)
-        return {"flushed_tokens": freed}
-
     @app.get("/stats")
     async def stats():
         """engine.get_stats(): pool and cache use, queues, counters (docs/memory.md)."""
         return await asyncio.to_thread(engine.get_stats)
 
-    @app.get("/server_info")
-    async def server_info():
-        return {**engine.server_info, "served_model_name": name, "pids": engine.pids}
+    # ------------------------------------------------------------------ worker routes and metrics
 
-    # ------------------------------------------------------------------ health and metrics
-
-    @app.get("/health")
-    async def health():
-        if engine.alive:
-            return JSONResponse({"status": "ok"})
-        return errors.response(503, "the engine is not running")
+    worker_api.install(app, engine, name)
 
     @app.get("/metrics")
     async def metrics():
