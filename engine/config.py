@@ -66,6 +66,13 @@ class EngineConfig:
     # A/B runs of the kernels: {row of engine/linear/choose.py's table: "off", or "on" for an opt-in row},
     # e.g. {"f32-blocks": "off"}; `engine info` prints the rows. Empty: the table's own choice.
     kernel_overrides: dict[str, str] = field(default_factory=dict)
+    # tensor parallelism (docs/tensor-parallel.md): scheduler ranks over torch.distributed (gloo);
+    # 1: one scheduler, no distributed start at all
+    tp_size: int = 1
+    nnodes: int = 1  # machines the ranks span (tp_size ranks in all, as many on each)
+    node_rank: int = 0  # this machine's place among them
+    # host:port of rank 0's rendezvous; None on one machine: a free loopback port
+    dist_init_addr: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -143,6 +150,36 @@ class EngineConfig:
             raise ValueError(
                 f"startup_timeout must be a positive number of seconds, got {self.startup_timeout!r}"
             )
+
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        rank = self.node_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {rank!r}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes} "
+                "(as many ranks on each machine)"
+            )
+        addr = self.dist_init_addr
+        if addr is not None and (
+            not isinstance(addr, str) or not addr.rpartition(":")[2].isdigit()
+        ):
+            raise ValueError(f"dist_init_addr must be 'host:port', got {addr!r}")
+        if self.nnodes > 1 and addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr (rank 0's host:port)")
+        if self.tp_size > 1 and self.quantization == "int8":
+            raise ValueError(
+                "quantization='int8' is not sharded under tensor parallelism (its per-row scales "
+                "and cache are made whole); use 'none', 'gguf' or 'gguf-q8'"
+            )
+        if self.tp_size > 1 and self.device == "cuda":
+            raise ValueError("tensor parallelism runs on the CPU (gloo) only; use device='cpu'")
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(dataclasses.asdict(self))

@@ -3,10 +3,11 @@
 An implementation is made once, at load, from what its weight format needs (engine/linear/build.py):
 the float weight [out, in] (torch, oneDNN, bf16, f32 panels, int8 quantized from it), or what replaces
 it (GGUF blocks, cached panels, stored int8 weights); choose.py's table says which, per layer.
-Room left, not built: tensor parallelism hands each rank's layer a shard of those weights, by output rows
-or by input columns in whole quantization blocks (then the model sums the ranks' outputs); a GPU
-implementation is one more file and one more table row, on its device. Reading or changing the residual
-stream between layers is the model's (llama.py's DecoderLayer), never a layer's.
+Tensor parallelism hands each rank's layer a shard of those weights, by output rows or by input columns
+in whole quantization blocks (engine/distributed/shard.py), and parallel.py sums or gathers the ranks'
+outputs; room left, not built: a GPU implementation is one more file and one more table row.
+Reading or changing the residual stream between layers is the model's (llama.py's DecoderLayer), never
+a layer's.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Rows are read top to bottom; a layer takes the first row whose `here` (facts abo
 dtype, device, CPU, weights found) and `fits` (the layer: shape, bias, lm_head, tied) both hold. Every
 row can be turned off, and rows marked opt-in on, by EngineConfig.kernel_overrides ({row name: "off" or
 "on"}): the A/B facility for benchmarks and tests. Nothing here imports torch: EngineConfig checks names.
+Under tensor parallelism (`tp`) each layer is a rank's shard: rows that take a whole file's weights
+(GGUF blocks equal to the floats, cached panels, the embedding as the head) step aside, and decode
+steps take the plain forward, which sums the ranks' outputs between the layers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Where:
     exact_blocks: bool = False
     cached_panels: frozenset[str] = frozenset()  # layers whose f32_linear panels the cache holds
     embedding_mapped: bool = False  # the embedding stays mapped from the file (mapped_weight.py)
+    tp: bool = False  # tensor parallel: each layer is a rank's shard (engine/distributed/shard.py)
     overrides: dict[str, str] = field(default_factory=dict)
 
     def on(self, row: str) -> bool:
@@ -103,14 +107,14 @@ ROWS: tuple[Row, ...] = (
     Row(
         "f32-blocks",
         "f32_blocks",
-        lambda w: _packed(w, "float32") and w.f32_kernel and w.f32_blocks_kernel,
+        lambda w: _packed(w, "float32") and w.f32_kernel and w.f32_blocks_kernel and not w.tp,
         "the float32 weights are GGUF blocks' values: the blocks, bitwise the same outputs",
         fits=lambda layer, w: layer.panels_fit and w.exact_blocks,
     ),
     Row(
         "f32-panels-cached",
         "f32_panels_cached",
-        lambda w: _packed(w, "float32") and w.f32_kernel and w.avx2_only,
+        lambda w: _packed(w, "float32") and w.f32_kernel and w.avx2_only and not w.tp,
         "f32_linear's panels mapped from the cache instead of packed at start",
         fits=lambda layer, w: layer.panels_fit and layer.name in w.cached_panels,
         default_on=False,
@@ -118,7 +122,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "tied-head-shared",
         "torch",
-        lambda w: _exact(w) and w.tied and not w.embedding_mapped,
+        lambda w: _exact(w) and w.tied and not w.embedding_mapped and not w.tp,
         "the embedding is read into memory: the lm_head multiplies it, no copy",
         fits=lambda layer, w: layer.is_head,
     ),
@@ -164,6 +168,12 @@ DIRECT_KERNELS = {
 }
 DECODE_ROWS: tuple[Row, ...] = (
     Row(
+        "tensor-parallel",
+        "plain",
+        lambda w: w.tp,
+        "tensor parallel: the plain forward sums the ranks' outputs between layers; fused steps cannot",
+    ),
+    Row(
         "decode-layers-c",
         "fused-c",
         lambda w: w.dtype == "float32",
@@ -184,6 +194,7 @@ ATTENTION_ROWS: tuple[Row, ...] = (
     ),
 )
 ROWS_BY_NAME = {row.name: row for row in (*ROWS, *DECODE_ROWS, *ATTENTION_ROWS)}
+FIXED_ROWS = ("torch", "plain", "tensor-parallel")  # rows no override turns off
 
 
 @dataclass(frozen=True)
@@ -196,8 +207,8 @@ class Choice:
 def check_overrides(overrides: dict[str, str]) -> None:
     """ValueError naming an unknown row or value in EngineConfig.kernel_overrides."""
     for name, value in overrides.items():
-        if name not in ROWS_BY_NAME or name in ("torch", "plain"):
-            known = ", ".join(n for n in ROWS_BY_NAME if n not in ("torch", "plain"))
+        if name not in ROWS_BY_NAME or name in FIXED_ROWS:
+            known = ", ".join(n for n in ROWS_BY_NAME if n not in FIXED_ROWS)
             raise ValueError(f"kernel_overrides: unknown row {name!r}; the rows are {known}")
         if value not in ("on", "off"):
             raise ValueError(f"kernel_overrides[{name!r}] must be 'on' or 'off', got {value!r}")
@@ -227,7 +238,8 @@ def choose_decode_path(where: Where, impls: set[str]) -> Choice:
         and (where.mode != "none" or impls == {"bf16"} or impls <= F32_KERNELS)
     )
     for row in DECODE_ROWS:
-        if row.name == "plain" or (fused and where.on(row.name) and row.here(where)):
+        forced = row.name in FIXED_ROWS and row.here(where)  # plain, or under tensor parallelism
+        if forced or (fused and where.on(row.name) and row.here(where)):
             if row.name == "decode-layers-c" and not where.on("fused-decode"):
                 continue
             return Choice(row.name, row.impl, row.reason)

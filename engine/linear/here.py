@@ -22,15 +22,22 @@ def native_library(mode: str, dtype: torch.dtype, device: str):
 
 
 def where_here(
-    mode: str, dtype: torch.dtype, device: str, tied: bool, lib, overrides: dict[str, str]
+    mode: str,
+    dtype: torch.dtype,
+    device: str,
+    tied: bool,
+    lib,
+    overrides: dict[str, str],
+    tp: bool = False,
 ) -> Where:
-    """The table's facts for this load, before the weights are looked at."""
+    """The table's facts for this load, before the weights are looked at (tp: a rank's shards)."""
     where = Where(
         mode=mode,
         dtype=str(dtype).removeprefix("torch."),
         device=torch.device(device).type,
         tied=tied,
         overrides=dict(overrides),
+        tp=tp,
     )
     if mode != "none" or not packing_available(dtype, device) or where.on("torch-plain"):
         return where

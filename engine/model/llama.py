@@ -79,7 +79,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        head_rows: int | None = None,
+    ) -> None:
+        """head_rows: the lm_head's vocabulary rows where a tensor-parallel rank holds a part of them."""
         super().__init__()
         self.cfg = cfg
         # _weight skips the random init: every weight is loaded, so the init would only cost start-up
@@ -88,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, head_rows or cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", rope_cos, persistent=False)

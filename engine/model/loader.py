@@ -17,11 +17,14 @@ from typing import Callable
 
 import torch
 
+from engine.distributed.shard import Shard, shard_blocks, shard_floats
 from engine.linear import panel_cache
 from engine.linear.build import FROM_FILE, NO_FLOATS, Sources, make
 from engine.linear.choose import Choice, Layer, Where, choose, may_use
 from engine.linear.f32_blocks import exact_blocks
+from engine.linear.gguf import BLOCK_BYTES
 from engine.linear.here import native_library, where_here
+from engine.linear.parallel import Collectives, wrap_model
 from engine.linear.swap import release_freed_memory, replace_linears
 from engine.model.config import ModelConfig, model_config_from_hf
 from engine.model.llama import LlamaForCausalLM, weight_plan
@@ -112,29 +115,46 @@ def load_model(
     progress=None,
     quantization: str = "none",
     kernel_overrides: dict[str, str] | None = None,
+    group: Collectives | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with every weight loaded and each linear layer on the implementation the choice table
-    (engine/linear/choose.py) picks; the choices are kept on the model (linear_choices, decode_choice)."""
+    (engine/linear/choose.py) picks; the choices are kept on the model (linear_choices, decode_choice).
+    With a tensor-parallel group: this rank's shard of the model (model.cfg its heads and rows; the
+    returned config the whole model's), its row-parallel layers and lm_head summing or gathering."""
     cfg = model_config_from_hf(hf_config, model_dir)
+    shard = None if group is None else Shard.plan(cfg, group.rank, group.size)
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
+        if shard is None:
+            model = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
+        else:
+            whole = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
+            model = LlamaForCausalLM(
+                shard.local_config(cfg), cos.to("meta"), sin.to("meta"), len(shard.vocab)
+            )
     entries = index_weights(model_dir)
     plan = weight_plan(cfg, set(entries))
     shapes = linear_shapes(model)
+    whole_shapes = shapes if shard is None else linear_shapes(whole)
     lib = native_library(quantization, dtype, device)
-    tied = cfg.tie_word_embeddings
-    where = where_here(quantization, dtype, device, tied, lib, kernel_overrides or {})
+    tied = cfg.tie_word_embeddings and shard is None  # a rank's lm_head is its own slice
+    if shard is not None and cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = plan["embed_tokens.weight"]
+    where = where_here(
+        quantization, dtype, device, tied, lib, kernel_overrides or {}, tp=shard is not None
+    )
     views = WeightViews()
     try:
         src = Sources(lib=lib, tied=tied)
         src.stored = load_stored(  # quantized weights at hand: those layers' floats stay unread
             model_dir,
             quantization,
-            shapes,
+            whole_shapes,
             cfg,
             lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32),
         )
+        if shard is not None and src.stored is not None:  # the gguf modes' blocks (int8 refused)
+            src.stored = shard_blocks(src.stored, shard, cfg, BLOCK_BYTES)
         where, mapped = _map_embedding(where, plan, entries, dtype, device)
         where = _find_weights(where, src, model_dir, cfg, shapes, plan, entries, views, dtype)
         choices = {
@@ -142,8 +162,12 @@ def load_model(
             for n in shapes
         }
         now, later = _split_plan(plan, choices, mapped is not None, src.stored is not None)
+        if shard is not None:  # read whole, then cut: no layer packs from a view of the file
+            now, later = {**now, **later}, {}
         total = len(now) + len(later)
         state = read_planned(now, entries, dtype, progress and (lambda i, n: progress(i, total)))
+        if shard is not None:
+            state = shard_floats(state, shard, cfg)
         if mapped is not None:
             state["embed_tokens.weight"] = mapped.tensor
         if device != "cpu":
@@ -155,6 +179,8 @@ def load_model(
         model.eval()
         src.file_weight = _file_weights(later, entries, views, dtype, progress, total, len(now))
         _replace_linears(model, choices, src)
+        if shard is not None:
+            wrap_model(model, shard.vocab_widths, group)
     finally:
         views.close()
     _keep_new_weights(model, model_dir, quantization, where, src)
@@ -273,7 +299,9 @@ def kernel_info(model: LlamaForCausalLM) -> dict:
         if line not in lines:
             lines.append(line)
     classes = {
-        type(m).__name__ for n, m in model.named_modules() if n.endswith(("_proj", "lm_head"))
+        type(m).__name__
+        for n, m in model.named_modules()
+        if n.endswith(("_proj", "lm_head", ".inner"))  # .inner: a tensor-parallel wrapper's layer
     }
     decode = model.decode_choice
     return {

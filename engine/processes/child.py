@@ -70,8 +70,10 @@ def run_child(
     parent_pid: int,
     build: Callable[[Callable[[int, int], None]], Serving],
     runtime_dir: str | None = None,
+    title: str | None = None,
 ) -> None:
-    """Entry body for a spawned child: build the role's object, report ready or failed, then serve."""
+    """Entry body for a spawned child: build the role's object, report ready or failed, then serve.
+    title: the process title, engine::<role> unless given (a tensor-parallel rank's)."""
     # Ctrl-C, and the SIGTERM of `timeout`, systemd's stop or `kill -- -PGID`, reach the whole process
     # group; the parent decides when children stop (over the pipe), and they go when it dies (the lifeline).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -82,7 +84,7 @@ def run_child(
     with contextlib.suppress(ImportError):
         import setproctitle
 
-        setproctitle.setproctitle(f"engine::{role}")
+        setproctitle.setproctitle(title or f"engine::{role}")
     threading.Thread(
         target=_watch_parent, args=(conn, parent_pid, runtime_dir), name="parent-watch", daemon=True
     ).start()

@@ -1,13 +1,16 @@
 """The model runner: loads the model, sizes and holds its KV pools and attention backend, and runs
-a step's forward pass. The scheduler decides what runs; this runs it."""
+a step's forward pass. The scheduler decides what runs; this runs it. Under tensor parallelism it
+holds this rank's shard: its KV heads' pool, of the size every rank agrees on."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.errors import RankLost
 from engine.kernels.attention import create_backend
 from engine.linear.choose import native_extend
+from engine.linear.parallel import Collectives
 from engine.memory import ReqToTokenPool, TokenKVPool
 from engine.model.config import load_hf_config
 from engine.model.forward_batch import ForwardBatch
@@ -19,7 +22,13 @@ from engine.scheduler.device import pool_size, resolve_device, resolve_dtype
 class ModelRunner:
     """The model, its config, the KV pool and request-to-token table it writes, the attention backend."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, progress=None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        progress=None,
+        group: Collectives | None = None,
+    ) -> None:
         self.device = resolve_device(resolve_device_for(config.quantization, config.device))
         self.dtype = resolve_dtype(
             resolve_dtype_for(config.quantization, config.dtype), self.device
@@ -42,8 +51,10 @@ class ModelRunner:
             progress,
             config.quantization,
             config.kernel_overrides,
+            group,
         )
-        mc = self.model_config
+        self.group = group
+        mc = self.model.cfg  # this rank's heads under tensor parallelism, else the model's
         self.bytes_per_token = TokenKVPool.bytes_per_token(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype
         )
@@ -51,6 +62,8 @@ class ModelRunner:
         self.max_total_tokens = pool_size(
             config.max_total_tokens, config.mem_fraction, self.bytes_per_token, self.device, cap
         )
+        if group is not None:  # the same pool everywhere, or the ranks would schedule apart
+            self.max_total_tokens = group.agree_min(self.max_total_tokens)
         self.req_to_token = ReqToTokenPool(
             config.max_running_requests, self.context_len, self.device
         )
@@ -75,5 +88,11 @@ class ModelRunner:
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The logits of the batch's logits rows."""
-        return self.model(batch, self.backend)
+        """The logits of the batch's logits rows. Under tensor parallelism a failing forward ends
+        the rank: its peers may be waiting in a collective it will never join."""
+        if self.group is None:
+            return self.model(batch, self.backend)
+        try:
+            return self.model(batch, self.backend)
+        except Exception as exc:
+            raise RankLost(f"the forward failed: {type(exc).__name__}: {exc}") from exc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from typing import TYPE_CHECKING
 
 from engine import hooks
@@ -103,6 +104,8 @@ def admit_arrivals(state: SchedulerState, arrivals: list[TokenizedRequest]) -> N
             ):  # compiled off the loop; the request waits for it, the others do not
                 req.grammar = state.grammars.request(*constraint)
                 constrained = True
+                if state.config.tp_size > 1:  # ready on every rank in the same turn, or they part
+                    futures.wait([req.grammar])
         except Exception as exc:  # noqa: BLE001 - this request alone
             finish_unstarted(state, req, f"{type(exc).__name__}: {exc}")
             continue

@@ -19,12 +19,18 @@ A step is either a prefill (EXTEND: new requests' prompts after their cached pre
 budget, the last one possibly cut into a chunk) or a decode (every running request, one token).
 Prefill goes first, except that while a prompt is being prefilled chunk by chunk, decode steps
 alternate with its chunks so running requests keep producing tokens.
+
+Under tensor parallelism every rank runs this loop: rank 0 shares each turn's messages
+(engine/distributed/turns.py), every rank schedules, runs its shard of the model and samples alike,
+and only rank 0 talks to the detokenizer (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -45,21 +51,45 @@ from engine.scheduler.outbox import Outbox
 from engine.scheduler.state import SchedulerState
 from engine.scheduler.step import Step, step_end_hook
 
+if TYPE_CHECKING:
+    from engine.distributed.group import TPGroup
+
 
 class Scheduler:
     """The loop over the stages; the model runner runs the model, `state` holds what the stages change."""
 
     def __init__(
-        self, config: EngineConfig, model_dir: str, endpoints: dict, progress=None
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        endpoints: dict,
+        progress=None,
+        rank: int = 0,
+        dist_init_addr: str | None = None,
     ) -> None:
-        torch.set_num_threads(config.num_threads or usable_cores())
+        """rank, dist_init_addr: this process's tensor-parallel rank and the ranks' rendezvous
+        (tp_size > 1 only); ranks share the machine's cores."""
+        self.group = group = None
+        if config.tp_size > 1:  # torch.distributed is imported only here
+            from engine.distributed.group import TPGroup
+            from engine.distributed.turns import TurnSocket
+
+            self.group = group = TPGroup(rank, config.tp_size, dist_init_addr)
+            config = _rank0_config(config, group)
+            # unseeded sampling: the same draws on every rank
+            torch.manual_seed(group.shared_seed())
+        local_ranks = config.tp_size // config.nnodes
+        torch.set_num_threads(config.num_threads or max(1, usable_cores() // local_ranks))
         self.config = config
-        self.runner = runner = ModelRunner(config, model_dir, progress)
+        self.runner = runner = ModelRunner(config, model_dir, progress, group)
         mc = runner.model_config
-        self.zmq_ctx = zmq.Context(1)
-        self.recv_sock = pull_socket(self.zmq_ctx, endpoints["scheduler"])
-        self.send_sock = push_socket(self.zmq_ctx, endpoints["detokenizer"])
-        self.inbox = Inbox(self.recv_sock, Codec(ToScheduler), "engine::scheduler")
+        self.zmq_ctx = self.recv_sock = self.send_sock = None
+        if rank == 0:
+            self.zmq_ctx = zmq.Context(1)
+            self.recv_sock = pull_socket(self.zmq_ctx, endpoints["scheduler"])
+            self.send_sock = push_socket(self.zmq_ctx, endpoints["detokenizer"])
+        arrivals = self.recv_sock if group is None else TurnSocket(self.recv_sock, group)
+        self.inbox = Inbox(arrivals, Codec(ToScheduler), "engine::scheduler")
         self.state = SchedulerState.build(config, runner, model_dir, Outbox(self.send_sock))
         self.info = {
             "device": runner.device,
@@ -75,6 +105,8 @@ class Scheduler:
             # the choice table's pick for each kind of linear layer, their classes, the decode path
             **kernel_info(runner.model),
         }
+        if group is not None:
+            self.info["tp_size"] = group.size
 
     # ------------------------------------------------------------------ loop
 
@@ -140,9 +172,12 @@ class Scheduler:
     def close(self) -> None:
         """Close the sockets (the process exits without this; in-process users such as tests need it)."""
         self.state.grammars.close()
-        self.recv_sock.close(linger=0)
-        self.send_sock.close(linger=0)
-        self.zmq_ctx.term()
+        if self.group is not None:
+            self.group.close()
+        if self.zmq_ctx is not None:
+            self.recv_sock.close(linger=0)
+            self.send_sock.close(linger=0)
+            self.zmq_ctx.term()
 
     # ------------------------------------------------------------------ stages (each in its own module)
 
@@ -163,3 +198,10 @@ class Scheduler:
 
     def stats(self, req_id: str, flushed_tokens: int = 0) -> Stats:
         return stats_stage.stats(self.state, req_id, flushed_tokens)
+
+
+def _rank0_config(config: EngineConfig, group: TPGroup) -> EngineConfig:
+    """Rank 0's settings on every rank (another machine's ranks start knowing only where to meet):
+    the same limits and policies, or the ranks would schedule apart."""
+    shared = group.share_bytes([config.to_json()] if group.rank == 0 else None)[0]
+    return dataclasses.replace(EngineConfig.from_json(shared), node_rank=config.node_rank)
