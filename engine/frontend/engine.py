@@ -22,7 +22,7 @@ from engine.ipc.channels import Endpoints
 from engine.model.embedded import is_converted
 from engine.model.resolve import model_name, resolve_model_dir
 from engine.processes.launch import SITECUSTOMIZE_DIR, Child, spawn_child, stop_children, wait_ready
-from engine.scheduler.process import run_scheduler_process
+from engine.scheduler.ranks import spawn_schedulers
 from engine.tokenizer import PromptTokenizer
 from engine.tracing.switch import tracing_enabled
 
@@ -176,13 +176,8 @@ class Engine:
                 res.lease = hold_lease(Path(self.model_dir))
             res.endpoints = Endpoints.create()
             ends, parent = res.endpoints.to_dict(), os.getpid()
-            res.children.append(
-                spawn_child(
-                    "scheduler",
-                    run_scheduler_process,
-                    (self.config.to_json(), self.model_dir, ends, parent),
-                    child_env,
-                )
+            res.children.extend(  # one scheduler, or a process per tensor-parallel rank
+                spawn_schedulers(self.config, self.model_dir, ends, parent, child_env)
             )
             # While the scheduler loads the model: the tokenizer and the sockets (ZeroMQ connects once
             # the other side binds). The detokenizer starts after them so that its start-up does not
