@@ -1,0 +1,341 @@
+"""Tensor parallelism (docs/tensor-parallel.md): the weight shards, the choice table under `tp`, and
+two gloo ranks against one scheduler on the embedded SmolLM2: the same greedy tokens, logprobs
+within 1e-4, a rerun bitwise the same, the request features, and a killed rank ending the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from engine.config import EngineConfig
+from engine.distributed.shard import Shard, shard_blocks, shard_floats
+from engine.linear.choose import Layer, Where, choose, choose_decode_path
+from engine.linear.gguf import BLOCK_BYTES, dequantize
+from engine.model.config import ModelConfig
+from helpers import engine_idle, wait_gone, wait_path_gone
+
+NEW_TOKENS = 32
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=2,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        max_position_embeddings=256,
+        eos_token_ids=(2,),
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------- shards (no processes)
+
+
+def test_two_ranks_split_smollm2_by_kv_groups():
+    cfg = _config()
+    r0, r1 = Shard.plan(cfg, 0, 2), Shard.plan(cfg, 1, 2)
+    assert (r0.kv_heads, r0.heads) == (range(0, 2), range(0, 6))
+    assert (r1.kv_heads, r1.heads) == (range(2, 3), range(6, 9))
+    assert (r0.inter, r1.inter) == (range(0, 768), range(768, 1536))
+    assert r0.vocab_widths == (24576, 24576)
+    local = r1.local_config(cfg)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 768)
+    assert not local.tie_word_embeddings  # a rank's head is its own slice
+    with pytest.raises(ValueError, match="KV heads"):
+        Shard.plan(cfg, 0, 4)
+
+
+def test_float_shards_give_the_whole_products():
+    """Column shards are the whole layer's rows (qkv: each rank's q, k, v); row shards sum to it."""
+    torch.manual_seed(0)
+    cfg = _config(hidden_size=64, intermediate_size=128, vocab_size=160, head_dim=8)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    whole = {
+        "layers.0.self_attn.qkv_proj.weight": torch.randn(q + 2 * kv, 64),
+        "layers.0.self_attn.o_proj.weight": torch.randn(64, q),
+        "layers.0.mlp.gate_up_proj.weight": torch.randn(2 * 128, 64),
+        "layers.0.mlp.down_proj.weight": torch.randn(64, 128),
+        "lm_head.weight": torch.randn(160, 64),
+    }
+    shards = [shard_floats(whole, Shard.plan(cfg, r, 2), cfg) for r in range(2)]
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        x = torch.randn(5, whole[name].shape[1])
+        plans = [Shard.plan(cfg, r, 2) for r in range(2)]
+        cols = [p.columns(name.rsplit(".", 1)[0], cfg) for p in plans]
+        parts = [x[:, c.start : c.stop] @ s[name].T for c, s in zip(cols, shards)]
+        torch.testing.assert_close(parts[0] + parts[1], x @ whole[name].T)
+    qkv = "layers.0.self_attn.qkv_proj.weight"
+    w, (a, b) = whole[qkv], (s[qkv] for s in shards)
+    q0, k0 = 6 * 8, 2 * 8  # rank 0: q heads 0-5, KV heads 0-1
+    torch.testing.assert_close(torch.cat([a[:q0], b[: q - q0]]), w[:q])
+    torch.testing.assert_close(torch.cat([a[q0 : q0 + k0], b[q - q0 : q - q0 + 8]]), w[q : q + kv])
+    gate_up = "layers.0.mlp.gate_up_proj.weight"
+    a, b = shards[0][gate_up], shards[1][gate_up]
+    torch.testing.assert_close(torch.cat([a[:64], b[:64]]), whole[gate_up][:128])
+    torch.testing.assert_close(torch.cat([a[64:], b[64:]]), whole[gate_up][128:])
+    torch.testing.assert_close(
+        torch.cat([shards[0]["lm_head.weight"], shards[1]["lm_head.weight"]]),
+        whole["lm_head.weight"],
+    )
+
+
+def test_block_shards_are_the_float_shards():
+    """GGUF blocks (Q8_0 here) cut as the floats are, columns on block boundaries."""
+    torch.manual_seed(1)
+    cfg = _config(hidden_size=64, intermediate_size=128, vocab_size=64, head_dim=8)
+    n, k = 64, 128  # down_proj: 64 x 128, two blocks of 32 columns a rank
+    d = torch.rand(n, k // 32, 1).half().view(torch.uint8)
+    qs = torch.randint(-127, 128, (n, k // 32, 32), dtype=torch.int8).view(torch.uint8)
+    blocks = torch.cat([d.reshape(n, k // 32, 2), qs], -1).reshape(n, -1)
+    whole = dequantize(8, blocks, k)
+    for rank in range(2):
+        shard = Shard.plan(cfg, rank, 2)
+        kind, part = shard_blocks({"layers.0.mlp.down_proj": (8, blocks)}, shard, cfg, BLOCK_BYTES)[
+            "layers.0.mlp.down_proj"
+        ]
+        cols = shard.columns("layers.0.mlp.down_proj", cfg)
+        assert torch.equal(dequantize(kind, part, len(cols)), whole[:, cols.start : cols.stop])
+
+
+def test_the_table_under_tensor_parallelism():
+    """Under tp no row takes a whole file's weights, and decode steps take the plain forward."""
+    facts = dict(packs=True, f32_kernel=True, f32_blocks_kernel=True, exact_blocks=True)
+    one = Where("none", "float32", "cpu", tied=True, **facts)
+    tp = Where("none", "float32", "cpu", tied=True, tp=True, **facts)
+    qkv, head = (
+        Layer("layers.0.self_attn.qkv_proj", 640, 576, False),
+        Layer("lm_head", 128, 576, False),
+    )
+    assert choose(one, qkv).row == "f32-blocks"
+    assert choose(tp, qkv).row != "f32-blocks"
+    assert choose(tp, head).row != "tied-head-shared"
+    assert choose_decode_path(one, {"f32_blocks"}).row == "decode-layers-c"
+    assert choose_decode_path(tp, {"f32_panels"}).row == "tensor-parallel"
+    gguf = Where("gguf", "float32", "cpu", tied=True, tp=True)
+    assert choose_decode_path(gguf, {"gguf"}).row == "tensor-parallel"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
+        ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "multiple"),
+        ({"nnodes": 2, "node_rank": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "node_rank"),
+        ({"tp_size": 2, "quantization": "int8"}, "int8"),
+        ({"dist_init_addr": "nowhere"}, "host:port"),
+    ],
+)
+def test_config_refuses_what_does_not_fit(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(**fields)
+
+
+# ---------------------------------------------------------------------- two ranks
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer) -> list[list[int]]:
+    ids = []
+    for i, p in enumerate(PROMPTS):
+        if i % 2 == 0:
+            ids.append(tokenizer.encode(p))
+        else:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
+            ids.append(tokenizer.encode(text, add_special_tokens=False))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    from engine import Engine
+
+    eng = Engine(dtype="float32", max_total_tokens=16384, tp_size=2)
+    yield eng
+    eng.shutdown()
+
+
+def _run(eng, ids) -> list[tuple[list[int], list[float]]]:
+    eng.flush_cache()  # every run prefills whole prompts
+    outs = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+    return [
+        (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+        for o in outs
+    ]
+
+
+def test_two_ranks_give_one_schedulers_tokens(engine, tp2, chat_ids):
+    assert tp2.server_info["tp_size"] == 2
+    assert tp2.server_info["decode_path"].startswith("tensor-parallel")
+    one, two = _run(engine, chat_ids), _run(tp2, chat_ids)
+    for (ids1, lp1), (ids2, lp2) in zip(one, two):
+        assert ids2 == ids1
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= 1e-4
+    assert _run(tp2, chat_ids) == two  # a rerun: bitwise the same
+
+
+def test_request_features_under_two_ranks(engine, tp2, chat_ids):
+    # n > 1, seeded: the same draws as one scheduler's
+    params = {"max_new_tokens": 12, "temperature": 0.8, "n": 3, "seed": 7}
+    assert [o["output_ids"] for o in tp2.generate(PROMPTS[0], params)] == [
+        o["output_ids"] for o in engine.generate(PROMPTS[0], params)
+    ]
+    # unseeded sampling: every rank draws alike (or they would part and hang)
+    outs = tp2.generate(PROMPTS[:4], {"max_new_tokens": 12, "temperature": 1.0})
+    assert all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
+    # beam search: the same beams
+    beams = dict(beam_width=3, max_new_tokens=8, num_return_sequences=2)
+    hyps = [h["output_ids"] for h in tp2.beam_search(PROMPTS[2], **beams)["hypotheses"]]
+    assert hyps == [h["output_ids"] for h in engine.beam_search(PROMPTS[2], **beams)["hypotheses"]]
+    # a grammar
+    out = tp2.generate(PROMPTS[1], {"max_new_tokens": 8, "regex": "[0-9]{3}"})
+    assert len(out["text"]) == 3 and out["text"].isdigit()
+    # an abort
+    stream = tp2.generate(
+        PROMPTS[0], {"max_new_tokens": 2000, "ignore_eos": True}, stream=True, rid="tp-abort"
+    )
+    chunks = []
+    for i, chunk in enumerate(stream):
+        chunks.append(chunk)
+        if i == 3:
+            tp2.abort("tp-abort")
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine_idle(tp2.get_stats())
+
+
+def _pids(eng) -> list[int]:
+    return [pid for role, pid in eng.pids.items() if role != "user"]
+
+
+def test_memory_pressure_then_a_killed_rank_ends_the_engine():
+    """A pool too small for the batch retracts and finishes every request; then SIGKILL on rank 1
+    mid-request: the caller gets EngineDeadError naming it, and no process is left."""
+    from engine import Engine
+    from engine.errors import EngineDeadError
+
+    eng = Engine(dtype="float32", max_total_tokens=400, max_running_requests=8, tp_size=2)
+    try:
+        params = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+        outs = eng.generate(PROMPTS, params)
+        assert all(len(o["output_ids"]) == 60 for o in outs)
+        stats = eng.get_stats()
+        assert stats["retracted_requests"] > 0, stats
+        pids, runtime_dir = _pids(eng), eng.runtime_dir
+        caught = []
+
+        def wait_for_one():
+            try:
+                eng.generate(PROMPTS[0], {"max_new_tokens": 380, "ignore_eos": True})
+            except BaseException as exc:  # noqa: BLE001
+                caught.append(exc)
+
+        worker = threading.Thread(target=wait_for_one)
+        worker.start()
+        time.sleep(1.0)
+        os.kill(eng.pids["scheduler rank 1"], signal.SIGKILL)
+        worker.join(15)
+        assert not worker.is_alive(), "the caller still waits on a dead rank"
+        assert caught and isinstance(caught[0], EngineDeadError), caught
+        assert "scheduler rank 1" in str(caught[0])
+        assert wait_gone(pids, 10) == []
+        assert wait_path_gone(runtime_dir, 5)
+    finally:
+        eng.shutdown()
+
+
+def test_a_killed_rank_0_ends_the_engine():
+    from engine import Engine
+    from engine.errors import EngineDeadError
+
+    eng = Engine(dtype="float32", max_total_tokens=2048, tp_size=2)
+    try:
+        pids = _pids(eng)
+        os.kill(eng.pids["scheduler"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while eng.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(EngineDeadError, match="scheduler"):
+            eng.generate("again")
+        assert wait_gone(pids, 10) == []
+    finally:
+        eng.shutdown()
+
+
+def test_gguf_blocks_under_two_ranks(chat_ids):
+    """The gguf mode rounds each block of 32 activations to int16 steps of its largest: the ranks'
+    partial sums, added in another order, move a few values across a step, so logprobs move by
+    about what one scheduler's own move between a batch and one request at a time (4e-3 on these
+    prompts); the greedy tokens stay the same."""
+    from engine import Engine
+
+    params = {"max_new_tokens": 16, "temperature": 0}
+    got = {}
+    for tp in (1, 2):
+        with Engine(quantization="gguf", max_total_tokens=8192, tp_size=tp) as eng:
+            eng.flush_cache()
+            got[tp] = [
+                (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+                for o in eng.generate(
+                    input_ids=chat_ids, sampling_params=params, return_logprob=True
+                )
+            ]
+    for (ids1, lp1), (ids2, lp2) in zip(got[1], got[2]):
+        assert ids2 == ids1
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= 1e-2
+
+
+def test_two_machines_on_loopback(engine, chat_ids):
+    """nnodes=2 on one machine: the Engine holds rank 0, `python -m engine.distributed.node` rank 1
+    (which takes rank 0's settings); stopping that node ends the engine at its next request."""
+    import subprocess
+    import sys
+
+    from engine import Engine
+    from engine.distributed.address import free_loopback_address
+    from engine.errors import EngineDeadError
+
+    addr = free_loopback_address()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "engine.distributed.node", "--tp", "2", "--nnodes", "2"]
+        + ["--node-rank", "1", "--dist-init-addr", addr]
+    )
+    try:
+        with Engine(
+            dtype="float32",
+            max_total_tokens=4096,
+            tp_size=2,
+            nnodes=2,
+            dist_init_addr=addr,
+            num_threads=1,
+        ) as eng:
+            params = {"max_new_tokens": 8, "temperature": 0}
+            got = eng.generate(input_ids=chat_ids[:3], sampling_params=params)
+            want = engine.generate(input_ids=chat_ids[:3], sampling_params=params)
+            assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+            node.send_signal(signal.SIGTERM)
+            assert node.wait(15) == 0
+            with pytest.raises(EngineDeadError):
+                eng.generate("again", {"max_new_tokens": 4})
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
