@@ -1,9 +1,10 @@
 """engine serve [options]: start the engine, then serve it over HTTP until SIGTERM or Ctrl-C.
 
-Every Engine option is a flag, made from EngineConfig's fields (not listed twice). Exit codes: 0
-after a regular stop (in-flight requests finished or, past --shutdown-timeout, aborted; traces
-flushed; no process left), 1 when the engine could not start or one of its processes died while
-serving (so a supervisor restarts the server), 2 for bad flags.
+Every Engine option is a flag, made from EngineConfig's fields (not listed twice). With --dp N > 1
+it starts N such servers behind the SGLang model gateway instead (engine/serve/replicas.py). Exit
+codes: 0 after a regular stop (in-flight requests finished or, past --shutdown-timeout, aborted;
+traces flushed; no process left), 1 when the engine could not start or one of its processes died
+while serving (so a supervisor restarts the server), 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 
 from engine import envvars
 from engine.config import EngineConfig
+from engine.serve.gateway import POLICIES
 
 DEFAULT_PORT = 30000
 
@@ -119,6 +121,30 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="allow CORS from this origin (repeatable; default none)",
+    )
+    scale = p.add_argument_group(
+        "data parallelism: replicas behind the SGLang model gateway (docs/scale-out.md)"
+    )
+    scale.add_argument(
+        "--dp",
+        type=_positive,
+        default=1,
+        help="replicas of the server on loopback ports, behind the gateway `smg` on --host/--port "
+        "(default 1: no gateway)",
+    )
+    scale.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="cache_aware",
+        help="the gateway's routing policy with --dp > 1 (default %(default)s)",
+    )
+    scale.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for `smg launch` (repeatable; e.g. --gateway-arg=--retry-max-retries "
+        "--gateway-arg=3)",
     )
     _engine_flags(p)
     p.set_defaults(
@@ -236,9 +262,37 @@ def _log_to_stderr() -> None:
     logger.addHandler(handler)
 
 
+LAUNCHER_FLAGS = ("--host", "--port", "--dp", "--policy", "--gateway-arg", "--api-key")
+
+
+def replica_flags(argv: list[str]) -> list[str]:
+    """The flags every replica gets: the command line less the launcher's own (and the key, which
+    replicas take from the environment)."""
+    launcher = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in LAUNCHER_FLAGS:
+        launcher.add_argument(flag, action="append")
+    return launcher.parse_known_args(argv)[1]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     _log_to_stderr()
+    if args.dp > 1:
+        from engine.serve import replicas
+
+        return replicas.run(
+            args.dp,
+            replica_flags(argv),
+            args.host,
+            args.port,
+            args.policy,
+            args.gateway_arg,
+            args.num_threads,
+            args.shutdown_timeout,
+            args.api_key or envvars.read("ENGINE_API_KEY") or None,
+            args.startup_timeout,
+        )
     from engine import Engine
     from engine.serve.app import ServeOptions, build_app
 
