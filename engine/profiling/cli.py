@@ -23,6 +23,12 @@ from engine.profiling.stacks import parse_collapsed, write_flamegraph, write_spe
 ROLES = ("user", "scheduler", "detokenizer")
 
 
+def _roles(pids: dict[str, int]) -> list[str]:
+    """user, scheduler, the other tensor-parallel ranks' schedulers (scheduler-rank1, ...), detokenizer."""
+    ranks = sorted((r for r in pids if r not in ROLES), key=lambda r: int(r.rpartition("rank")[2]))
+    return [*ROLES[:2], *ranks, *ROLES[2:]]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine", description="py-spy profiling of the engine's processes"
@@ -113,7 +119,7 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
             file=sys.stderr,
         )
         recorders = {}
-        for role in ROLES:
+        for role in _roles(pids):
             raw = os.path.join(args.output, f"{role}.txt")
             argv = record_args(
                 pyspy, pids[role], raw, args.rate, args.duration, args.idle, args.native
@@ -146,8 +152,9 @@ def _profile(args: argparse.Namespace, cmd: list[str], pyspy: str) -> int:
         write_speedscope(
             stacks, f"engine::{role}", os.path.join(args.output, f"{role}.speedscope.json")
         )
-        b = breakdown(stacks, idle=args.idle, role=role)
-        b["reading"] = reading(role, b)
+        kind = "scheduler" if role.startswith("scheduler") else role  # a rank's: a scheduler's
+        b = breakdown(stacks, idle=args.idle, role=kind)
+        b["reading"] = reading(kind, b)
         report["processes"][role] = b
     with open(os.path.join(args.output, "breakdown.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -214,7 +221,7 @@ def dump_all(args: argparse.Namespace) -> int:
             "no running engine found (looked for processes titled engine::scheduler)"
         )
     for pids in engines:
-        for role in ROLES:
+        for role in _roles(pids):
             print(f"==== {role} (pid {pids[role]}) ====")
             print(dump(pyspy, pids[role]))
     return 0

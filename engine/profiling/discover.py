@@ -1,5 +1,5 @@
 """Find an engine's processes: the scheduler and detokenizer by title (engine::<role>), the user
-process as their parent."""
+process as their parent; under tensor parallelism the other ranks' schedulers (engine::tp-rank<N>)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def _role(proc: psutil.Process) -> str | None:
     for role in ROLES:
         if title.startswith(f"engine::{role}"):
             return role
+    if title.startswith("engine::tp-rank"):  # a tensor-parallel rank other than 0: scheduler-rank1
+        return "scheduler-rank" + title.removeprefix("engine::tp-rank").split()[0]
     return None
 
 
