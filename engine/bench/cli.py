@@ -17,6 +17,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload dtype-quality         # float32 and bfloat16 against transformers' float32
     python -m engine.bench --workload logits-head           # bfloat16 logits against float32 ones, the lm_head alone
     python -m engine.bench --workload soak                  # the stress crowd for many rounds: leaks, memory slope
+    python -m engine.bench --workload scale                 # one replica against two behind the gateway
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -42,6 +43,7 @@ from engine.bench.machine import machine_line
 from engine.bench.prompts import build_prompts
 from engine.bench.quality import print_quality, run_quality
 from engine.bench.plugins import print_plugins, run_plugins
+from engine.bench.scale import add_args as add_scale_args, print_scale, run_scale
 from engine.bench.serve import print_serve, run_serve
 from engine.bench.shared_prefix import print_shared_prefix, run_shared_prefix
 from engine.bench.soak import print_soak, run_soak
@@ -103,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "dtype-quality",
             "logits-head",
             "soak",
+            "scale",
         ),
         default="all",
         help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
@@ -115,8 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "dtype-quality: the exact mode and transformers in float32 and bfloat16 against "
         "transformers float32 (not in all); "
         "logits-head: a bfloat16 model's lm_head with bfloat16 logits against float32 ones; "
-        "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all)",
+        "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all); "
+        "scale: one replica against two behind the smg gateway, round robin and cache-aware (not in all)",
     )
+    add_scale_args(p)
     p.add_argument(
         "--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams"
     )
@@ -555,10 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         ("dtype-quality", run_dtype_quality, print_dtype_quality),
         ("logits-head", run_logits_head, print_logits_head),
         ("soak", run_soak, print_soak),
+        ("scale", run_scale, print_scale),
     ):
         extra[name] = None
         if args.workload == name or (
-            args.workload == "all" and name not in ("soak", "dtype-quality")
+            args.workload == "all" and name not in ("soak", "dtype-quality", "scale")
         ):  # slow: when asked
             extra[name] = run(args)
             show(extra[name])
