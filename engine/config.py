@@ -173,10 +173,10 @@ class EngineConfig:
             raise ValueError(f"dist_init_addr must be 'host:port', got {addr!r}")
         if self.nnodes > 1 and addr is None:
             raise ValueError("nnodes > 1 needs dist_init_addr (rank 0's host:port)")
-        if self.tp_size > 1 and self.quantization == "int8":
+        if self.tp_size > 1 and self.quantization in ("int8", "gguf-q8"):
             raise ValueError(
-                "quantization='int8' is not sharded under tensor parallelism (its per-row scales "
-                "and cache are made whole); use 'none', 'gguf' or 'gguf-q8'"
+                f"quantization={self.quantization!r} is not offered under tensor parallelism "
+                "(docs/tensor-parallel.md); use 'none' or 'gguf'"
             )
         if self.tp_size > 1 and self.device == "cuda":
             raise ValueError("tensor parallelism runs on the CPU (gloo) only; use device='cpu'")

@@ -140,6 +140,7 @@ def test_the_table_under_tensor_parallelism():
         ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "multiple"),
         ({"nnodes": 2, "node_rank": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "node_rank"),
         ({"tp_size": 2, "quantization": "int8"}, "int8"),
+        ({"tp_size": 2, "quantization": "gguf-q8"}, "gguf-q8"),
         ({"dist_init_addr": "nowhere"}, "host:port"),
     ],
 )
