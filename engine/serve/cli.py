@@ -23,6 +23,10 @@ from engine.serve.gateway import POLICIES
 DEFAULT_PORT = 30000
 
 
+# SGLang's name for a field where it differs from the field's own flag
+FLAG_ALIASES = {"tp_size": ("--tp",)}
+
+
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (the fields of EngineConfig, docs/api.md)")
     for f in dataclasses.fields(EngineConfig):
@@ -45,7 +49,12 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         convert = int if kind.startswith("int") else float if kind.startswith("float") else str
         group.add_argument(
-            flag, dest=f.name, type=convert, default=default, help="(default %(default)s)"
+            flag,
+            *FLAG_ALIASES.get(f.name, ()),
+            dest=f.name,
+            type=convert,
+            default=default,
+            help="(default %(default)s)",
         )
 
 
