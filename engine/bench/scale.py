@@ -3,10 +3,11 @@ gateway (`smg`), the second under round robin and under cache-aware routing, on 
 workload of prefix groups (engine/bench/prefix_groups.py) sent by the `openai` client.
 
 Per configuration: wall time, requests and generated tokens per second, and the prefix-cache hit
-rate the engines report (their /stats before and after). The machine's cores are shared out: the one
-replica gets them all, each of two gets half. Each replica's KV pool is --scale-pool tokens, sized to
-hold about four of the workload's prefixes, so that where a group is sent decides whether its prefix
-is still cached. Tensor-parallel rows (TP=1 against TP=2) belong in `tp_rows`, beside these.
+rate the engines report (their /stats before and after). The machine is shared out alike: the one
+replica gets all the cores and twice --scale-pool KV tokens, each of two half the cores and
+--scale-pool tokens, sized to hold about four of the workload's prefixes, so that where a group is
+sent decides whether its prefix is still cached. Tensor-parallel rows (TP=1 against TP=2) belong
+in `tp_rows`, beside these.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-dtype", default="auto", help="scale workload: engine dtype")
 
 
-def _replica(args: argparse.Namespace, threads: int) -> tuple[subprocess.Popen, str]:
+def _replica(args: argparse.Namespace, threads: int, pool: int) -> tuple[subprocess.Popen, str]:
     """engine serve on a port the system picks; returns once it printed its ready line."""
     proc = subprocess.Popen(
         [
@@ -52,7 +53,7 @@ def _replica(args: argparse.Namespace, threads: int) -> tuple[subprocess.Popen, 
             "--dtype",
             args.scale_dtype,
             "--max-total-tokens",
-            str(args.scale_pool),
+            str(pool),
             "--num-threads",
             str(threads),
         ],
@@ -139,14 +140,14 @@ def run_scale(args: argparse.Namespace) -> dict:
     )
     rows: dict[str, dict] = {}
     print("[scale] one replica ...", flush=True)
-    proc, url = _replica(args, cores)
+    proc, url = _replica(args, cores, 2 * args.scale_pool)
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         rows["1 replica"] = _measure(url, [url], model, workload, args)
     finally:
         _stop([proc])
     print("[scale] two replicas ...", flush=True)
-    pair = [_replica(args, max(1, cores // 2)) for _ in range(2)]
+    pair = [_replica(args, max(1, cores // 2), args.scale_pool) for _ in range(2)]
     try:
         urls = [u for _, u in pair]
         for policy in ("round_robin", "cache_aware"):
@@ -168,7 +169,7 @@ def run_scale(args: argparse.Namespace) -> dict:
             "groups": args.scale_groups,
             "per_group": args.scale_per_group,
             "prefix_words": args.scale_prefix_words,
-            "pool_tokens_per_replica": args.scale_pool,
+            "pool_tokens_per_replica": args.scale_pool,  # twice that for the one replica
             "concurrency": args.scale_concurrency,
             "max_tokens": args.scale_max_tokens,
             "cores": cores,
@@ -186,7 +187,8 @@ def print_scale(r: dict) -> None:
     w = r["workload"]
     print(
         f"\nscale-out: {w['groups']} prefix groups x {w['per_group']} requests, ~{w['prefix_words']} "
-        f"token prefixes, {w['pool_tokens_per_replica']} KV tokens per replica, concurrency "
+        f"token prefixes, {w['pool_tokens_per_replica']} KV tokens per replica of two (twice that for one), "
+        f"concurrency "
         f"{w['concurrency']}, {w['max_tokens']} tokens each, {w['cores']} cores shared out"
     )
     print(f"  {'':<28}{'seconds':>9}{'req/s':>8}{'tok/s':>8}{'hit rate':>10}  requests per replica")
