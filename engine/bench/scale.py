@@ -124,9 +124,11 @@ def _measure(url: str, replicas: list[str], model: str, workload, args) -> dict:
 
 
 def tp_rows(args: argparse.Namespace) -> dict | None:
-    """TP=1 against TP=2 within one replica (docs/tensor-parallel.md): its rows go here, beside the
-    replicas'; None while they are not measured."""
-    return None
+    """TP=1 against TP=2 within one replica (docs/tensor-parallel.md), by engine/bench/tp.py."""
+    from engine.bench.tp import tp_rows as measure_tp
+
+    print("[scale] one replica, TP=1 against TP=2 ...", flush=True)
+    return measure_tp()
 
 
 def run_scale(args: argparse.Namespace) -> dict:
@@ -204,3 +206,10 @@ def print_scale(r: dict) -> None:
     )
     if r["tp"] is None:
         print("  tensor parallelism: no TP rows in this run (tp_rows)", flush=True)
+    else:
+        from engine.bench.tp import print_rows
+
+        print(
+            "  tensor parallelism, one replica (on 2 cores: the collectives' cost, not a speed-up)"
+        )
+        print_rows(r["tp"])
