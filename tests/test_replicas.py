@@ -23,6 +23,7 @@ from server_helpers import free_port
 
 openai = pytest.importorskip("openai")
 
+KEY = "scale-key-1"
 READY = re.compile(r"engine serve: ready on (http://\S+) .*replicas: (.*)\)")
 
 
@@ -42,7 +43,7 @@ needs_smg = pytest.mark.skipif(
 class Launch:
     """engine serve --dp 2 as a subprocess, until its ready line."""
 
-    def __init__(self, model_dir: str, policy: str = "round_robin") -> None:
+    def __init__(self, model_dir: str, *flags: str) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PLUGINS", "ENGINE_API_KEY")}
         self.proc = subprocess.Popen(
             [
@@ -52,7 +53,7 @@ class Launch:
                 "--dp",
                 "2",
                 "--policy",
-                policy,
+                "round_robin",
                 "--port",
                 str(free_port()),
                 "--model-path",
@@ -61,6 +62,7 @@ class Launch:
                 "float32",
                 "--max-total-tokens",
                 "2048",
+                *flags,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -110,17 +112,26 @@ def test_replica_flags_are_the_command_line_less_the_launchers_own():
 
 @needs_smg
 def test_dp_2_serves_through_the_gateway_and_stops_on_sigterm(tiny_llama_dir):
-    launch = Launch(tiny_llama_dir)
+    """With --api-key the gateway asks clients for the key and the replicas ask the gateway."""
+    launch = Launch(tiny_llama_dir, "--api-key", KEY)
+    auth = {"Authorization": f"Bearer {KEY}"}
     try:
         pids = launch.pids()
         assert len(launch.replicas) == 2 and len(pids) >= 8  # launcher, gateway, 2 x 3 engine
-        name = httpx.get(launch.replicas[0] + "/v1/models").json()["data"][0]["id"]
-        client = openai.OpenAI(base_url=launch.url + "/v1", api_key="none", max_retries=0)
+        replicas = [p for p in pids[1:] if "engine.serve" in " ".join(psutil.Process(p).cmdline())]
+        assert len(replicas) == 2  # the key reaches them through the environment, not ps
+        assert all(KEY not in " ".join(psutil.Process(p).cmdline()) for p in replicas)
+        name = httpx.get(launch.replicas[0] + "/v1/models", headers=auth).json()["data"][0]["id"]
+        body = {"model": name, "prompt": "Hi", "max_tokens": 2}
+        for url in (launch.url, launch.replicas[0]):
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        client = openai.OpenAI(base_url=launch.url + "/v1", api_key=KEY, max_retries=0)
         for i in range(8):
             out = client.completions.create(model=name, prompt=f"Hello {i}", max_tokens=2)
             assert out.usage.completion_tokens == 2
         counts = [
-            httpx.get(u + "/stats", timeout=30).json()["finished_requests"] for u in launch.replicas
+            httpx.get(u + "/stats", headers=auth, timeout=30).json()["finished_requests"]
+            for u in launch.replicas
         ]
         assert counts == [4, 4], counts
         launch.proc.send_signal(signal.SIGTERM)
