@@ -263,11 +263,13 @@ def test_a_drained_replica_gets_no_new_request_and_finishes_its_running_ones(
 
 @pytest.mark.parametrize("count", [40, pytest.param(200, marks=pytest.mark.stress)])
 def test_a_replica_killed_under_load_loses_no_request_and_serves_again_once_restarted(
-    replicas, make_gateway, model_name, tiny_llama_dir, count
+    replicas, make_gateway, model_name, tiny_llama_dir, count, record_property
 ):
     """SIGKILL one replica's server while non-streaming requests run at concurrency 4: the gateway
     retries what failed on the other, marks the dead one not ready within 3 s, and routes to it
-    again once a replica is back on its address (re-added if the gateway had given up on it)."""
+    again once a replica is back on its address (re-added if the gateway had given up on it).
+    Streams run beside them: one the kill cuts cannot be retried once it has sent; each stream
+    either finishes or is counted as cut (the count is the test's `cut_streams` property)."""
     urls = [s.url for s in replicas]
     g = make_gateway(urls, "round_robin")
     client = g.client()
@@ -296,11 +298,33 @@ def test_a_replica_killed_under_load_loses_no_request_and_serves_again_once_rest
                 return
             time.sleep(0.05)
 
-    watcher = threading.Thread(target=watch)
+    streams = {"finished": 0, "cut": 0}
+    load_done = threading.Event()
+
+    def stream() -> None:
+        while not load_done.is_set():
+            reason = None
+            try:
+                for chunk in client.completions.create(
+                    model=model_name, prompt="Stream:", max_tokens=16, stream=True
+                ):
+                    reason = chunk.choices[0].finish_reason if chunk.choices else reason
+            except openai.APIError:
+                reason = None
+            streams["finished" if reason else "cut"] += 1
+
+    watcher, streamer = threading.Thread(target=watch), threading.Thread(target=stream)
     watcher.start()
+    streamer.start()
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(one, range(count)))
+    load_done.set()
     watcher.join()
+    streamer.join(60)
+    record_property("cut_streams", streams["cut"])
+    assert streams["finished"] > 0 and streams["cut"] <= 2, (
+        streams
+    )  # at most the one in flight (+1)
     assert len(outs) == count and all(o.choices[0].text is not None for o in outs)
     assert marked and marked[0] <= 3.0, marked
     assert wait_gone(list(pids.values()), 10) == []
