@@ -46,11 +46,12 @@ lint: $(STAMP)
 test: bytecode lint
 	$(BIN)/python -m pytest
 
-# tests/stress/ in full: the long forms (1,000 concurrent requests in-process and over HTTP, a long
+# tests/stress/ in full, then the stress-marked long forms kept beside their short ones (tests/test_gateway.py): the long forms (1,000 concurrent requests in-process and over HTTP, a long
 # soak, faults at random points; marker `stress`) and the short ones, with 400 examples a property
 # for hypothesis and schemathesis. `make test` runs the short forms only.
 stress: bytecode
 	ENGINE_HYPOTHESIS_EXAMPLES=400 $(BIN)/python -m pytest -m "stress or not stress" tests/stress
+	$(BIN)/python -m pytest -m stress tests --ignore=tests/stress   # the long forms kept beside their short ones
 
 BENCH_STAMP := $(VENV)/.bench-installed
 
