@@ -46,9 +46,8 @@ def sync_file(path: Path) -> None:
 
 def sync_tree(folder: Path) -> None:
     """Every file under folder, then each folder's entries, on disk."""
-    for path in sorted(
-        folder.rglob("*"), key=lambda p: len(p.parts), reverse=True
-    ):  # deepest first
+    # deepest first
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         if not path.is_symlink() and (path.is_file() or path.is_dir()):
             sync_file(path)
     sync_file(folder)
@@ -77,9 +76,8 @@ def hold_lease(folder: Path) -> IO | None:
     model holds it, so that a newer conversion's upkeep does not remove the folder under it (the engine
     reads it again later: transformers' tokenizer, the grammar compiler's). None where it cannot be
     taken (a read-only folder): the engine runs without it."""
-    lease = _locked(
-        folder, fcntl.LOCK_SH
-    )  # a removal holds it exclusively for a rename's time: waited for
+    # a removal holds it exclusively for a rename's time: waited for
+    lease = _locked(folder, fcntl.LOCK_SH)
     # removed while we waited (renamed away)
     if lease is not None and not (folder / ".complete").exists():
         lease.close()

@@ -13,16 +13,18 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+# engine/quantization: the modes and what each needs
 QUANTIZATIONS = (
     "none",
     "int8",
     "gguf",
     "gguf-q8",
-)  # engine/quantization: the modes and what each needs
+)
+# computed from a GGUF file's blocks (gguf-q8: activations rounded to int8)
 GGUF_MODES = (
     "gguf",
     "gguf-q8",
-)  # computed from a GGUF file's blocks (gguf-q8: activations rounded to int8)
+)
 
 
 @dataclass

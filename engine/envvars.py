@@ -103,10 +103,11 @@ def read(name: str) -> str:
     return os.environ.get(name, var.default).strip()
 
 
+# the switches' accepted values (or unset, or empty)
 SWITCH_VALUES = {
     "1 or 0": ("1", "0"),
     "raise": ("raise",),
-}  # the switches' accepted values (or unset, or empty)
+}
 
 
 # the per-kernel A/B switches, now rows of engine/linear/choose.py's table: (old default, override)

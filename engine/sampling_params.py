@@ -147,9 +147,8 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         )
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = (
-            int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key
-        )  # not "+5", " 5", "٥"
+        # not "+5", " 5", "٥"
+        token = int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key
         if not _is_int(token) or not 0 <= token < vocab_size:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
         if not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
@@ -243,9 +242,8 @@ def parse_sampling_params(
     top_k = p.get("top_k", -1)
     if not _is_int(top_k) or (top_k < 1 and top_k not in (-1, 0)):
         raise ValueError(f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {top_k!r}")
-    if (
-        top_k >= vocab_size
-    ):  # the whole vocabulary: any size is usable (2**63 overflowed an int64 tensor)
+    # the whole vocabulary: any size is usable (2**63 overflowed an int64 tensor)
+    if top_k >= vocab_size:
         top_k = -1
     min_p = _number(p, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]")
     repetition = _number(
@@ -282,9 +280,8 @@ def parse_sampling_params(
             RecursionError,
         ) as exc:  # RecursionError: nested too deep
             raise ValueError(f"custom_params must be JSON-serializable: {exc}") from None
-        if _has_non_finite(
-            p["custom_params"]
-        ):  # JSON has no NaN or infinity: they came through as null
+        # JSON has no NaN or infinity: they came through as null
+        if _has_non_finite(p["custom_params"]):
             raise ValueError(
                 "custom_params must hold finite numbers only (JSON has no NaN or infinity)"
             )

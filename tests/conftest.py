@@ -17,9 +17,8 @@ PROMPTS = list(PARITY_PROMPTS)
 def engine():
     from engine import Engine
 
-    eng = Engine(
-        dtype="float32", max_total_tokens=16384, preload_tokenizer=True
-    )  # the tests use engine.tokenizer
+    # the tests use engine.tokenizer
+    eng = Engine(dtype="float32", max_total_tokens=16384, preload_tokenizer=True)
     yield eng
     eng.shutdown()
 

@@ -48,9 +48,8 @@ def hf_beam_search(
             **kwargs,
         )
     seqs = out.sequences[:, len(ids) :].tolist()
-    if (
-        k == 1
-    ):  # transformers runs greedy search: the score from its raw logits, as beam search keeps it
+    # transformers runs greedy search: the score from its raw logits, as beam search keeps it
+    if k == 1:
         steps = torch.stack([torch.log_softmax(x[0], -1) for x in out.logits])
         total = float(steps.gather(1, torch.tensor(seqs[0])[: len(steps), None]).sum())
         return [(seqs[0], total / len(steps) ** length_penalty)]
@@ -250,15 +249,13 @@ def test_memory_bound_from_pool_stats(engine, tokenizer):
     assert running, "the watcher never saw the search running"
     for s in running:
         used = s["max_total_tokens"] - s["free_tokens"]
-        assert used == s["cache_tokens"] + s["beam_kv_tokens"], (
-            s
-        )  # the prompt in the cache, beams' tokens
+        # the prompt in the cache, beams' tokens
+        assert used == s["cache_tokens"] + s["beam_kv_tokens"], s
         assert s["cache_tokens"] <= len(ids) and s["beam_kv_tokens"] <= k * (n - 1), s
         assert used <= len(ids) + k * n
     stats = _idle(engine)
-    assert stats["beam_kv_peak_tokens"] >= k * (
-        n - 1
-    )  # it did hold one token per beam per decode step
+    # it did hold one token per beam per decode step
+    assert stats["beam_kv_peak_tokens"] >= k * (n - 1)
 
 
 def test_refused_arguments_name_themselves_before_anything_is_queued(engine):

@@ -46,14 +46,12 @@ def test_the_start_reads_the_prompts_row_unless_other_beams_would_count():
     fast = sel._best_candidates(row)
     assert fast[1].eq(0).all()
     _same(fast, _flat(sel, row))
-    masked = torch.full(
-        (1, 1000), -1e10
-    )  # a processor's finite mask leaves 2 tokens, fewer than keep = 8
+    # a processor's finite mask leaves 2 tokens, fewer than keep = 8
+    masked = torch.full((1, 1000), -1e10)
     masked[0, 5], masked[0, 9] = -0.5, -1.5
     got = sel._best_candidates(masked)
-    assert torch.equal(
-        got[0], _flat(sel, masked)[0]
-    )  # the other beams' pushed-down tokens come next
+    # the other beams' pushed-down tokens come next
+    assert torch.equal(got[0], _flat(sel, masked)[0])
     assert set(got[1].tolist()) != {0}
 
 
@@ -62,9 +60,8 @@ def test_a_searchs_reservation_is_what_its_decode_steps_take():
     sel = BeamSelection(k, n, (), device="cpu")
     group = BeamGroup(None, sel, torch.zeros(k, dtype=torch.int64))
     gen = torch.Generator().manual_seed(2)
-    sel.step(
-        torch.log_softmax(torch.randn(1, 100, generator=gen), -1)
-    )  # the start, from the prefill
+    # the start, from the prefill
+    sel.step(torch.log_softmax(torch.randn(1, 100, generator=gen), -1))
     taken = 0
     while not sel.done:
         assert group.remaining_tokens() == k * (n - 1) - taken  # what is still to come, exactly
@@ -120,9 +117,8 @@ def test_a_constrained_search_short_of_candidates_never_fills_a_terminated_match
     assert all(h.stopped for h in found)
     texts = {"".join(vocab[t] for t in h.output_ids[:-1]) for h in found}
     assert texts and texts <= answers and all(h.output_ids[-1] == eos for h in found), texts
-    for h in sel.results(
-        k
-    ):  # a kept beam's continuations never make a hypothesis with a stop token inside
+    # a kept beam's continuations never make a hypothesis with a stop token inside
+    for h in sel.results(k):
         assert eos not in h.output_ids[:-1], [vocab[t] for t in h.output_ids]
 
 

@@ -37,9 +37,8 @@ def test_native_bf16_elementwise_matches_torch(rows):
     got_h, got = ops.add_rms_norm(h.clone(), delta, w, 1e-5)
     assert torch.equal(got_h, want_h)  # the residual add: the same rounding
     ulps = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
-    assert (
-        ulps.max() <= 2**-7 and (got != want).float().mean() < 1e-3
-    )  # float32 sum order: one ulp, rarely
+    # float32 sum order: one ulp, rarely
+    assert ulps.max() <= 2**-7 and (got != want).float().mean() < 1e-3
     assert torch.equal(ops.rms_norm(want_h, w, 1e-5), got)
 
     gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 3).bfloat16()
@@ -199,9 +198,8 @@ def test_native_bf16_silu_saturates_as_torch():
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["bf16_logits", "torch"])
-@pytest.mark.parametrize(
-    "rows,out", [(1, 96), (7, 160), (64, 96), (9, 208)]
-)  # panels of 48, 32 and 16 columns
+# panels of 48, 32 and 16 columns
+@pytest.mark.parametrize("rows,out", [(1, 96), (7, 160), (64, 96), (9, 208)])
 def test_float32_head_against_float64(kernel, rows, out):
     """Float32Head: bfloat16 weights, float32 rows and logits, within float32 rounding of float64."""
     from engine.linear.f32_head import Float32Head

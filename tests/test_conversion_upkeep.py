@@ -43,9 +43,8 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     root, here = tmp_path / "cache", socket.gethostname()
     model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
     model.write_bytes(b"GGUF"), other.write_bytes(b"GGUF")
-    installed = (
-        tmp_path / "venv" / "lib" / "site-packages" / "pkg" / "gone.gguf"
-    )  # removed with its environment
+    # removed with its environment
+    installed = tmp_path / "venv" / "lib" / "site-packages" / "pkg" / "gone.gguf"
     unmounted = tmp_path / "drive" / "mine.gguf"  # a user's own file that is missing now
     kept = _conversion(root, "model-" + HEX, model, here)
     removed = [
@@ -56,22 +55,19 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     ]
     outside = _conversion(tmp_path / "elsewhere", "linked", installed, here)
     survivors = [
-        _conversion(
-            root, "model-" + "5" * 16, model, "other-host"
-        ),  # a shared home: another host's venv
+        # a shared home: another host's venv
+        _conversion(root, "model-" + "5" * 16, model, "other-host"),
         _conversion(root, "gone-" + "6" * 16, installed, "other-host"),
         _conversion(root, "mine-" + "7" * 16, unmounted, here),
         _conversion(root, "other-" + "8" * 16, other, None),
         _conversion(root, "user-model", installed, here),  # not named as ours
-        _conversion(
-            root, ".convert-k2j4h5g6", model, here
-        ),  # marked just before its rename: in progress
+        # marked just before its rename: in progress
+        _conversion(root, ".convert-k2j4h5g6", model, here),
         root / ("model-" + "9" * 16),  # no mark yet
         root / "quantized",
         root / ("link-" + "a" * 16),
-        _conversion(
-            root, "kept-" + "c" * 16, installed.with_name("present.gguf"), here
-        ),  # installed, still there
+        # installed, still there
+        _conversion(root, "kept-" + "c" * 16, installed.with_name("present.gguf"), here),
         _conversion(root, ".model-" + "d" * 16, model, here),  # a hidden folder is never ours
     ]
     installed.parent.mkdir(parents=True)
@@ -83,9 +79,8 @@ def test_a_conversion_removes_this_hosts_conversions_it_replaces_and_nothing_els
     files = {folder: _cached(folder) for folder in (kept, removed[0], removed[2], survivors[3])}
     panels = {folder: _cached(folder, "float32-panels", "packed") for folder in (kept, removed[2])}
     foreign = _cached(removed[3], host="other-host")
-    legacy = (
-        root / "quantized" / "unknown-int8-0000000000000000.safetensors"
-    )  # no metadata: not judged here
+    # no metadata: not judged here
+    legacy = root / "quantized" / "unknown-int8-0000000000000000.safetensors"
     legacy.write_bytes(b"\0" * 16)
 
     assert sorted(prune_conversions(kept)) == sorted(removed)
@@ -129,9 +124,8 @@ def test_the_mark_names_a_gguf_or_the_folder_is_no_conversion(tmp_path):
     gguf.write_bytes(b"GGUF")
     old = _conversion(tmp_path, "m-" + "2" * 16, gguf, None)
     assert conversion_source(old) == (str(gguf), None) and gguf_source(str(old)) == gguf
-    two_lines = _conversion(
-        tmp_path, "m-" + "4" * 16, gguf, None
-    )  # as one commit of this project wrote it
+    # as one commit of this project wrote it
+    two_lines = _conversion(tmp_path, "m-" + "4" * 16, gguf, None)
     (two_lines / ".complete").write_text(f"{gguf}\nhost-b\n")
     assert (
         conversion_source(two_lines) == (str(gguf), "host-b")
@@ -139,9 +133,8 @@ def test_the_mark_names_a_gguf_or_the_folder_is_no_conversion(tmp_path):
     )
     bad = _conversion(tmp_path, "m-" + "3" * 16, tmp_path / "not-a-model.bin", "host-a")
     assert conversion_source(bad) is None and gguf_source(str(bad)) is None
-    assert (
-        prune_conversions(bad) == [] and old.is_dir()
-    )  # a folder that is no conversion prunes nothing
+    # a folder that is no conversion prunes nothing
+    assert prune_conversions(bad) == [] and old.is_dir()
 
 
 def test_a_neighbour_pruning_cannot_read_never_fails_the_conversion(tmp_path, monkeypatch):
@@ -150,9 +143,8 @@ def test_a_neighbour_pruning_cannot_read_never_fails_the_conversion(tmp_path, mo
     gguf.write_bytes(b"GGUF")
     broken = root / ("m-" + "5" * 16)
     broken.mkdir(parents=True)
-    (broken / ".complete").write_bytes(
-        b"\xff\xfe not text"
-    )  # read_text raises UnicodeDecodeError, not OSError
+    # read_text raises UnicodeDecodeError, not OSError
+    (broken / ".complete").write_bytes(b"\xff\xfe not text")
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     install_conversion(fresh, root / ("m-" + HEX), gguf)
@@ -220,12 +212,10 @@ def test_a_conversion_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "fsync", fsync)
     install_conversion(fresh, root / ("m-" + HEX), gguf)
-    assert synced.get("model.safetensors") is False and synced.get("config.json") is False, (
-        synced
-    )  # before the mark
-    assert "fresh" in synced and ".complete" in synced, (
-        synced
-    )  # the folder's entries, and the mark itself
+    # before the mark
+    assert synced.get("model.safetensors") is False and synced.get("config.json") is False, synced
+    # the folder's entries, and the mark itself
+    assert "fresh" in synced and ".complete" in synced, synced
 
 
 def test_a_conversion_an_engine_is_running_on_is_not_removed(tmp_path, monkeypatch):

@@ -39,9 +39,8 @@ def _blocks(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize(
-    "n,k", [(48, 576), (96, 1536), (16, 800)]
-)  # 3 panels (an odd one for the pairs), K in blocks
+# 3 panels (an odd one for the pairs), K in blocks
+@pytest.mark.parametrize("n,k", [(48, 576), (96, 1536), (16, 800)])
 def test_bitwise_f32_linear_on_the_dequantized_weights(kind, n, k):
     gen = torch.Generator().manual_seed(kind * 1000 + n + k)
     blocks = _blocks(kind, n, k, gen)
@@ -53,6 +52,7 @@ def test_bitwise_f32_linear_on_the_dequantized_weights(kind, n, k):
     try:
         for t in sorted({1, threads}):
             torch.set_num_threads(t)
+            # straight from the blocks (up to 6 rows), buffered beyond
             for m in (
                 1,
                 2,
@@ -62,7 +62,7 @@ def test_bitwise_f32_linear_on_the_dequantized_weights(kind, n, k):
                 12,
                 64,
                 100,
-            ):  # straight from the blocks (up to 6 rows), buffered beyond
+            ):
                 x = torch.randn(m, k, generator=gen)
                 got, want = mine(x), exact(x)
                 assert torch.equal(got, want), (m, t, (got - want).abs().max().item())
@@ -82,9 +82,8 @@ def test_shapes_and_types_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match="does not take"):
         F32BlockLinear(3, _blocks(3, 24, 64, gen), (24, 64), LIB)  # 24 rows: not whole panels of 16
     with pytest.raises(ValueError, match="does not take"):
-        F32BlockLinear(
-            12, torch.zeros(16, 144, dtype=torch.uint8), (16, 256), LIB
-        )  # Q4_K: not read
+        # Q4_K: not read
+        F32BlockLinear(12, torch.zeros(16, 144, dtype=torch.uint8), (16, 256), LIB)
     with pytest.raises(TypeError, match="float32"):
         F32BlockLinear(3, _blocks(3, 16, 64, gen), (16, 64), LIB)(
             torch.zeros(1, 64, dtype=torch.bfloat16)
@@ -118,9 +117,8 @@ def test_every_layer_of_the_embedded_model_is_bitwise_its_float32_layer(model_di
             x = torch.randn(rows, layer.in_features, generator=gen)
             assert torch.equal(layer(x), floats[name](x)), name
     held = sum(m.packed.numel() for m in mine.values())
-    assert (
-        held < sum(m.packed.numel() * 4 for m in floats.values()) / 5
-    )  # bytes: blocks against float32 panels
+    # bytes: blocks against float32 panels
+    assert held < sum(m.packed.numel() * 4 for m in floats.values()) / 5
 
 
 def test_the_engine_on_blocks_gives_the_float_panels_tokens_and_logprobs(engine, monkeypatch):
@@ -132,12 +130,10 @@ def test_the_engine_on_blocks_gives_the_float_panels_tokens_and_logprobs(engine,
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
     def run(eng) -> list:
-        one = [
-            eng.generate(p, params, return_logprob=True, top_logprobs_num=2) for p in prompts
-        ]  # batch 1
-        many = eng.generate(
-            prompts * 4, params, return_logprob=True, top_logprobs_num=2
-        )  # a batch of 12
+        # batch 1
+        one = [eng.generate(p, params, return_logprob=True, top_logprobs_num=2) for p in prompts]
+        # a batch of 12
+        many = eng.generate(prompts * 4, params, return_logprob=True, top_logprobs_num=2)
         return [
             (
                 o["output_ids"],

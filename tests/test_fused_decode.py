@@ -35,9 +35,8 @@ def test_elementwise_ops_match_torch(rows):
         h.data_ptr(), a.data_ptr(), w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2
     )
     assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
-    lib.add_rms_norm(
-        h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2
-    )  # no residual
+    # no residual
+    lib.add_rms_norm(h.data_ptr(), None, w[0].data_ptr(), out.data_ptr(), rows, 576, 1e-5, 2)
     assert torch.equal(h, want_h) and close(out, rms_norm(want_h, w[0], 1e-5))
 
     heads, kv_heads, d = 9, 3, 64
@@ -72,10 +71,11 @@ def _both_ways(
 
     def loop(batch, backend):
         saved = model.__dict__.get("_decode_layers")
+        # what _native caches where the C step cannot run
         model.__dict__["_decode_layers"] = (
             backend,
             None,
-        )  # what _native caches where the C step cannot run
+        )
         try:
             return fused(batch, backend)
         finally:
@@ -123,16 +123,14 @@ def test_fused_decode_step_matches_the_plain_forward(model_dir, mode, rel):
     run = InProcess(model_dir, max_total_tokens=2048, quantization=mode)
     try:
         model = run.sched.runner.model
-        assert (
-            run.sched.runner.backend.rows_decoder() is not None
-        )  # the K/V store and attention as one C call
+        # the K/V store and attention as one C call
+        assert run.sched.runner.backend.rows_decoder() is not None
         done, seen = _both_ways(run, 12)
         buffers, rows = model.__dict__["_fused_buffers"], model.__dict__["_fused_rows"]
         _ran_in_one_call(model)
         native = model.__dict__["_decode_layers"][1]
-        if (
-            native is not None
-        ):  # a kernel's failure names the layer and stage (it fails before any K/V store)
+        # a kernel's failure names the layer and stage (it fails before any K/V store)
+        if native is not None:
             native._layers[0].qkv.kind = 99
             h, cs = torch.zeros(1, model.cfg.hidden_size), torch.zeros(1, model.cfg.head_dim)
             with pytest.raises(RuntimeError, match="layer 0's qkv_proj failed with code -100"):
@@ -172,14 +170,12 @@ def test_exact_bf16_decode_steps_are_bitwise_the_plain_forwards(model_dir):
             pytest.skip(
                 "no fused bfloat16 decode here (no AVX512_BF16, or AMX): checked it is not installed"
             )
-        assert (
-            run.sched.runner.backend.rows_decoder() is not None
-        )  # the K/V store and attention as one bfloat16 call
+        # the K/V store and attention as one bfloat16 call
+        assert run.sched.runner.backend.rows_decoder() is not None
         done, seen = _both_ways(run, 10)
         assert model.__dict__["_fused_buffers"]["qkv"].dtype == torch.bfloat16
-        assert (
-            model.__dict__["_decode_layers"][1] is None
-        )  # bfloat16 keeps the loop (decode_layers.py says why)
+        # bfloat16 keeps the loop (decode_layers.py says why)
+        assert model.__dict__["_decode_layers"][1] is None
     finally:
         run.close()
     assert len(done) == 4 and len(seen) >= 9

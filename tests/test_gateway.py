@@ -239,9 +239,8 @@ def test_a_drained_replica_gets_no_new_request_and_finishes_its_running_ones(
             pool.submit(client.completions.create, **long, extra_body=long_extra) for _ in range(2)
         ]
         deadline = time.monotonic() + 30
-        while (
-            any(s["running"] == 0 for s in stats(replicas)) and time.monotonic() < deadline
-        ):  # one on each replica
+        # one on each replica
+        while any(s["running"] == 0 for s in stats(replicas)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(s["running"] == 1 for s in stats(replicas))
         assert httpx.delete(f"{g.url}/workers/{drained['id']}", timeout=10).status_code < 300
@@ -322,9 +321,8 @@ def test_a_replica_killed_under_load_loses_no_request_and_serves_again_once_rest
     watcher.join()
     streamer.join(60)
     record_property("cut_streams", streams["cut"])
-    assert streams["finished"] > 0 and streams["cut"] <= 2, (
-        streams
-    )  # at most the one in flight (+1)
+    # at most the one in flight (+1)
+    assert streams["finished"] > 0 and streams["cut"] <= 2, streams
     assert len(outs) == count and all(o.choices[0].text is not None for o in outs)
     assert marked and marked[0] <= 3.0, marked
     assert wait_gone(list(pids.values()), 10) == []

@@ -77,9 +77,8 @@ def test_a_conversion_that_fails_halfway_leaves_nothing_and_says_so(tmp_path, mo
     monkeypatch.setattr(
         gguf_convert, "state_dict", lambda gguf, config: {"model.norm.weight": torch.ones(4)}
     )
-    monkeypatch.setattr(
-        GenerationConfig, "save_pretrained", fail
-    )  # after model.safetensors and config.json
+    # after model.safetensors and config.json
+    monkeypatch.setattr(GenerationConfig, "save_pretrained", fail)
     out = tmp_path / "out"
     out.mkdir()
     assert not convert_here(embedded_gguf_path(), out)

@@ -232,9 +232,10 @@ def test_q4_0_blocks_with_a_subnormal_scale_are_packed():
     gen = torch.Generator().manual_seed(9)
     blocks = random_blocks(2, 16, 64, gen)
     raw = blocks.reshape(16, 2, 18)
+    # subnormal halves
     tiny = torch.tensor(
         [0x0001, 0x0074, 0x8274 & 0x7FFF, 0x03FF, 0x0080, 0x007F], dtype=torch.int32
-    )  # subnormal halves
+    )
     for i, bits in enumerate(tiny.tolist()):
         raw[i, 0, 0], raw[i, 0, 1] = bits & 0xFF, bits >> 8
     blocks = raw.reshape(16, 36).contiguous()

@@ -78,9 +78,8 @@ def test_block_layer_matches_its_dequantized_weight(kind, rows, out_features, in
         kind, blocks, (out_features, in_features), b, load_native(), torch.get_num_threads()
     )
     weight = dequantize(kind, blocks, in_features)
-    assert torch.allclose(
-        layer.dequantized_weight(), weight, rtol=1e-6, atol=1e-7
-    )  # the C dequantizer
+    # the C dequantizer
+    assert torch.allclose(layer.dequantized_weight(), weight, rtol=1e-6, atol=1e-7)
     x = torch.randn(rows, in_features, generator=gen)
     with torch.inference_mode():
         got = layer(x)
@@ -278,9 +277,8 @@ def test_without_avx2_block_layers_keep_the_integer_kernel_to_few_rows(tmp_path)
 def test_a_block_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch):
     import engine.linear.quantized as linear
 
-    monkeypatch.setattr(
-        linear, "SCRATCH_MAX_ELEMENTS", 64 * 7
-    )  # tiles of 7 output rows, the last one short
+    # tiles of 7 output rows, the last one short
+    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 64 * 7)
     gen = torch.Generator().manual_seed(5)
     blocks = random_blocks(3, 45, 64, gen)
     layer = GGUFLinear(3, blocks, (45, 64), None, load_native(), 1)
@@ -328,17 +326,17 @@ def test_embedded_gguf_blocks_are_the_converted_weights(model_dir):
         ]
         got = dequantize(kind, data, shapes[name][1])
         assert torch.allclose(got, source, rtol=1e-6, atol=1e-7), name
+    # Q4_1 layers, the Q8_0 embedding as lm_head
     assert {kind for kind, _ in blocks.values()} == {
         3,
         8,
-    }  # Q4_1 layers, the Q8_0 embedding as lm_head
+    }
 
 
 @pytest.fixture(scope="module")
 def gguf_engine():
-    eng = Engine(
-        quantization="gguf", max_total_tokens=8192, chunked_prefill_size=512
-    )  # a chunked prompt of 964 tokens
+    # a chunked prompt of 964 tokens
+    eng = Engine(quantization="gguf", max_total_tokens=8192, chunked_prefill_size=512)
     try:
         yield eng
     finally:

@@ -128,9 +128,8 @@ def test_failures_are_named_and_wrappers_see_them(plugins):
     ) as info:
         hooks.call("engine_output", result=result, seq=0)
     assert info.value.plugin == "breaks"
-    assert (
-        isinstance(new.saw_error, HookError) and new.saw_error.plugin == "breaks"
-    )  # thrown into the wrapper
+    # thrown into the wrapper
+    assert isinstance(new.saw_error, HookError) and new.saw_error.plugin == "breaks"
     assert "plain broke" in result["old_saw"]
 
 
@@ -201,9 +200,8 @@ def test_wrappers_that_cannot_run_are_refused_at_load_time(plugins):
         plugins(NotAGenerator(), "not_a_generator")
     with pytest.raises(PluginLoadError, match="engine_stats gathers one result per plugin"):
         plugins(WrapsStats(), "wraps_stats")
-    assert not hooks.has("engine_output") and not hooks.has(
-        "engine_stats"
-    )  # nothing left half registered
+    # nothing left half registered
+    assert not hooks.has("engine_output") and not hooks.has("engine_stats")
 
 
 def test_fatal_mode_raises_past_request_isolation(plugins, monkeypatch):
@@ -395,9 +393,8 @@ def test_keyboard_interrupt_stops_the_user_process_but_is_a_hook_error_in_a_chil
             hooks.call("engine_output", result={}, seq=0)
     finally:
         set_role("user")
-    plugins(
-        Exits(FatalHookError("stop now")), "fatal"
-    )  # the project's own fatal error passes unchanged
+    # the project's own fatal error passes unchanged
+    plugins(Exits(FatalHookError("stop now")), "fatal")
     with pytest.raises(FatalHookError, match="stop now"):
         hooks.call("engine_output", result={}, seq=0)
 
@@ -461,17 +458,17 @@ def test_plugins_load_in_their_order_when_some_can_only_load_in_the_strict_pass(
         folder.mkdir()
         (folder / f"{module}.py").write_text(code)
     spec = "order_late_plugin:plugin,order_early_plugin:plugin"
-    monkeypatch.syspath_prepend(
-        str(early)
-    )  # the late one is importable only later (next to the script)
+    # the late one is importable only later (next to the script)
+    monkeypatch.syspath_prepend(str(early))
     try:
         load_plugins(spec, strict=False)
         monkeypatch.syspath_prepend(str(late))
         load_plugins(spec)
+        # last registered first
         assert hooks.implementers("engine_output") == [
             "order_early_plugin:plugin",
             "order_late_plugin:plugin",
-        ]  # last registered first
+        ]
     finally:
         unload_plugins(spec.split(","))
         for module in ("order_late_plugin", "order_early_plugin"):

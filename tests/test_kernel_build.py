@@ -98,9 +98,8 @@ def _plant(folder: Path, tmp_path: Path) -> Path:
     key_code = "from engine.kernels.cpu import build\nprint(build.cache_key())\n"
     key = _python(key_code, tmp_path).stdout.strip()
     source = tmp_path / "planted.c"
-    source.write_text(
-        "int planted(void) { return 1; }\n"
-    )  # beside every real kernel, so the library binds
+    # beside every real kernel, so the library binds
+    source.write_text("int planted(void) { return 1; }\n")
     target = folder / f"cpu_kernels-{key}.so"
     kernels = sorted(str(p) for p in (ROOT / "engine/kernels/cpu").glob("*.c"))
     subprocess.run(
@@ -154,9 +153,8 @@ def test_world_writable_library_in_a_private_cache_is_rebuilt(tmp_path):
 def test_a_private_cache_is_used(tmp_path):
     (tmp_path / "kernels").mkdir(mode=0o700)
     os.chmod(tmp_path, 0o700)
-    _plant(
-        tmp_path / "kernels", tmp_path
-    )  # here "planted" by this user: trusted, as the cache is meant to be
+    # here "planted" by this user: trusted, as the cache is meant to be
+    _plant(tmp_path / "kernels", tmp_path)
     res = _python(PLANT, tmp_path)
     assert res.stdout.strip() == "planted" and "not using the kernel cache" not in res.stderr, (
         res.stderr

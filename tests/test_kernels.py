@@ -30,9 +30,8 @@ def _reference(q, keys, values, scale):
 @pytest.mark.parametrize("head_dim", [64, 40])  # 64: the register-blocked path; 40: the generic one
 @pytest.mark.parametrize("backend_name", ["torch", "cpu_native"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize(
-    "b", [5, 1]
-)  # 1: fewer requests than threads, the native kernel splits by KV head
+# 1: fewer requests than threads, the native kernel splits by KV head
+@pytest.mark.parametrize("b", [5, 1])
 def test_decode_matches_reference(backend_name, dtype, tol, head_dim, b):
     if backend_name == "cpu_native" and load_native() is None:
         pytest.fail("no C compiler: the native kernel could not be built on this machine")
@@ -219,9 +218,8 @@ def test_native_extend_can_be_switched_off_for_ab_runs(monkeypatch):
             req_to_token=torch.zeros(1, 4, dtype=torch.int64),
         )
 
-    assert backend().native_extend == bool(
-        native_support(load_native(), 9, 3, 64) & EXTEND
-    )  # the build decides
+    # the build decides
+    assert backend().native_extend == bool(native_support(load_native(), 9, 3, 64) & EXTEND)
     off = backend(
         native_extend(EngineConfig(kernel_overrides={"native-extend": "off"}).kernel_overrides)
     )
@@ -252,9 +250,8 @@ def _scattered_decode_batch(b: int):
     return table, slots, lens, loc, batch
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16]
-)  # the quantized modes' pool; the exact mode's
+# the quantized modes' pool; the exact mode's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b", [5, 1])
 def test_native_rows_decoder_stores_and_attends_rows_where_the_projection_wrote_them(b, dtype):
     """The fused decode path's one call (rows_decoder): q, k, v are strided views of one qkv row per
@@ -387,9 +384,8 @@ def attention_build(tmp_path_factory):
     [[], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
     ids=["native", "no-bf16-dot", "no-avx512", "no-avx2"],
 )
-@pytest.mark.parametrize(
-    "heads", [(9, 3), (12, 2)]
-)  # 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)
+# 12/2: six query heads a KV head, blocks of 4 then 2 (AVX2: 3 and 3)
+@pytest.mark.parametrize("heads", [(9, 3), (12, 2)])
 def test_decode_kernel_builds_match_reference(attention_build, narrower, heads):
     """Each decode path a machine may build (bf16 dot products straight from the pool, bf16 rows converted
     first, 256-bit vectors without AVX-512, the plain loop without AVX2) against the float64 reference,
@@ -604,9 +600,8 @@ def test_extend_query_output_does_not_depend_on_its_batch(attention_build, narro
             assert torch.equal(outs[0], outs[1]), (dtype, pos)
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.bfloat16, torch.float32]
-)  # bfloat16: the whole-step pass (AVX512_BF16)
+# bfloat16: the whole-step pass (AVX512_BF16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
     """The extend kernel scores a whole online-softmax step (4 blocks of 16 keys) in one pass over the query
     and a partial last step block by block: a query's output must not depend on which of the two its keys
@@ -624,9 +619,8 @@ def test_extend_whole_softmax_steps_add_scores_as_single_blocks_do(dtype):
         )
     h, hkv, d, n = 9, 3, 64, 64
     gen = torch.Generator().manual_seed(7)
-    q = (
-        (torch.rand(n, h, d, generator=gen) + 0.5).to(dtype).repeat(2, 1, 1)
-    )  # positive; each query twice
+    # positive; each query twice
+    q = (torch.rand(n, h, d, generator=gen) + 0.5).to(dtype).repeat(2, 1, 1)
     k = torch.randn(64, hkv, d, generator=gen)
     k[48:] = -50.0
     k, v = k.to(dtype), torch.randn(64, hkv, d, generator=gen).to(dtype)

@@ -42,9 +42,8 @@ def test_process_titles_and_ctrl_c_does_not_kill_children():
                 Path(f"/proc/{eng.pids[role]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             )
             assert cmdline.startswith(f"engine::{role}")
-            os.kill(
-                eng.pids[role], signal.SIGINT
-            )  # what a terminal's Ctrl-C sends to the whole group
+            # what a terminal's Ctrl-C sends to the whole group
+            os.kill(eng.pids[role], signal.SIGINT)
         time.sleep(0.5)
         assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
 
@@ -323,10 +322,11 @@ def test_bad_model_path_raises_before_spawning(tmp_path):
 @pytest.mark.parametrize(
     "option, value",
     [
+        # passed as float("0.5"), then int * str in the scheduler: a string of 3x free RAM
         (
             "mem_fraction",
             "0.5",
-        ),  # passed as float("0.5"), then int * str in the scheduler: a string of 3x free RAM
+        ),
         ("mem_fraction", True),
         ("mem_fraction", float("nan")),
         ("mem_fraction", 1.0),

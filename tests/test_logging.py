@@ -66,10 +66,11 @@ def test_engine_messages_reach_stderr_unless_the_engine_logger_is_silenced(
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # both hooks failed
     assert set((tmp_path / "called.log").read_text().split()) == {
         "step_end",
         "done",
-    }  # both hooks failed
+    }
     lines = proc.stderr.splitlines()
     scheduler = [
         ln for ln in lines if ln.startswith("engine::scheduler: ") and "step_end broke" in ln

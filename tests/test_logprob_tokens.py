@@ -57,9 +57,8 @@ def test_sentencepiece_pieces_keep_their_space_and_byte_tokens_their_byte(decode
         SP_VOCAB.index(p)
         for p in ("▁Hello", "▁world", "!", "<0xE3>", "<0x81>", "<0x82>", "▁", "lo")
     ]
-    text = tok.decode(
-        ids
-    )  # as the detokenizer decodes an output: on its own, the first piece's space dropped
+    # as the detokenizer decodes an output: on its own, the first piece's space dropped
+    text = tok.decode(ids)
     assert text == "Hello world!あ lo"
     text_of = TokenText(tok)
     assert [text_of(i)[0] for i in ids[1:]] == [
@@ -85,10 +84,11 @@ def test_sentencepiece_pieces_keep_their_space_and_byte_tokens_their_byte(decode
     later = chat_logprobs(
         {"output_token_logprobs": meta["output_token_logprobs"][:2]}, text_of, start=3
     )["content"]
+    # a stream chunk's tokens after the first
     assert [c["token"] for c in later] == [
         " Hello",
         " world",
-    ]  # a stream chunk's tokens after the first
+    ]
 
 
 def test_byte_level_tokens_give_the_texts_bytes(engine):
@@ -96,6 +96,5 @@ def test_byte_level_tokens_give_the_texts_bytes(engine):
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     text_of = TokenText(engine.tokenizer)
     assert b"".join(text_of(i)[1] for i in ids) == text.encode("utf-8")
-    assert any(
-        t.startswith("bytes:") for t, _ in map(text_of, ids)
-    )  # a token holding part of a character
+    # a token holding part of a character
+    assert any(t.startswith("bytes:") for t, _ in map(text_of, ids))

@@ -47,11 +47,12 @@ def test_loader_maps_the_float32_embedding_and_reads_the_rest(tiny_llama_dir):
     entry = weights["model.embed_tokens.weight"]
     embed, file = model.embed_tokens.weight, os.path.realpath(entry.path)
     ours = f32_panels.runs_here(load_native())
+    # AVX-512: MKL's
     kind = (
         (F32Linear if ours else PackedLinear)
         if torch.backends.cpu.get_cpu_capability() == "AVX2"
         else Linear
-    )  # AVX-512: MKL's
+    )
     assert _mapped_file(embed.data_ptr()) == file and type(model.lm_head) is kind  # its own copy
     assert _mapped_file(getattr(model.lm_head, "weight", model.norm.weight).data_ptr()) != file
     assert _mapped_file(model.norm.weight.data_ptr()) != file  # read into memory
@@ -111,14 +112,12 @@ def test_mapping_is_only_resident_where_touched_and_gives_pages_back(tmp_path):
     assert float(mapped.tensor.sum(dtype=torch.float64)) == pytest.approx(
         (rows * hidden) * (rows * hidden - 1) / 2
     )
-    assert (
-        _rss_file_mb() - before > 56
-    )  # all of it read once (a packed or quantized lm_head's load)
+    # all of it read once (a packed or quantized lm_head's load)
+    assert _rss_file_mb() - before > 56
     mapped.drop_pages()
     assert _rss_file_mb() - before < 8
-    assert (
-        float(mapped.tensor[rows - 1, hidden - 1]) == rows * hidden - 1
-    )  # read again from the page cache
+    # read again from the page cache
+    assert float(mapped.tensor[rows - 1, hidden - 1]) == rows * hidden - 1
 
 
 def test_mapping_is_copy_on_write(tmp_path):

@@ -31,9 +31,8 @@ def test_small_pool_queues_and_completes_all(engine, tokenizer):
     with Engine(dtype="float32", max_total_tokens=2 * need + 10, max_running_requests=8) as small:
         outs = small.generate(input_ids=prompts, sampling_params=params)
         stats = small.get_stats()
-        with pytest.raises(
-            ValueError, match="max_total_tokens"
-        ):  # could never fit: refused, not queued forever
+        # could never fit: refused, not queued forever
+        with pytest.raises(ValueError, match="max_total_tokens"):
             small.generate(
                 input_ids=[5] * (stats["max_total_tokens"] - 10),
                 sampling_params={"max_new_tokens": 64},
@@ -43,9 +42,8 @@ def test_small_pool_queues_and_completes_all(engine, tokenizer):
     assert len({o["meta_info"]["id"] for o in outs}) == len(prompts)
     assert engine_idle(stats)
     assert stats["prefill_steps"] >= len(prompts) // 2, "requests were not queued behind each other"
-    assert (
-        stats["retracted_requests"] == 0
-    )  # the default estimate of new tokens is cautious enough here
+    # the default estimate of new tokens is cautious enough here
+    assert stats["retracted_requests"] == 0
     assert stats["finished_requests"] == len(prompts)
 
 
@@ -74,9 +72,8 @@ def test_kv_pool_takes_memory_only_as_tokens_are_written(dtype):
     assert grown < total / 10, (
         f"a new pool of {total >> 20} MiB made the process {grown >> 20} MiB bigger"
     )
-    for buf in (
-        pool.k_buffers + pool.v_buffers
-    ):  # still zero where never written, padding slot included
+    # still zero where never written, padding slot included
+    for buf in pool.k_buffers + pool.v_buffers:
         assert buf.dtype == dtype and buf.shape == (tokens + 1, heads, dim)
         assert not buf[0].any() and not buf[tokens // 2].any() and not buf[-1].any()
     pool.k_buffers[0][1:1001] = 1.0  # writes still land

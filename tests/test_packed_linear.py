@@ -15,18 +15,21 @@ from engine.kernels.cpu import load_native
 from engine.linear import bf16, f32_panels
 from engine.linear.bf16 import Bf16Linear
 from engine.linear.f32_panels import F32Linear
+
+# the model's plain layers: nn.Linear without its random init
 from engine.linear.torch import (
     Linear,
-)  # the model's plain layers: nn.Linear without its random init
+)
 from engine.model.loader import load_model
 from engine.linear.onednn import PackedLinear, packing_available
 
+# SmolLM2-135M's qkv, gate_up, down, lm_head
 SHAPES = [
     (576, 960),
     (576, 3072),
     (1536, 576),
     (576, 49152),
-]  # SmolLM2-135M's qkv, gate_up, down, lm_head
+]
 
 
 def _within_rounding(
@@ -59,12 +62,10 @@ def test_packed_linear_is_torch_linear_within_rounding(rows, dtype):
         got = packed(x)
         assert got.dtype == dtype and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, lin.bias)
-        _within_rounding(
-            lin(x), x, lin.weight, lin.bias
-        )  # the bound is one torch's linear keeps too
-        assert torch.equal(
-            packed(x.reshape(1, rows, k)), got.reshape(1, rows, n)
-        )  # leading dims kept
+        # the bound is one torch's linear keeps too
+        _within_rounding(lin(x), x, lin.weight, lin.bias)
+        # leading dims kept
+        assert torch.equal(packed(x.reshape(1, rows, k)), got.reshape(1, rows, n))
 
 
 def _bf16_kernel_here() -> bool:
@@ -103,20 +104,17 @@ def test_bf16_kernel_is_torch_linear_within_rounding(rows):
         got = ours(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         _within_rounding(got, x, lin.weight, None)
-        assert torch.equal(
-            ours(x.reshape(1, rows, k)), got.reshape(1, rows, n)
-        )  # leading dims kept
-        odd = torch.empty(rows * k + 1, dtype=torch.bfloat16)[1:].view(
-            rows, k
-        )  # 2 bytes past an alignment
+        # leading dims kept
+        assert torch.equal(ours(x.reshape(1, rows, k)), got.reshape(1, rows, n))
+        # 2 bytes past an alignment
+        odd = torch.empty(rows * k + 1, dtype=torch.bfloat16)[1:].view(rows, k)
         odd.copy_(x)
         assert torch.equal(ours(odd), got)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            assert torch.equal(
-                ours(x), got
-            )  # the panels' split among threads does not change a value
+            # the panels' split among threads does not change a value
+            assert torch.equal(ours(x), got)
         finally:
             torch.set_num_threads(threads)
         if packing_available(torch.bfloat16, "cpu"):
@@ -189,11 +187,9 @@ def test_loader_packs_on_the_cpu_unless_told_not_to(tiny_llama_dir, monkeypatch)
     monkeypatch.setattr("engine.kernels.cpu.load_native", lambda: None)  # no C kernels: oneDNN
     assert linears(torch.bfloat16)[2] == {PackedLinear}
     monkeypatch.undo()
-    assert (
-        cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided
-    )  # gathered from: plain
+    # gathered from: plain
+    assert cfg.tie_word_embeddings and model.embed_tokens.weight.layout == torch.strided
     ids = torch.tensor([[3, 17, 99]])
     head = model.lm_head(model.embed_tokens(ids))
-    _within_rounding(
-        head, model.embed_tokens(ids), model.embed_tokens.weight, None
-    )  # its own packed copy
+    # its own packed copy
+    _within_rounding(head, model.embed_tokens(ids), model.embed_tokens.weight, None)

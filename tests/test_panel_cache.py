@@ -33,9 +33,8 @@ def test_float32_panels_come_back_mapped_from_the_cache(tmp_path, monkeypatch, t
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
     first = _load(tiny_llama_dir)
     path = panel_file(tiny_llama_dir)
-    if (
-        not first
-    ):  # float32 is not on our kernel here (AVX-512 keeps MKL, or no compiler): nothing kept
+    # float32 is not on our kernel here (AVX-512 keeps MKL, or no compiler): nothing kept
+    if not first:
         assert not path.exists()
         pytest.skip(
             "float32 layers do not run on f32_linear on this CPU: checked that no panels are kept"
@@ -134,9 +133,8 @@ def test_a_new_cache_file_removes_the_ones_it_replaces(tmp_path, monkeypatch):
     older = written("model-int8-0000.safetensors", model, "int8")
     legacy = cache.cache_file(str(model), "int8", fmt=1)  # format 1, before the metadata
     write_safetensors(str(legacy), one)
-    unknown = (
-        folder / "model-int8-1111.safetensors"
-    )  # no metadata, not a name this model's files give
+    # no metadata, not a name this model's files give
+    unknown = folder / "model-int8-1111.safetensors"
     write_safetensors(str(unknown), one)
     kept = [
         written("model-float32-panels-2222.safetensors", model, "float32-panels"),

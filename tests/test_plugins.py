@@ -36,9 +36,8 @@ def probe(tmp_path_factory):
         yield eng, path
     finally:
         eng.shutdown()
-        unload_plugins(
-            [PLUGIN, "no_repeat_ngram", "stagetimer"]
-        )  # the session's other engines must not see it in this process
+        # the session's other engines must not see it in this process
+        unload_plugins([PLUGIN, "no_repeat_ngram", "stagetimer"])
         os.environ.pop("ENGINE_TEST_PROBE", None)
 
 
@@ -66,9 +65,8 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
         PROMPTS[0], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, rid="probe-1"
     )
     assert out["meta_info"]["seen_by_test_plugin"] is True
-    deadline = (
-        time.time() + 10
-    )  # engine_step_end runs after the step's output left: maybe after the result
+    # engine_step_end runs after the step's output left: maybe after the result
+    deadline = time.time() + 10
     while sum(e["hook"] == "engine_step_end" for e in events(path)) < 4 and time.time() < deadline:
         time.sleep(0.01)
     ev = events(path)
@@ -162,9 +160,8 @@ def test_every_hook_fires_in_its_process_in_stage_order(probe):
     assert [e["tokens"] for e in steps] == [out["meta_info"]["prompt_tokens"], 1, 1, 1]
     for e in steps:  # wall-clock stage starts, in order
         assert e["times"] == sorted(e["times"]) and e["times"][0] > 0
-    assert (
-        steps[0]["first_token_ns"][0] >= steps[0]["times"][3]
-    )  # set while processing the prefill's results
+    # set while processing the prefill's results
+    assert steps[0]["first_token_ns"][0] >= steps[0]["times"][3]
     outputs = by["engine_detokenize_output"]
     assert "".join(t for e in outputs for t in e["texts"]) == out["text"]
     assert [f for e in outputs for f in e["finished"]] == [None] * 3 + ["length"]
@@ -201,9 +198,8 @@ def test_lifecycle_hooks_ran_in_all_three_processes(probe):
     for hook, row in zip(
         ("engine_process_start", "engine_process_ready", "engine_process_stop"), rows
     ):
-        assert f"`{hook}`" in row and "once per Engine" in row, (
-            row
-        )  # the docs say what the code does
+        # the docs say what the code does
+        assert f"`{hook}`" in row and "once per Engine" in row, row
         assert "once per Engine" in " ".join(getattr(EngineSpecs, hook).__doc__.split()), hook
 
 
@@ -259,9 +255,8 @@ def test_failing_hook_fails_only_its_requests(probe):
     assert outs[1]["meta_info"]["finish_reason"]["type"] != "abort"
     with pytest.raises(HookError, match=f"{PLUGIN}.*engine_tokenize_before"):
         eng.generate("EXPLODE now", params)
-    assert (
-        eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
-    )  # serves on
+    # serves on
+    assert eng.generate(PROMPTS[0], params)["meta_info"]["finish_reason"]["type"] != "abort"
     stats = eng.get_stats()
     assert stats["running"] == 0 and stats["cache_lock_refs"] == 0
 
@@ -379,14 +374,12 @@ def test_hooks_and_processors_see_beam_rows(probe):
     free = eng.beam_search(PROMPTS[5], rid="free-beams", **params)
     banned = eng.beam_search(PROMPTS[5], rid="ban-beams", **params)
     assert BANNED in free["hypotheses"][0]["output_ids"]  # the bias makes it the best choice...
-    assert all(
-        BANNED not in h["output_ids"] for h in banned["hypotheses"]
-    )  # ...unless the hook removes it
+    # ...unless the hook removes it
+    assert all(BANNED not in h["output_ids"] for h in banned["hypotheses"])
     ev = events(path)
     rows = [e for e in ev if e["hook"] == "engine_process_logits" and "ban-beams" in e["rids"]]
-    assert (
-        rows[0]["beams"] == [0] and rows[0]["shape"][0] == 1
-    )  # the first selection: the prompt's row
+    # the first selection: the prompt's row
+    assert rows[0]["beams"] == [0] and rows[0]["shape"][0] == 1
     assert all(e["beams"] == list(range(k)) and e["reqs"] == ["ban-beams"] * k for e in rows[1:])
     steps = [e for e in ev if e["hook"] == "engine_beam_step" and e["rid"] == "ban-beams"]
     assert (
@@ -675,9 +668,8 @@ def test_grammar_backend_hook_is_called_once_and_fatal_errors_reach_the_serving_
         grammars = Grammars("unused", 1024, [2])
         future = grammars.request("regex", "[0-9]")
         wait([future])
-        with pytest.raises(
-            FatalHookError, match="no backend on purpose"
-        ):  # in the thread that asks: it stops
+        # in the thread that asks: it stops
+        with pytest.raises(FatalHookError, match="no backend on purpose"):
             Grammars.problem(future, "regex")
     finally:
         grammars.close()
@@ -729,9 +721,8 @@ def test_forward_after_rows_and_rids_follow_the_documented_layout(probe):
         if e["hook"] == "engine_forward_after" and "layout-beams" in e["rids"]
     ]
     prefill, *decode = ev
-    assert (
-        prefill["rids"] == ["layout-beams"] and prefill["logits_shape"][0] == 1
-    )  # the search's first row
+    # the search's first row
+    assert prefill["rids"] == ["layout-beams"] and prefill["logits_shape"][0] == 1
     assert len(decode) == 2 and all(
         e["rids"] == ["layout-beams"] * k and e["logits_shape"][0] == k for e in decode
     )
@@ -743,9 +734,8 @@ def test_forward_after_rows_and_rids_follow_the_documented_layout(probe):
         for e in events(path)
         if e["hook"] == "engine_forward_after" and e["rids"] == ["layout-lp"]
     ]
-    assert (
-        row["logits_shape"][0] == 1 + out["meta_info"]["prompt_tokens"] - 1
-    )  # its token's row, then the prompt's
+    # its token's row, then the prompt's
+    assert row["logits_shape"][0] == 1 + out["meta_info"]["prompt_tokens"] - 1
     doc = " ".join(EngineSpecs.engine_forward_after.__doc__.split())
     assert "beam" in doc and "once per live beam" in doc
     table = next(

@@ -166,9 +166,8 @@ def test_users_own_sitecustomize_runs_alongside_ours_and_alone(tmp_path):
     proc = run(tmp_path, {"PYTHONPATH": str(user_dir), "ENGINE_PLUGINS": "stagetimer"})
     both = result(proc)
     assert both["text"] == plain["text"].upper()  # our sitecustomize chained to the user's
-    assert (
-        "stagetimer: seconds per stage" in proc.stderr and "total" in proc.stderr
-    )  # its shutdown report
+    # its shutdown report
+    assert "stagetimer: seconds per stage" in proc.stderr and "total" in proc.stderr
     ran_in = {int(p) for p in log.read_text().split()}
     assert {both["pids"]["user"], both["pids"]["scheduler"], both["pids"]["detokenizer"]} <= ran_in
 

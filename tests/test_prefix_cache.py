@@ -69,9 +69,8 @@ def check_complete_once(
     assert after["finished_requests"] - before["finished_requests"] == n + len(searches)
     assert after["aborted_requests"] == before["aborted_requests"]
     beam_tokens = sum(s["meta_info"]["beam_width"] * s["meta_info"]["steps"] for s in searches)
-    assert (
-        after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS + beam_tokens
-    )  # nothing twice
+    # nothing twice
+    assert after["generated_tokens"] - before["generated_tokens"] == n * NEW_TOKENS + beam_tokens
     assert engine_idle(after)
 
 
@@ -98,9 +97,8 @@ def test_cache_on_matches_and_reuses_prefixes(engine, workload, expected):
     check_complete_once(outs, before, after, len(workload))
     system_len = len(engine.tokenizer.encode(SYSTEM)) - 1
     hits = [o["meta_info"]["cached_tokens"] for o in outs]
-    assert sum(h >= system_len for h in hits) >= len(workload) - 1, (
-        hits
-    )  # all but the first share the system prompt
+    # all but the first share the system prompt
+    assert sum(h >= system_len for h in hits) >= len(workload) - 1, hits
     assert after["cache_hit_tokens"] - before["cache_hit_tokens"] == sum(hits)
     assert after["cache_tokens"] > 0
 

@@ -46,12 +46,10 @@ def test_two_engines_started_from_two_threads_leave_the_environment_clean(
             t.join(300)
         try:
             assert not failures, failures
-            assert len(engines) == 2 and not any(
-                t.is_alive() for t in threads
-            )  # neither start hung
-            assert (
-                dict(os.environ) == before
-            )  # before the lock: PYTHONPATH kept a sitecustomize entry
+            # neither start hung
+            assert len(engines) == 2 and not any(t.is_alive() for t in threads)
+            # before the lock: PYTHONPATH kept a sitecustomize entry
+            assert dict(os.environ) == before
             for eng in engines:
                 out = eng.generate("Hello", {"max_new_tokens": 2, "temperature": 0})
                 assert out["meta_info"]["completion_tokens"] == 2

@@ -142,12 +142,10 @@ def test_profile_writes_three_flamegraphs_and_a_breakdown(plain_profile):
 
 def test_detokenizer_heavy_workload_and_skipdetok(plain_profile, skipdetok_profile):
     detok = plain_profile[2]["processes"]["detokenizer"]
-    assert detok["busy_samples"] >= MIN_SAMPLES, (
-        detok
-    )  # enough working samples for the reading to speak
-    assert detok["busy_stages_pct"]["detokenize"] > 50, (
-        detok
-    )  # the decode stage dominates the detokenizer's work
+    # enough working samples for the reading to speak
+    assert detok["busy_samples"] >= MIN_SAMPLES, detok
+    # the decode stage dominates the detokenizer's work
+    assert detok["busy_stages_pct"]["detokenize"] > 50, detok
     assert "skipdetok" in detok["reading"]
     # the same workload with skipdetok: the detokenize stage takes far fewer samples
     decode_plain = detok["stage_samples"]["detokenize"]
@@ -269,9 +267,8 @@ def test_ctrl_c_lets_the_command_stop_in_order_and_still_writes_the_profile(tmp_
     reader.start()
     try:
         deadline = time.monotonic() + 120
-        while (
-            not any("loop: serving" in line for line in lines) and time.monotonic() < deadline
-        ):  # Engine() is up
+        # Engine() is up
+        while not any("loop: serving" in line for line in lines) and time.monotonic() < deadline:
             assert proc.poll() is None, "".join(lines)
             time.sleep(0.05)
         found = re.search(r"user (\d+), scheduler (\d+), detokenizer (\d+)", "".join(lines))
@@ -283,9 +280,8 @@ def test_ctrl_c_lets_the_command_stop_in_order_and_still_writes_the_profile(tmp_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     reader.join(10)
-    assert proc.returncode == 0, "".join(lines)[
-        -3000:
-    ]  # the command's own code: it stopped in order
+    # the command's own code: it stopped in order
+    assert proc.returncode == 0, "".join(lines)[-3000:]
     assert wait_gone([int(p) for p in found.groups()], 10) == []
     report = json.loads((tmp_path / "out" / "breakdown.json").read_text())
     assert set(report["processes"]) == {"user", "scheduler", "detokenizer"}
@@ -325,9 +321,8 @@ def test_flamegraph_labels_cut_to_the_box_stay_well_formed(tmp_path):
         write_flamegraph(stacks, "engine::<test> & co", str(path), width=width)
         root = ElementTree.parse(path).getroot()
         texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
-        assert any(t.startswith("<") for t in texts[1:]), (
-            texts
-        )  # labels are shown unescaped once parsed
+        # labels are shown unescaped once parsed
+        assert any(t.startswith("<") for t in texts[1:]), texts
 
 
 def test_thread_frames_keep_their_name_and_id_in_every_output(tmp_path):
@@ -466,9 +461,8 @@ def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
         }
     )
     b = breakdown(stacks, role="scheduler")
-    assert (
-        b["samples"] == 400 and b["all_samples"] == 2400
-    )  # the serving thread's samples are shared out
+    # the serving thread's samples are shared out
+    assert b["samples"] == 400 and b["all_samples"] == 2400
     assert b["stages_pct"]["forward"] == pytest.approx(25.0) and b["stages_pct"][
         "waiting on ZMQ"
     ] == pytest.approx(75.0)

@@ -62,11 +62,12 @@ def test_int8_layer_matches_float32(rows, out_features, in_features, bias):
     assert (got - own).abs().max() <= 1e-4 * own.abs().max() + 1e-5
     bound = x.abs() @ (layer.scale / 2).expand(in_features, -1)
     assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
+    # any leading shape
     assert layer(x.reshape(1, rows, in_features)).shape == (
         1,
         rows,
         out_features,
-    )  # any leading shape
+    )
 
 
 @needs_kernel
@@ -162,9 +163,8 @@ def test_int8_panels_hold_the_row_major_weights():
 def test_a_layer_bigger_than_the_scratch_buffer_runs_in_tiles(monkeypatch, bias):
     import engine.linear.quantized as linear
 
-    monkeypatch.setattr(
-        linear, "SCRATCH_MAX_ELEMENTS", 40 * 7
-    )  # tiles of 7 output rows, the last one short
+    # tiles of 7 output rows, the last one short
+    monkeypatch.setattr(linear, "SCRATCH_MAX_ELEMENTS", 40 * 7)
     linear = torch.nn.Linear(40, 45, bias=bias)
     layer = Int8Linear(linear.weight, linear.bias, load_native(), torch.get_num_threads())
     x = torch.randn(DIRECT_MAX_ROWS + 30, 40)
@@ -268,9 +268,8 @@ def test_int8_prefix_cache_reuses_and_matches(int8_engine, tokenizer):
     warm = eng.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
     assert all(o["meta_info"]["cached_tokens"] >= len(shared) - 1 for o in warm)
-    assert (
-        cold[1]["meta_info"]["cached_tokens"] >= len(shared) - 1
-    )  # the second cold request reused the first's
+    # the second cold request reused the first's
+    assert cold[1]["meta_info"]["cached_tokens"] >= len(shared) - 1
 
 
 @needs_kernel

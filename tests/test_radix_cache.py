@@ -40,11 +40,12 @@ def test_match_mid_edge_splits_the_node():
     cache.insert([1, 2, 3, 4, 5], idx(11, 12, 13, 14, 15))
     indices, node = cache.match_prefix([1, 2, 3, 9])
     assert indices.tolist() == [11, 12, 13]
+    # the node ends where the match does
     assert node.key == [1, 2, 3] and node.value.tolist() == [
         11,
         12,
         13,
-    ]  # the node ends where the match does
+    ]
     (child,) = node.children.values()
     assert child.key == [4, 5] and child.value.tolist() == [14, 15] and child.parent is node
     assert cache.total_size == 5  # splitting moves tokens, it does not add any
@@ -75,9 +76,8 @@ def test_lock_protects_a_path_from_eviction():
     cache.insert([1, 2, 4, 5], idx(1, 2, 40, 50))
     _, node = cache.match_prefix([1, 2, 3])
     cache.inc_lock_ref(node)
-    assert (
-        cache.protected_size == 3 and cache.evictable_size == 2
-    )  # [1, 2] and [3] locked; [4, 5] not
+    # [1, 2] and [3] locked; [4, 5] not
+    assert cache.protected_size == 3 and cache.evictable_size == 2
     assert cache.evict(100) == 2
     assert sorted(free.freed) == [40, 50]
     assert cache.match_prefix([1, 2, 3])[0].tolist() == [1, 2, 3]

@@ -112,10 +112,11 @@ def test_stop_strings_spanning_tokens(engine, tokenizer):
     base = engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
     text, ids = base["text"], base["output_ids"]
     pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    # a stop string from the middle of token k to the middle of token k + span - 1
     for span in (
         2,
         3,
-    ):  # a stop string from the middle of token k to the middle of token k + span - 1
+    ):
         k = next(
             i
             for i in range(2, len(ids) - span)
@@ -132,9 +133,8 @@ def test_stop_strings_spanning_tokens(engine, tokenizer):
         )
         assert out["text"] == text[:start]
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        assert (
-            len(out["output_ids"]) == out["meta_info"]["completion_tokens"] <= k + span + 2
-        )  # stopped promptly
+        # stopped promptly
+        assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] <= k + span + 2
     assert engine_idle(engine.get_stats())
 
 
@@ -163,9 +163,8 @@ def test_n_samples_share_one_prefill(engine, tokenizer):
     after = engine.get_stats()
     assert len(outs) == 4 and len({o["meta_info"]["id"] for o in outs}) == 4
     assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0] + [n_prompt - 1] * 3
-    assert (
-        after["prefill_tokens"] - before["prefill_tokens"] == n_prompt + 3
-    )  # one prefill, then one token each
+    # one prefill, then one token each
+    assert after["prefill_tokens"] - before["prefill_tokens"] == n_prompt + 3
     assert len({tuple(o["output_ids"]) for o in outs}) > 1  # seeds seed, seed+1, ... differ
     again = engine.generate(prompt, {"n": 4, "max_new_tokens": 12, "temperature": 1.0, "seed": 7})
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
@@ -222,9 +221,8 @@ def test_abort_frees_memory(engine):
     stats = engine.get_stats()
     assert engine_idle(stats)
     out = engine.generate(PROMPTS[1], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
-    assert (
-        out["meta_info"]["finish_reason"]["type"] == "length"
-    )  # the engine serves on (gguf-q8 ends at EOS on some CPUs)
+    # the engine serves on (gguf-q8 ends at EOS on some CPUs)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_abort_reports_the_reason(engine):
@@ -239,9 +237,8 @@ def test_abort_reports_the_reason(engine):
         )
     )
     t.start()
-    states = (
-        engine._resources.tokenizer_manager.states
-    )  # abort once a token is out (an unknown rid's abort is dropped)
+    # abort once a token is out (an unknown rid's abort is dropped)
+    states = engine._resources.tokenizer_manager.states
     deadline = time.monotonic() + 60
     while (
         not ((s := states.get("abort-me")) is not None and s.output_ids)
@@ -390,9 +387,8 @@ def test_stop_string_counts_as_a_finish_not_an_abort(engine):
 
 def test_n_samples_of_a_chunked_prompt_share_its_prefill(engine):
     engine.flush_cache()
-    chunk = (
-        engine.config.chunked_prefill_size
-    )  # 2,048 here; the quantized engines' tests run it at 512
+    # 2,048 here; the quantized engines' tests run it at 512
+    chunk = engine.config.chunked_prefill_size
     ids = [(i * 7919) % 40000 + 100 for i in range(chunk + 452)]  # longer than one chunk
     before = engine.get_stats()
     outs = engine.generate(
@@ -506,9 +502,8 @@ def test_a_name_standing_for_n_copies_is_taken_while_they_run(engine):
         )
         engine.abort("grp-1")
         ended("grp-1")
-        assert (
-            "grp" not in tm.groups
-        )  # its copies ended: the name is free, whoever runs as grp-0 now
+        # its copies ended: the name is free, whoever runs as grp-0 now
+        assert "grp" not in tm.groups
         engine.abort("grp")  # names nothing running
         last = [c for c in reuse][-1]
         assert last["meta_info"]["finish_reason"]["type"] == "length", last["meta_info"]
@@ -557,9 +552,10 @@ def test_ctrl_c_in_generate_aborts_its_requests(engine):
     state = seen["state"]
     assert state is not None and state.done.wait(120)
     assert state.finish_reason.type == "abort", state.finish_reason
+    # the rid is free
     again = engine.generate(
         PROMPTS[0], {"max_new_tokens": 2, "ignore_eos": True}, rid="interrupted"
-    )  # the rid is free
+    )
     assert again["meta_info"]["completion_tokens"] == 2
 
 

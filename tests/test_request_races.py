@@ -96,9 +96,8 @@ def test_old_abort_does_not_stop_a_new_request_reusing_the_rid(run):
     run.submit(TokenizedRequest("x", [1, 2, 3], params, seq=2))
     run.requests.send(run.codec.encode(AbortRequest(["x"], STOP_STRING_MATCHED, [1])))
     assert run.sched.recv_sock.poll(5000)
-    assert [(rid, f.type) for rid, f in run.finish_all()] == [
-        ("x", "length")
-    ]  # the new one ran to its length
+    # the new one ran to its length
+    assert [(rid, f.type) for rid, f in run.finish_all()] == [("x", "length")]
 
 
 def test_a_reused_rid_supersedes_the_request_still_running_under_it(run):
@@ -133,9 +132,8 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     eng = Engine(
         model_path=tiny_engine.model_dir, dtype="float32", max_total_tokens=2048, context_length=96
     )
-    asyncio.run(
-        eng.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
-    )  # a submit worker starts
+    # a submit worker starts
+    asyncio.run(eng.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1}))
     from engine.frontend.streaming import _submitters
 
     workers = list(_submitters[eng._resources.tokenizer_manager]._threads)
@@ -145,9 +143,8 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     start = threading.Barrier(5)
 
     def hammer(i: int) -> None:
-        tm = (
-            eng._resources.tokenizer_manager
-        )  # straight to submit: a thread is nearly always sending
+        # straight to submit: a thread is nearly always sending
+        tm = eng._resources.tokenizer_manager
         start.wait()
         for j in range(1_000_000):
             try:
@@ -170,9 +167,8 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
         t.start()
     start.wait()
     deadline = time.monotonic() + 30
-    while (
-        counts["ok"] == 0 and not errors and time.monotonic() < deadline
-    ):  # some submit-and-abort went through
+    # some submit-and-abort went through
+    while counts["ok"] == 0 and not errors and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.1)
     eng.shutdown()
@@ -181,9 +177,8 @@ def test_submits_racing_shutdown_get_results_or_engine_dead_error(tiny_engine, t
     assert not any(t.is_alive() for t in threads), "a caller hung across shutdown"
     assert errors == [], errors
     assert counts["ok"] > 0 and counts["dead"] == 4
-    deadline = (
-        time.monotonic() + 10
-    )  # the async submit workers end with the engine, not at garbage collection
+    # the async submit workers end with the engine, not at garbage collection
+    deadline = time.monotonic() + 10
     while any(t.is_alive() for t in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [t.name for t in workers if t.is_alive()]

@@ -206,14 +206,12 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it():
     probs = torch.tensor(
         [[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125], [0.5, 0.25, 0.125, 0.125]]
     )
-    top_p = torch.tensor(
-        [0.5, 0.75, 0.76]
-    )  # sums exact in float32: the first two reach 0.5 and 0.75
+    # sums exact in float32: the first two reach 0.5 and 0.75
+    top_p = torch.tensor([0.5, 0.75, 0.76])
     kept = top_k_top_p(probs, torch.full((3,), 4, dtype=torch.int64), top_p)
     assert (kept > 0).sum(dim=-1).tolist() == [2, 2, 3]
-    tiny = top_k_top_p(
-        probs[1:2], torch.tensor([4]), torch.tensor([1e-46])
-    )  # 0 in float32: still the top token
+    # 0 in float32: still the top token
+    tiny = top_k_top_p(probs[1:2], torch.tensor([4]), torch.tensor([1e-46]))
     assert tiny.tolist() == [[0.5, 0.0, 0.0, 0.0]]
 
 
@@ -256,12 +254,13 @@ def test_sampling_follows_the_distribution():
 @pytest.mark.parametrize(
     "pieces, stops, released, matched",
     [
+        # spans three pieces
         (
             ["Hello wo", "rld! STO", "P here"],
             ("STOP",),
             "Hello world! ",
             "STOP",
-        ),  # spans three pieces
+        ),
         (["a", "b", "c", "d"], ("bc",), "a", "bc"),
         (["The end.", "\n", "\nNext"], ("\n\n",), "The end.", "\n\n"),
         (["no match ", "at all"], ("xyz",), "no match at all", None),
@@ -289,9 +288,8 @@ def test_stop_string_prefix_is_held_back_while_streaming():
 
 def test_stop_string_across_the_min_new_tokens_boundary():
     m = StopMatcher(("END",))
-    assert (
-        m.release("xE") == "x"
-    )  # before min_new_tokens nothing matches, but "E" may start a stop string
+    # before min_new_tokens nothing matches, but "E" may start a stop string
+    assert m.release("xE") == "x"
     assert m.feed("ND more", False) == ("", "END")  # a match that ends after the boundary counts
     m = StopMatcher(("A", "END"))
     assert m.release("xAy") == "xAy"  # a whole stop string before the boundary is passed over...
@@ -440,9 +438,8 @@ def test_top_k_top_p_in_a_window_keeps_what_the_full_sort_keeps(scale, measured_
         sampler, "_dropped", lambda p, k, q: seen.append(tuple(p.shape)) or real(p, k, q)
     )
     windowed = top_k_top_p(probs, top_k, top_p)
-    assert seen[-1] == (1 if measured_on > 256 else 4, measured_on), (
-        seen
-    )  # only the row the window did not hold goes on
+    # only the row the window did not hold goes on
+    assert seen[-1] == (1 if measured_on > 256 else 4, measured_on), seen
     monkeypatch.setattr(sampler, "TOP_WINDOWS", ())
     full = top_k_top_p(probs, top_k, top_p)
     assert torch.equal(windowed, full)

@@ -27,10 +27,11 @@ INVALID = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"stop_token_ids": "2"}, "stop_token_ids"),
+    # a beam search's selection then failed its whole step
     (
         {"stop_token_ids": [0] * 49152},
         "stop_token_ids",
-    ),  # a beam search's selection then failed its whole step
+    ),
     ({"stop_token_ids": list(range(1, 1026))}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"min_new_tokens": -1}, "min_new_tokens"),
@@ -41,10 +42,11 @@ INVALID = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": 11}, "repetition_penalty"),
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    # dividing logits by it overflowed to inf
     (
         {"repetition_penalty": 1e-40},
         "repetition_penalty",
-    ),  # dividing logits by it overflowed to inf
+    ),
     ({"repetition_penalty": 0.001}, "repetition_penalty"),
     ({"temperature": 1e39}, "temperature"),  # inf in float32: logits / inf gave NaN, then token 0
     ({"temperature": 2e6}, "temperature"),
@@ -55,10 +57,11 @@ INVALID = [
     ({"stop": ["ok", 5]}, "stop"),
     ({"stop": ["s"] * 17}, "stop"),
     ({"seed": -1}, "seed"),
+    # found by tests/stress/test_hostile_input.py: was a TypeError
     (
         {0: 1, "": None},
         "names must be strings",
-    ),  # found by tests/stress/test_hostile_input.py: was a TypeError
+    ),
     ({"seed": 1.5}, "seed"),
     ({"seed": 2**63}, "seed"),
     ({"n": 0}, "n must"),
@@ -216,10 +219,11 @@ def test_huge_top_k_means_the_whole_vocabulary_and_harms_no_neighbour(engine):
     tensors, which aborted every request admitted in that step."""
     prompt = "The capital of Italy is"
     greedy = engine.generate(prompt, {"max_new_tokens": 3, "temperature": 0})["output_ids"]
+    # a sampled token may be EOS; the test is about the abort
     sampled = {
         "max_new_tokens": 3,
         "ignore_eos": True,
-    }  # a sampled token may be EOS; the test is about the abort
+    }
     outs = engine.generate(
         [prompt] * 3,
         [
@@ -242,9 +246,8 @@ def test_n_copies_of_a_seed_near_the_top_of_its_range_run(engine):
     again = engine.generate(
         "Once upon a time", {"max_new_tokens": 2, "seed": 1, "ignore_eos": True}
     )
-    assert (
-        outs[2]["output_ids"] == again["output_ids"]
-    )  # copy 2 drew with (2**63 - 1 + 2) mod 2**63 = 1
+    # copy 2 drew with (2**63 - 1 + 2) mod 2**63 = 1
+    assert outs[2]["output_ids"] == again["output_ids"]
 
 
 def test_tiny_temperature_is_greedy_and_harms_no_neighbour(engine):

@@ -147,9 +147,8 @@ class InProcess:
             pass
         out = []
         for m in self.messages():
-            if isinstance(
-                m, BeamSearchOut
-            ):  # a beam search's one message: its best hypothesis's ending
+            # a beam search's one message: its best hypothesis's ending
+            if isinstance(m, BeamSearchOut):
                 out.append(
                     (
                         m.rid,
@@ -206,12 +205,10 @@ def test_long_prompt_is_chunked_between_decode_steps(model_dir):
         chunks = [n for mode, n in steps if mode == "extend"]
         assert sum(chunks) == 1024 and max(chunks) <= 128 and len(chunks) == 8, steps
         modes = [mode for mode, _ in steps]
-        assert all(a != b for a, b in zip(modes, modes[1:])), (
-            modes
-        )  # never two prefill chunks in a row
-        assert all(n == 16 for mode, n in steps if mode == "decode"), (
-            steps
-        )  # every short request kept decoding
+        # never two prefill chunks in a row
+        assert all(a != b for a, b in zip(modes, modes[1:])), modes
+        # every short request kept decoding
+        assert all(n == 16 for mode, n in steps if mode == "decode"), steps
         while run.sched.run_once(block=False):
             pass
         outs = run.messages()
@@ -494,9 +491,8 @@ def test_no_ordering_of_the_queue_while_nothing_can_be_admitted(tiny_scheduler, 
     )
     run.submit(TokenizedRequest("waits-for-memory", [1, 2, 3], params))
     calls.clear()
-    monkeypatch.setattr(
-        sched.state.plan, "new_token_ratio", 1.0
-    )  # the module's scheduler: back as it was for the next test
+    # the module's scheduler: back as it was for the next test
+    monkeypatch.setattr(sched.state.plan, "new_token_ratio", 1.0)
     assert sched.run_once(block=False)
     assert calls == [] and [r.rid for r in sched.state.waiting] == ["waits-for-memory"]
     assert {rid: f.type for rid, f in run.finish_all()}["waits-for-memory"] == "length"

@@ -125,9 +125,8 @@ def test_streams_equal_the_non_streamed_answer(client):
     assert text == whole
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finishing) == 1 and finishing[0].choices[0].finish_reason in ("stop", "length")
-    assert (
-        chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
-    )  # include_usage: the last chunk
+    # include_usage: the last chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     done = (
         client.completions.create(model="smol", prompt="The sky is", max_tokens=12, temperature=0)
         .choices[0]
@@ -171,16 +170,14 @@ def test_n_seed_stop_and_engine_extras(client, engine):
     first = client.chat.completions.create(**kwargs)
     again = client.chat.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
-    assert [c.message.content for c in first.choices] == [
-        c.message.content for c in again.choices
-    ]  # seeded
+    # seeded
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
     refs = engine.generate(
         messages=CHAT, sampling_params={"max_new_tokens": 12, "temperature": 0.9, "seed": 7, "n": 3}
     )
     assert [c.message.content for c in first.choices] == [r["text"] for r in refs]
-    assert (
-        first.usage.prompt_tokens == refs[0]["meta_info"]["prompt_tokens"]
-    )  # counted once, as OpenAI does
+    # counted once, as OpenAI does
+    assert first.usage.prompt_tokens == refs[0]["meta_info"]["prompt_tokens"]
 
     stopped = client.completions.create(
         model="smol", prompt="Count: 1, 2, 3, 4, 5, 6,", max_tokens=40, temperature=0, stop=[" 9"]
@@ -245,16 +242,14 @@ def test_logprobs_equal_the_engines(client, engine):
         stop=[" the end of it all"],
         stream_options={"include_usage": True},
     )
-    held = list(
-        held
-    )  # text that may start the stop string is held back: its tokens' logprobs still come
+    # text that may start the stop string is held back: its tokens' logprobs still come
+    held = list(held)
     assert (
         sum(len(c.choices[0].logprobs.tokens) for c in held if c.choices)
         == held[-1].usage.completion_tokens
     )
-    tops = [
-        t for p in pieces for t in p.top_logprobs
-    ]  # every chunk has its own tokens' alternatives
+    # every chunk has its own tokens' alternatives
+    tops = [t for p in pieces for t in p.top_logprobs]
     assert [sorted(t) for t in tops] == [sorted(t) for t in lp.top_logprobs]
     for got, want in zip(tops, lp.top_logprobs):
         assert [got[k] for k in sorted(got)] == pytest.approx(
@@ -279,9 +274,8 @@ def test_completions_top_logprobs_hold_the_chosen_token_too(client, engine):
     lp = out.choices[0].logprobs
     assert lp.tokens == [" London"] and len(lp.top_logprobs[0]) == 2
     assert lp.top_logprobs[0][" London"] == pytest.approx(lp.token_logprobs[0])
-    assert (
-        max(lp.top_logprobs[0].values()) > lp.token_logprobs[0]
-    )  # the model's own top is there too
+    # the model's own top is there too
+    assert max(lp.top_logprobs[0].values()) > lp.token_logprobs[0]
 
 
 JAPANESE = [
@@ -292,9 +286,8 @@ JAPANESE = [
 def _as_openai_writes(raw: bytes) -> str:
     try:
         return raw.decode()
-    except (
-        UnicodeDecodeError
-    ):  # part of a character: "bytes:" and escapes, as OpenAI's tokens show it
+    # part of a character: "bytes:" and escapes, as OpenAI's tokens show it
+    except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
@@ -312,16 +305,16 @@ def test_logprob_bytes_are_each_tokens_own_utf8_bytes(client, engine):
     assert partial, [c.token for c in content]  # the case this test is for
     for c in content:
         assert c.token == _as_openai_writes(bytes(c.bytes))
+        # greedy: the best is the one taken
         assert (c.top_logprobs[0].token, c.top_logprobs[0].bytes) == (
             c.token,
             c.bytes,
-        )  # greedy: the best is the one taken
+        )
     chat = engine.tokenizer.apply_chat_template(
         JAPANESE, add_generation_prompt=True, tokenize=False
     )
-    ids = engine.tokenizer.encode(
-        chat, add_special_tokens=False
-    )  # the chat's prompt, as the engine makes it
+    # the chat's prompt, as the engine makes it
+    ids = engine.tokenizer.encode(chat, add_special_tokens=False)
     comp = client.completions.create(
         model="smol", prompt=ids, max_tokens=8, temperature=0, logprobs=1
     )
@@ -403,6 +396,7 @@ BAD = [
     ),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 0}, None, 400, "n must", "n"),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "n": 100000}, None, 400, "n must", "n"),
+    # refused at once, not expanded
     (
         "POST",
         "/v1/completions",
@@ -411,7 +405,7 @@ BAD = [
         400,
         "n must",
         "n",
-    ),  # refused at once, not expanded
+    ),
     (
         "POST",
         "/v1/completions",
@@ -570,6 +564,7 @@ BAD = [
         None,
     ),
     ("POST", "/v1/completions", {"prompt": []}, None, 400, "", None),
+    # the engine's input_ids is the prompt here
     (
         "POST",
         "/v1/completions",
@@ -578,7 +573,7 @@ BAD = [
         400,
         "",
         "prompt",
-    ),  # the engine's input_ids is the prompt here
+    ),
     ("POST", "/v1/completions", {"prompt": [[1], [99999999]]}, None, 400, "", "prompt"),
     (
         "POST",
@@ -637,6 +632,7 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": CHAT, "seed": 2**63}, None, 400, "seed", "seed"),
     ("POST", "/v1/completions", {"prompt": "x", "best_of": 2}, None, 400, "best_of", "best_of"),
     ("POST", "/v1/completions", {"prompt": "x", "suffix": "x"}, None, 400, "suffix", "suffix"),
+    # documented: (0, 1]
     (
         "POST",
         "/v1/completions",
@@ -645,7 +641,7 @@ BAD = [
         400,
         "top_p",
         "top_p",
-    ),  # documented: (0, 1]
+    ),
     (
         "POST",
         "/v1/completions",
@@ -702,9 +698,8 @@ def test_bad_requests_get_openai_error_bodies(
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"], error
-    assert (
-        "Traceback" not in r.text and "_new_tokens" not in r.text
-    )  # the engine's own names never leak
+    # the engine's own names never leak
+    assert "Traceback" not in r.text and "_new_tokens" not in r.text
     if param is not None:
         assert error["param"] == param, error
 
@@ -782,9 +777,8 @@ def test_null_means_the_default_in_every_nullable_field(server):
     }
     r = http(server, "POST", "/v1/chat/completions", json=chat)
     assert r.status_code == 200, r.text
-    assert (
-        len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
-    )  # n and logprobs: defaults
+    # n and logprobs: defaults
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
     comp = {
         **NULLABLE,
         "prompt": "The sky is",
@@ -811,9 +805,8 @@ def test_null_means_the_default_in_every_nullable_field(server):
             "json_schema": {"name": "o", "description": None, "strict": None, "schema": None},
         },
     }
-    r = http(
-        server, "POST", "/v1/completions", json=schema
-    )  # a schema of null is no schema: still a 400
+    # a schema of null is no schema: still a 400
+    r = http(server, "POST", "/v1/completions", json=schema)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
 
 
@@ -899,10 +892,11 @@ def test_a_history_replayed_from_openai_responses_is_accepted(server, client, en
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert "not supported" in r.json()["error"]["message"], r.text
+    # only an assistant refuses
     user_refusal = {
         "role": "user",
         "content": [{"type": "refusal", "refusal": "no"}],
-    }  # only an assistant refuses
+    }
     r = http(
         server, "POST", "/v1/chat/completions", json={"messages": [user_refusal], "max_tokens": 1}
     )
@@ -958,9 +952,8 @@ def test_a_client_leaving_mid_stream_frees_its_kv(server):
     stats = _wait_idle(server)
     assert engine_idle(stats), stats
     assert stats["aborted_requests"] == before["aborted_requests"] + 1
-    assert (
-        stats["generated_tokens"] - before["generated_tokens"] < 1000
-    )  # it did not run on to 2,000
+    # it did not run on to 2,000
+    assert stats["generated_tokens"] - before["generated_tokens"] < 1000
 
 
 def test_a_client_leaving_a_plain_request_frees_its_kv(server):
@@ -1058,9 +1051,8 @@ def test_a_finished_answer_is_built_off_the_event_loop(server, tmp_path):
         assert other.status_code == 200 and other.json()["meta_info"]["completion_tokens"] >= 1, (
             other.text
         )
-        assert (
-            sender.is_alive() and not outcome
-        )  # answered while the first answer's stage still waited
+        # answered while the first answer's stage still waited
+        assert sender.is_alive() and not outcome
     finally:
         hold.with_suffix(".release").touch()
         sender.join(60)
@@ -1084,9 +1076,8 @@ def test_a_client_leaving_while_its_prompt_is_tokenized_aborts_it(server, tmp_pa
         }
     ).encode()
     url = httpx.URL(server.url)
-    client = socket.create_connection(
-        (url.host, url.port), timeout=60
-    )  # a raw client, to leave at a known moment
+    # a raw client, to leave at a known moment
+    client = socket.create_connection((url.host, url.port), timeout=60)
     try:
         client.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
@@ -1116,9 +1107,8 @@ def test_a_client_leaving_while_its_prompt_is_tokenized_aborts_it(server, tmp_pa
 def _metrics(server) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    assert (
-        http(server, "GET", "/metrics", key=None).status_code == 401
-    )  # the key holds here too (--open-metrics lifts it)
+    # the key holds here too (--open-metrics lifts it)
+    assert http(server, "GET", "/metrics", key=None).status_code == 401
     r = http(server, "GET", "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
@@ -1280,12 +1270,10 @@ def test_native_generate_and_flush_cache(server, engine):
         timeout=60,
     ) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
-    assert (
-        events[-1] == "[DONE]" and json.loads(events[-2])["text"] == r.json()["text"]
-    )  # SGLang: text so far
-    assert (
-        http(server, "POST", "/flush_cache").json()["flushed_tokens"] > 0
-    )  # the answers just cached
+    # SGLang: text so far
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == r.json()["text"]
+    # the answers just cached
+    assert http(server, "POST", "/flush_cache").json()["flushed_tokens"] > 0
     assert http(server, "GET", "/stats").json()["cache_tokens"] == 0
 
 
@@ -1326,9 +1314,8 @@ def test_native_stream_events_hold_everything_so_far(server):
         whole["meta_info"]["output_token_logprobs"],
     )
     assert [t[1] for t in last] == [t[1] for t in ref]
-    assert [t[0] for t in last] == pytest.approx(
-        [t[0] for t in ref], abs=1e-4
-    )  # another prefill's shapes
+    # another prefill's shapes
+    assert [t[0] for t in last] == pytest.approx([t[0] for t in ref], abs=1e-4)
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(engine):
@@ -1399,10 +1386,11 @@ def test_beam_search_as_extra_body_fields_equals_engine_beam_search(client, engi
         ({"use_beam_search": True, "beam_width": 0}, "beam_width"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+        # 0 asks for logprobs too: not silently dropped
         (
             {"use_beam_search": True, "logprobs": 0},
             "logprobs",
-        ),  # 0 asks for logprobs too: not silently dropped
+        ),
     ],
 )
 def test_bad_beam_search_bodies_are_400s_naming_the_field(server, extra, param):
@@ -1556,9 +1544,8 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(server, to
         "stream_options": {"continuous_usage_stats": True},
     }
     chunks = _sse(http(server, "POST", "/v1/completions", json=body))
-    assert all(
-        c["choices"] and c["usage"] for c in chunks
-    )  # no include_usage: no usage-only last chunk
+    # no include_usage: no usage-only last chunk
+    assert all(c["choices"] and c["usage"] for c in chunks)
     last = {c["choices"][0]["index"]: c["usage"] for c in chunks}
     assert [last[i]["prompt_tokens"] for i in (0, 1)] == [len(tokenizer.encode(p)) for p in prompts]
     assert [last[i]["completion_tokens"] for i in (0, 1)] == [4, 4]
@@ -1669,10 +1656,11 @@ def test_vllm_and_sglang_constraint_names_become_the_engines():
         ),
         ({"guided_json": {"type": "object"}, "regex": "a"}, "guided_json"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+        # without stream: true, as include_usage
         (
             {"stream_options": {"continuous_usage_stats": True}},
             None,
-        ),  # without stream: true, as include_usage
+        ),
     ],
 )
 def test_bad_vllm_and_sglang_constraints_are_400s_naming_the_field(server, extra, param):

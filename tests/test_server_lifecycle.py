@@ -90,9 +90,8 @@ def test_a_client_traceparent_gives_one_trace_through_http_and_all_three_process
     method = server_span.attributes.get(
         "http.request.method", server_span.attributes.get("http.method")
     )
-    assert (
-        method == "POST"
-    )  # OpenTelemetry's HTTP semantic conventions, from its ASGI instrumentation
+    # OpenTelemetry's HTTP semantic conventions, from its ASGI instrumentation
+    assert method == "POST"
     root = next(s for s in spans if "gen_ai.operation.name" in s.attributes)
     assert (
         root.parent_span_id == server_span.span_id
@@ -115,9 +114,8 @@ def test_max_tokens_left_out_is_what_the_context_and_the_pool_leave(traced_serve
     out = httpx.post(traced_server.url + "/v1/chat/completions", json=body, timeout=60).json()
     info = httpx.get(traced_server.url + "/server_info", timeout=30).json()
     assert info["max_total_tokens"] < info["context_length"]
-    want = (
-        info["max_total_tokens"] + 1 - out["usage"]["prompt_tokens"]
-    )  # the last token's KV is never stored
+    # the last token's KV is never stored
+    want = info["max_total_tokens"] + 1 - out["usage"]["prompt_tokens"]
 
     def root(spans) -> list:
         return [
@@ -182,9 +180,8 @@ def test_sigterm_during_a_stream_exits_0_and_leaves_no_process(traced_server, re
     assert events[-1] == "[DONE]"  # ended in order: past --shutdown-timeout the request was aborted
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "abort"
-    for h, sender in zip(
-        holds, senders
-    ):  # tokenized only now, after the abort, one after the other: aborted once sent
+    # tokenized only now, after the abort, one after the other: aborted once sent
+    for h, sender in zip(holds, senders):
         open(h + ".release", "w").close()
         sender.join(30)
         time.sleep(1)  # the stream comes when nothing else runs
@@ -297,9 +294,8 @@ def test_an_offline_engine_serves_metrics_at_engine_metrics_port(tiny_llama_dir,
     text = proc.stdout.split("METRICS ", 1)[1].rsplit("\n", 2)[0]
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["engine:generation_tokens_total"] == 3
-    assert (
-        samples["engine:request_queue_time_seconds_count"] == 1
-    )  # from the scheduler, via engine_stats
+    # from the scheduler, via engine_stats
+    assert samples["engine:request_queue_time_seconds_count"] == 1
     assert proc.stdout.strip().endswith("CLOSED")
 
 

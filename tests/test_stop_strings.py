@@ -58,9 +58,8 @@ def _random_case(rng: random.Random):
         else []
     )
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    if (
-        rng.random() < 0.2
-    ):  # tokens with no text (a partial UTF-8 character, a skipped special token)
+    # tokens with no text (a partial UTF-8 character, a skipped special token)
+    if rng.random() < 0.2:
         pieces.insert(rng.randrange(len(pieces) + 1), "")
     return pieces, stops, rng.randint(0, len(pieces) + 2)
 
@@ -80,16 +79,18 @@ def test_matcher_agrees_with_the_reference_over_random_splits():
 @pytest.mark.parametrize(
     "pieces, min_new, expected",
     [
+        # "\n" came before min_new_tokens: it does not stop
         (
             ["a", "\n", "x", "y"],
             3,
             ("a\nxy", None),
-        ),  # "\n" came before min_new_tokens: it does not stop
+        ),
+        # "\n\n" ends after the boundary: it stops, whole
         (
             ["a", "\n", "\n", "y"],
             3,
             ("a", "\n\n"),
-        ),  # "\n\n" ends after the boundary: it stops, whole
+        ),
         (["a", "\n", "x", "\n"], 3, ("a\nx", "\n")),
     ],
 )
@@ -213,12 +214,13 @@ def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(
     from engine.ipc.messages import BatchTokenOut, FinishReason, RequestHeader, RequestMeta
 
     vocab = tokenizer.get_vocab()
+    # byte-level pieces of "x ä" + "y"
     ids = [
         vocab["x"],
         vocab["Ġ\u00c3"],
         vocab["\u00a4"],
         vocab["y"],
-    ]  # byte-level pieces of "x ä" + "y"
+    ]
     assert tokenizer.decode(ids) == "x \u00e4y"
 
     def run(stop: tuple[str, ...], rid: str) -> tuple[str, list[str], FinishReason | None]:
@@ -243,9 +245,8 @@ def test_text_before_min_new_tokens_that_ends_in_half_a_character_cannot_stop(
                 break
         return text, deltas, finish
 
-    text, deltas, finish = run(
-        (" ",), "space"
-    )  # the space is the second token's: before the boundary
+    # the space is the second token's: before the boundary
+    text, deltas, finish = run((" ",), "space")
     assert (text, finish.type if finish else None) == ("x \u00e4y", "length"), (text, finish)
     assert deltas[:2] == ["x", " "]  # released with its own token, the half character held
     text, _, finish = run(("\u00e4",), "umlaut")  # "ä" ends in the third token: after it

@@ -92,9 +92,8 @@ def test_every_output_is_valid_greedy_sampled_n4_and_beams(engine, kind, spec):
     )
     outs = [greedy, *sampled, *n4]
     for o in outs:
-        assert o["meta_info"]["finish_reason"]["type"] == "stop", (
-            o
-        )  # the grammar completed, then EOS
+        # the grammar completed, then EOS
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
         assert _valid(kind, spec, o["text"]), o["text"]
     assert len(beams["hypotheses"]) == 4
     for h in beams["hypotheses"]:
@@ -261,11 +260,12 @@ def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
     assert list(grammars._compiled) == [("regex", "a7"), ("regex", "a8"), ("regex", "a9")]
     assert grammars.request("regex", "a8") is held[8]  # a hit keeps it and makes it the most recent
     grammars.request("regex", "new")
+    # a7 went first
     assert list(grammars._compiled) == [
         ("regex", "a9"),
         ("regex", "a8"),
         ("regex", "new"),
-    ]  # a7 went first
+    ]
     assert len(grammars.compile_seconds) == 3
 
 
@@ -356,10 +356,11 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
     from engine.sampling_params import SamplingParams
 
     run, sched = tiny_scheduler, tiny_scheduler.sched
+    # the matchers themselves: an id() alone is reused once one is freed
     real, bad = (
         sched.state.grammars.backend(),
         [],
-    )  # the matchers themselves: an id() alone is reused once one is freed
+    )
 
     class Flaky(_Passing):
         def matcher(self, compiled):
@@ -374,9 +375,8 @@ def test_a_grammar_backend_failing_on_one_row_fails_that_request_alone(tiny_sche
             real.fill_masks(matchers, bitmask, rows)
 
     monkeypatch.setattr(sched.state.grammars, "_backend", Flaky(real))
-    monkeypatch.setattr(
-        sched.state.grammars, "_compiled", type(sched.state.grammars._compiled)()
-    )  # compiled by Flaky
+    # compiled by Flaky
+    monkeypatch.setattr(sched.state.grammars, "_compiled", type(sched.state.grammars._compiled)())
     greedy = dict(temperature=0.0, max_new_tokens=6)
     run.submit(
         TokenizedRequest("bad", [1, 2, 3], SamplingParams(regex="b+", **greedy)),
@@ -413,10 +413,11 @@ class _Marked:
     """A matcher of a constraint the flaky backend below fails on; its forks (beams) stay marked."""
 
     def __init__(self, real, accepts: list) -> None:
+        # accepts: [calls so far, the call that raises (0: none)]
         self.real, self.accepts = (
             real,
             accepts,
-        )  # accepts: [calls so far, the call that raises (0: none)]
+        )
 
     def accept_token(self, token_id: int) -> bool:
         self.accepts[0] += 1
@@ -460,9 +461,8 @@ def test_a_grammar_backend_failing_on_a_beam_row_fails_that_search_alone(
             )
 
     monkeypatch.setattr(sched.state.grammars, "_backend", Flaky(real))
-    monkeypatch.setattr(
-        sched.state.grammars, "_compiled", type(sched.state.grammars._compiled)()
-    )  # compiled by Flaky
+    # compiled by Flaky
+    monkeypatch.setattr(sched.state.grammars, "_compiled", type(sched.state.grammars._compiled)())
     greedy = dict(temperature=0.0, max_new_tokens=6)
     run.submit(
         TokenizedRequest(
@@ -518,9 +518,8 @@ def test_a_processor_banning_all_the_grammar_allows_fails_naming_the_processor(e
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "disallowed_tokens" in reason["message"], reason
     assert out["output_ids"] == []
-    ok = engine.generate(
-        PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a"}
-    )  # the engine serves on
+    # the engine serves on
+    ok = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "regex": "a"})
     assert ok["text"] == "a"
 
 

@@ -132,9 +132,8 @@ def test_the_receiver_reads_chunked_bodies_and_refuses_bodies_without_a_length()
         assert [r.name for r in rx.spans()] == ["chunked"]
         assert post(rx, {}, data=b"") == 411
         assert post(rx, {"Content-Length": "ten"}, data=b"") == 400
-        assert (
-            post(rx, {"Transfer-Encoding": "chunked"}, data=b"zz\r\n{}\r\n0\r\n\r\n") == 400
-        )  # a chunk size not in hex
+        # a chunk size not in hex
+        assert post(rx, {"Transfer-Encoding": "chunked"}, data=b"zz\r\n{}\r\n0\r\n\r\n") == 400
     with OTLPReceiver(keep=False) as rx:
         assert post(rx, {"Content-Length": str(len(body))}, data=body) == 200
         assert rx.export_count == 1 and rx.span_count == 1 and rx.requests == []
@@ -345,6 +344,7 @@ def test_tracing_switch_values(monkeypatch):
         assert tracing_enabled() is on
     monkeypatch.delenv("ENGINE_TRACING")
     assert tracing_enabled() is False
+    # docs/tracing.md: only 1 and 0
     for value in (
         "maybe",
         "yes",
@@ -354,7 +354,7 @@ def test_tracing_switch_values(monkeypatch):
         "no",
         "false",
         "2",
-    ):  # docs/tracing.md: only 1 and 0
+    ):
         monkeypatch.setenv("ENGINE_TRACING", value)
         with pytest.raises(ValueError, match=f"ENGINE_TRACING='{value}'"):
             tracing_enabled()
@@ -380,9 +380,8 @@ def traced(receiver):
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_SERVICE_NAME": "engine-test",
     }
-    with (
-        pytest.MonkeyPatch.context() as mp
-    ):  # the children take the variables at spawn; then they go
+    # the children take the variables at spawn; then they go
+    with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
         eng = Engine(dtype="float32", max_total_tokens=4096)
@@ -506,9 +505,8 @@ def test_spans_are_in_true_order_and_nested_in_time(batch):
         assert s["queue"].end_ns == s["prefill"].start_ns  # admitted
         assert s["prefill"].end_ns == s["decode"].start_ns  # first token
         assert s["prefill"].start_ns <= s["detokenize"].start_ns  # first output after the prefill
-        assert (
-            s["decode"].end_ns <= s["detokenize"].end_ns
-        )  # the last output leaves the scheduler first
+        # the last output leaves the scheduler first
+        assert s["decode"].end_ns <= s["detokenize"].end_ns
 
 
 def test_genai_attributes_equal_meta_info(traced, batch):
@@ -557,9 +555,8 @@ def test_step_spans_link_to_every_request_they_served(traced, batch):
         links = step.links
         assert len(links) == step.attributes["engine.batch_size"]
         assert step.name == f"{step.attributes['engine.step.mode']} step"
-        linked = [
-            all_roots.get((ln["trace_id"], ln["span_id"])) for ln in links
-        ]  # each link: a request's root
+        # each link: a request's root
+        linked = [all_roots.get((ln["trace_id"], ln["span_id"])) for ln in links]
         assert linked == list(step.attributes["engine.request_ids"])
         for rid in linked:
             if rid in roots:
@@ -575,13 +572,11 @@ def test_step_spans_link_to_every_request_they_served(traced, batch):
         ]
         for c in children:
             assert step.start_ns <= c.start_ns <= c.end_ns <= step.end_ns
-            assert c.links == (
-                links if c.name != "process_results" else []
-            )  # the batch spans carry the links
+            # the batch spans carry the links
+            assert c.links == (links if c.name != "process_results" else [])
             assert c.attributes["engine.batch_size"] == step.attributes["engine.batch_size"]
-    for r in (
-        results
-    ):  # one prefill (all three fit one step) and a decode step per token after the first
+    # one prefill (all three fit one step) and a decode step per token after the first
+    for r in results:
         rid = r["meta_info"]["id"]
         assert served[rid]["prefill"] == 1
         assert served[rid]["decode"] == r["meta_info"]["completion_tokens"] - 1
@@ -622,9 +617,8 @@ def test_caller_traceparent_becomes_the_parent(traced, receiver):
 def test_current_span_of_the_caller_becomes_the_parent(traced, receiver):
     from opentelemetry.sdk.trace import TracerProvider
 
-    caller = TracerProvider().get_tracer(
-        "caller"
-    )  # the user's own OpenTelemetry, not exported here
+    # the user's own OpenTelemetry, not exported here
+    caller = TracerProvider().get_tracer("caller")
     with caller.start_as_current_span("handle http request") as span:
         out = traced.generate("Hi", {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
         ctx = span.get_span_context()
@@ -708,10 +702,11 @@ def test_a_call_failing_after_its_root_began_ends_that_root_with_an_error(traced
         root = _root(spans, rid)
         assert root.status_code == 2 and root.attributes["error.type"] == "not_sent"
         assert "refused on purpose" in root.status_message
+        # nothing was sent
         assert {s.name for s in spans if s.trace_id == root.trace_id} == {
             root.name,
             "tokenize",
-        }  # nothing was sent
+        }
     assert ok["meta_info"]["completion_tokens"] == 2
 
 
@@ -719,9 +714,8 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
     from PIL import Image
 
     results, _ = batch
-    path = str(
-        tmp_path / "spans.jsonl"
-    )  # a copy: spans of earlier tests' last steps may still arrive
+    # a copy: spans of earlier tests' last steps may still arrive
+    path = str(tmp_path / "spans.jsonl")
     with receiver.lock:
         shutil.copy(receiver.out_path, path)
         count = receiver.span_count
@@ -776,6 +770,7 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
     run = subprocess.run(cli + ["list", path], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     header, *rows = run.stdout.splitlines()
+    # a column header first
     assert header.split() == [
         "trace",
         "id",
@@ -783,7 +778,7 @@ def test_perfetto_and_timeline_commands(batch, receiver, tmp_path):
         "id",
         "root",
         "span",
-    ]  # a column header first
+    ]
     assert (
         rid in run.stdout and _root(spans, rid).trace_id in run.stdout and len(rows) >= len(results)
     )
@@ -823,9 +818,8 @@ def test_http_export_file_exporter_and_spans_delivered_when_the_script_just_ends
             OTEL_TRACES_EXPORTER="otlp",
             ENGINE_TRACE_FILE=str(trace_file),
         )
-        env.pop(
-            "OTEL_BSP_SCHEDULE_DELAY", None
-        )  # the default 5 s: spans can only arrive by the exit flush
+        # the default 5 s: spans can only arrive by the exit flush
+        env.pop("OTEL_BSP_SCHEDULE_DELAY", None)
         run = subprocess.run(
             [sys.executable, str(script)],
             env=env,
@@ -841,17 +835,15 @@ def test_http_export_file_exporter_and_spans_delivered_when_the_script_just_ends
         assert not wait_gone(result["pids"].values(), 10)
         spans = rx.spans()
         assert rx.transports and set(rx.transports) == {"http"}
-    for rid in result[
-        "rids"
-    ]:  # every request's spans from all three processes, the stop string's too
+    # every request's spans from all three processes, the stop string's too
+    for rid in result["rids"]:
         found = _request_spans(spans, rid)
         assert set(found) == STAGES | {"root"}, (rid, set(found))
         assert {s.pid for s in found.values()} == set(result["pids"].values())
         assert all(found[name].parent_span_id == found["root"].span_id for name in STAGES)
     assert any("engine.step.mode" in s.attributes for s in spans)
-    in_file = read_spans(
-        str(trace_file)
-    )  # the file exporter wrote the same spans, from all three processes
+    # the file exporter wrote the same spans, from all three processes
+    in_file = read_spans(str(trace_file))
     assert sorted(s.span_id for s in in_file) == sorted(s.span_id for s in spans)
     assert {s.role for s in in_file} == ROLES
 
@@ -865,13 +857,14 @@ def test_one_trace_per_beam_search_with_its_width_and_steps(traced, receiver):
         _complete([rid], {"tokenize", "queue", "prefill", "beam_search"}), SPAN_WAIT
     )
     s = _request_spans(receiver.spans(), rid)
+    # no per-token decode span
     assert set(s) == {
         "root",
         "tokenize",
         "queue",
         "prefill",
         "beam_search",
-    }  # no per-token decode span
+    }
     assert len({x.trace_id for x in s.values()}) == 1
     assert all(s[name].parent_span_id == s["root"].span_id for name in s if name != "root")
     for name in ("root", "beam_search"):

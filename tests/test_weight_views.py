@@ -112,9 +112,8 @@ def test_a_model_packed_from_its_file_computes_what_read_weights_packed_compute(
             if name == "lm_head" and cfg.tie_word_embeddings
             else f"{name}.weight"
         ]
-        if isinstance(
-            layer, nn.Linear
-        ):  # AVX-512: MKL keeps plain weights, copied out of the file's views
+        # AVX-512: MKL keeps plain weights, copied out of the file's views
+        if isinstance(layer, nn.Linear):
             assert (
                 torch.equal(layer.weight, weight)
                 and layer.weight.data_ptr() != model.embed_tokens.weight.data_ptr()

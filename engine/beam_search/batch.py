@@ -80,9 +80,8 @@ def advance_matchers(
     for j, (parent, token, score) in enumerate(zip(parents, tokens, scores)):
         m = matchers[parent].fork()
         if score > PUSH_DOWN / 2 and not m.is_terminated():
-            if not m.accept_token(
-                token
-            ):  # a hook after the mask put back a token the grammar refuses
+            # a hook after the mask put back a token the grammar refuses
+            if not m.accept_token(token):
                 selection.scores[j] = float("-inf")
         elif score != float("-inf"):
             selection.scores[j] = float("-inf")
@@ -134,9 +133,8 @@ class BeamBatch:
         self.groups = groups
         self.reqs = [g.req for g in groups for _ in range(g.width)]  # per row, for hooks
         self.beam_index = [i for g in groups for i in range(g.width)]
-        self.matchers = [
-            m for g in groups for m in g.matchers
-        ]  # structured output: each beam's own
+        # structured output: each beam's own
+        self.matchers = [m for g in groups for m in g.matchers]
         self.any_grammar = any(m is not None for m in self.matchers)
         if tensors is None:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)

@@ -128,15 +128,12 @@ class BeamSelection:
         first. Two top-k's (per beam, then over the K x keep survivors) give the same candidates as
         one over K x V, for less work on wide beams."""
         k, vocab = self.width, logprobs.shape[1]
-        keep = min(
-            self.keep, k * vocab
-        )  # a stop list as long as the vocabulary asks for more than there are
-        if (
-            logprobs.shape[0] == 1 and k > 1
-        ):  # the start: every beam is the prompt, beam 0 alone counts
-            if (
-                keep <= vocab
-            ):  # ...unless its keep-th best is below the other beams' pushed-down best
+        # a stop list as long as the vocabulary asks for more than there are
+        keep = min(self.keep, k * vocab)
+        # the start: every beam is the prompt, beam 0 alone counts
+        if logprobs.shape[0] == 1 and k > 1:
+            # ...unless its keep-th best is below the other beams' pushed-down best
+            if keep <= vocab:
                 top_scores, tokens = torch.topk(logprobs[0] + self.scores[0], keep)
                 if bool(top_scores[-1] > logprobs[0].max() + self.scores[1]):
                     return top_scores, torch.zeros_like(tokens), tokens
@@ -147,9 +144,8 @@ class BeamSelection:
             return top_scores, index // vocab, index % vocab
         row_scores, row_tokens = torch.topk(total, keep, dim=1)  # [K, keep]
         top_scores, index = torch.topk(row_scores.reshape(-1), keep)
-        if bool(
-            (row_scores[:, -1] == top_scores[-1]).any()
-        ):  # a tie at the cut: one top-k decides, as transformers'
+        # a tie at the cut: one top-k decides, as transformers'
+        if bool((row_scores[:, -1] == top_scores[-1]).any()):
             top_scores, index = torch.topk(total.reshape(-1), keep)
             return top_scores, index // vocab, index % vocab
         return top_scores, index // keep, row_tokens.reshape(-1)[index]

@@ -197,9 +197,8 @@ def _start(state: SchedulerState, step: Step) -> None:
             abort_held(state, [r], [r.kv_len], step.beam_failed[id(r)], keep_kv=False)
     now = time.time_ns()
     for req, selection, parents, tokens in step.beam_out:
-        state.kv.cache_prompt(
-            req
-        )  # shared by every beam, and by later requests with the same prompt
+        # shared by every beam, and by later requests with the same prompt
+        state.kv.cache_prompt(req)
         req.first_token_ns = now
         group = state.beams.start(req, selection, tokens)
         state.counters["generated_tokens"] += group.width

@@ -67,12 +67,10 @@ class ClientSearch:
     width: int
     new_tokens: int
     stop_ids: frozenset[int]
-    beams: list[tuple[list[int], float]] = field(
-        default_factory=lambda: [([], 0.0)]
-    )  # (tokens, cumulative logprob)
-    finished: list[tuple[float, float, list[int]]] = field(
-        default_factory=list
-    )  # (score, logprob, tokens), best first
+    # (tokens, cumulative logprob)
+    beams: list[tuple[list[int], float]] = field(default_factory=lambda: [([], 0.0)])
+    # (score, logprob, tokens), best first
+    finished: list[tuple[float, float, list[int]]] = field(default_factory=list)
     steps: int = 0
     improvable: bool = True
     done: bool = False
@@ -104,9 +102,8 @@ class ClientSearch:
         live = [c for c, hit in zip(cands, hits) if not hit][:k]
         self.beams = [(self.beams[b][0] + [tok], total) for total, b, tok in live]
         self.steps = t + 1
-        if (
-            live and len(self.finished) == k
-        ):  # can the best live beam still beat the worst hypothesis?
+        # can the best live beam still beat the worst hypothesis?
+        if live and len(self.finished) == k:
             self.improvable = live[0][0] / self.steps > self.finished[-1][0]
         self.done = not live or not self.improvable
 

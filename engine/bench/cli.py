@@ -388,10 +388,11 @@ def run_transformers(
             )
         return (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
 
+    # length-sorted batches pad least: transformers' kindest
     ordered, runs = (
         sorted(prompts, key=len),
         [],
-    )  # length-sorted batches pad least: transformers' kindest
+    )
     for size in hf_batch_sizes(args):
         batch_generate([p[::-1][:32] for p in ordered[:size]], 2)  # warm-up at this size, untimed
         t0 = time.perf_counter()
@@ -563,9 +564,10 @@ def main(argv: list[str] | None = None) -> int:
         ("scale", run_scale, print_scale),
     ):
         extra[name] = None
+        # slow: when asked
         if args.workload == name or (
             args.workload == "all" and name not in ("soak", "dtype-quality", "scale")
-        ):  # slow: when asked
+        ):
             extra[name] = run(args)
             show(extra[name])
     lens = [len(p) for p in prompts or []]

@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# torch-free (the package imports nothing heavy): the baselines' children too
 from engine.cores import (
     usable_cores,
-)  # torch-free (the package imports nothing heavy): the baselines' children too
+)
 
 MARK = (
     "CPU_BENCH_RESULT "  # the child's one result line on stdout; other lines are the backend's own
@@ -91,16 +92,14 @@ def child_engine(cfg_path: str, t_import: float) -> None:
     cfg = json.loads(Path(cfg_path).read_text())
     t0 = time.perf_counter()
     mode, _, dtype = cfg["mode"].partition("@")  # "none@bfloat16": a dtype other than auto
-    eng = Engine(
-        quantization=mode, dtype=dtype or "auto", device="cpu"
-    )  # the baselines run on the CPU
+    # the baselines run on the CPU
+    eng = Engine(quantization=mode, dtype=dtype or "auto", device="cpu")
     ready = time.perf_counter() - t0
     greedy = {"temperature": 0, "ignore_eos": True}
     try:
         one, n = cfg["single"], cfg["new_tokens"]
-        eng.generate(
-            input_ids=one[::-1], sampling_params={**greedy, "max_new_tokens": 8}
-        )  # warm-up, short request
+        # warm-up, short request
+        eng.generate(input_ids=one[::-1], sampling_params={**greedy, "max_new_tokens": 8})
         mem, _, t0 = memory(eng.pids), eng.flush_cache(), time.perf_counter()
         chunks = [
             (time.perf_counter(), len(c["output_ids"]))
@@ -174,9 +173,8 @@ def child_transformers(cfg_path: str, t_import: float) -> None:
     prompts, m = sorted(cfg["prompts"], key=len), cfg["max_new_tokens"]
     runs = []
     for size in cfg["hf_batch_sizes"]:
-        generate(
-            [q[::-1][:32] for q in prompts[:size]], 2
-        )  # warm-up at this size, untimed (the engine gets one too)
+        # warm-up at this size, untimed (the engine gets one too)
+        generate([q[::-1][:32] for q in prompts[:size]], 2)
         wall = sum(generate(prompts[i : i + size], m) for i in range(0, len(prompts), size))
         runs.append(
             {
@@ -203,9 +201,8 @@ def child_llama(cfg_path: str, t_import: float) -> None:
 
     cfg = json.loads(Path(cfg_path).read_text())
     one, n, threads = cfg["single"], cfg["new_tokens"], usable_cores()
-    n_ctx = (
-        max(len(one) + n, max(map(len, cfg["prompts"])) + cfg["max_new_tokens"]) + 64
-    )  # single stream; the check
+    # single stream; the check
+    n_ctx = max(len(one) + n, max(map(len, cfg["prompts"])) + cfg["max_new_tokens"]) + 64
     if not cfg.get("llama_extra_bufts", True):
         _no_extra_buffer_types()
     t0 = time.perf_counter()
@@ -335,9 +332,8 @@ def llama_parallel(llm, prompts: list[list[int]], n: int, threads: int) -> dict:
         finally:
             lc.llama_batch_free(batch)
             lc.llama_free(ctx)
-    gen = llm.generate(
-        prompts[0], temp=0.0, reset=True
-    )  # the check: the high-level greedy path, EOS ordinary too
+    # the check: the high-level greedy path, EOS ordinary too
+    gen = llm.generate(prompts[0], temp=0.0, reset=True)
     agree = next(
         (i for i, (a, b) in enumerate(zip([next(gen) for _ in range(n)], outputs[0])) if a != b), n
     )
@@ -420,9 +416,8 @@ def run_cpu(args: argparse.Namespace) -> dict:
         backends[name] = (
             {"skipped": skip} if skip else _child(name.split()[0], fn, {**cfg, **extra})
         )
-        if (
-            name == "llama.cpp" and "error" in backends[name]
-        ):  # its kindest setting failed: the plain one
+        # its kindest setting failed: the plain one
+        if name == "llama.cpp" and "error" in backends[name]:
             print(
                 "[cpu] llama.cpp failed; again without its extra buffer types (AMX repack) ...",
                 flush=True,

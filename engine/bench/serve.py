@@ -114,9 +114,8 @@ async def _run_server(
                             continue
                         event = json.loads(line[6:])
                         if event.get("usage") and not event["choices"]:
-                            timing.tokens += event["usage"][
-                                "completion_tokens"
-                            ]  # the server's own count
+                            # the server's own count
+                            timing.tokens += event["usage"]["completion_tokens"]
                         else:
                             stream.piece()
 

@@ -111,9 +111,8 @@ class DetokenizerManager:
         self.send_codec = Codec(ToTokenizer)
         self.scheduler_codec = Codec(ToScheduler)
         self.stop_states: dict[str, StopState] = {}  # requests with stop strings
-        self.stopped: set[str] = (
-            set()
-        )  # finished here; the scheduler's remaining outputs are dropped
+        # finished here; the scheduler's remaining outputs are dropped
+        self.stopped: set[str] = set()
         self.seqs: dict[str, int] = {}  # running request -> its submission number (aborts name it)
         self.info: dict = {}
 
@@ -287,9 +286,8 @@ class DetokenizerManager:
             if out.token_ids[i] >= 0:
                 state.tokens += 1
             final = out.finished[i] is not None
-            if (
-                state.tokens < state.min_new_tokens
-            ):  # too early to stop (a final output flushes what is held)
+            # too early to stop (a final output flushes what is held)
+            if state.tokens < state.min_new_tokens:
                 deltas[i] = state.matcher.release(deltas[i], final)
                 matched = None
             else:
@@ -297,9 +295,8 @@ class DetokenizerManager:
             if matched is not None:
                 out.finished[i] = FinishReason("stop", matched=matched)
                 out.meta[i] = RequestMeta(state.prompt_tokens, state.tokens, state.cached_tokens)
-                if (
-                    not final
-                ):  # the scheduler has not finished it yet: stop it, drop what it still sends
+                # the scheduler has not finished it yet: stop it, drop what it still sends
+                if not final:
                     stopping.append(rid)
                     seqs.append(state.seq)
                     self.stopped.add(rid)

@@ -27,9 +27,8 @@ class StopMatcher:
         buf = self.pending + delta
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.stops:
-            at = buf.find(
-                stop, max(self.early - len(stop) + 1, 0)
-            )  # the first one ending after `early`
+            # the first one ending after `early`
+            at = buf.find(stop, max(self.early - len(stop) + 1, 0))
             if at != -1:
                 candidate = (at + len(stop), at, stop)
                 if best is None or candidate < best:

@@ -47,9 +47,8 @@ def check(kind: str, text: str) -> None:
     if kind == "json_schema":
         try:
             _check_schema(text)
-        except (
-            RecursionError
-        ):  # a schema nested past json's or jsonschema's depth (a 1 KB body did it)
+        # a schema nested past json's or jsonschema's depth (a 1 KB body did it)
+        except RecursionError:
             raise ValueError(TOO_DEEP) from None
     grammar_of(kind, text)
 

@@ -42,9 +42,8 @@ class Grammars:
         # making the backend failed: kept, not retried
         self._backend_error: BaseException | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._compiled: collections.OrderedDict[tuple[str, str], Future] = (
-            collections.OrderedDict()
-        )  # LRU
+        # LRU
+        self._compiled: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
         self._queued: list[
             tuple[tuple[str, str], Future]
         ] = []  # compiles submitted, until done or cancelled
@@ -52,9 +51,8 @@ class Grammars:
         self._broken: dict[
             int, str
         ] = {}  # id(matcher) -> why the backend failed on its row in this step's mask
-        self.compile_seconds: collections.deque[float] = collections.deque(
-            maxlen=MAX_COMPILED
-        )  # the last compiles
+        # the last compiles
+        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=MAX_COMPILED)
         self.mask_seconds = 0.0  # fill + apply, since start
         self.mask_steps = 0
 
@@ -104,9 +102,8 @@ class Grammars:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-grammar")
             future = self._compiled[key] = self._pool.submit(self._compile, kind, text)
             self._queued.append((key, future))
-            if (
-                len(self._compiled) > MAX_COMPILED
-            ):  # a client sending ever new schemas must not grow memory
+            # a client sending ever new schemas must not grow memory
+            if len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)  # requests holding its future keep it
         else:
             self._compiled.move_to_end(key)
@@ -122,9 +119,8 @@ class Grammars:
         for key, future in self._queued:
             if future.done():
                 continue
-            if (
-                id(future) not in held and future.cancel()
-            ):  # False once it runs: it then ends as it will
+            # False once it runs: it then ends as it will
+            if id(future) not in held and future.cancel():
                 if self._compiled.get(key) is future:
                     del self._compiled[key]
                 cancelled += 1

@@ -39,9 +39,8 @@ AFTER_THE_FACT_HOOKS = (
 
 _pm: pluggy.PluginManager | None = None
 _callers: dict[str, Any] = {}  # hook name -> pluggy HookCaller, only for hooks with implementations
-registry_lock = (
-    threading.RLock()
-)  # loading, unloading and rebuilding the table; calls never take it
+# loading, unloading and rebuilding the table; calls never take it
+registry_lock = threading.RLock()
 _ROLES = ("user", "scheduler", "detokenizer")
 
 

@@ -24,12 +24,10 @@ class Endpoints:
 
     @classmethod
     def create(cls) -> "Endpoints":
-        runtime_dir = tempfile.mkdtemp(
-            prefix="engine-"
-        )  # mode 0700: only this user can reach the sockets
-        if (
-            len(os.fsencode(os.path.join(runtime_dir, "detokenizer"))) > SOCKET_PATH_MAX
-        ):  # a long TMPDIR
+        # mode 0700: only this user can reach the sockets
+        runtime_dir = tempfile.mkdtemp(prefix="engine-")
+        # a long TMPDIR
+        if len(os.fsencode(os.path.join(runtime_dir, "detokenizer"))) > SOCKET_PATH_MAX:
             os.rmdir(runtime_dir)
             runtime_dir = tempfile.mkdtemp(prefix="engine-", dir="/tmp")
         os.chmod(runtime_dir, 0o700)

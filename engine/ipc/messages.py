@@ -130,9 +130,8 @@ class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
     top: Union[TopLogprobs, None] = None
 
 
-NO_TOKEN = (
-    -1
-)  # in token_ids: this output carries no new token (a request aborted before producing one)
+# in token_ids: this output carries no new token (a request aborted before producing one)
+NO_TOKEN = -1
 
 
 class BatchTokenOut(msgspec.Struct, tag="tokens", array_like=True):
@@ -260,7 +259,6 @@ class Codec:
         """The message, or msgspec.DecodeError (engine.ipc.inbox drops it with a log line)."""
         try:
             return self._decoder.decode(data)
-        except (
-            RecursionError
-        ):  # msgspec's answer to nesting in a field of any value (custom_params, stats)
+        # msgspec's answer to nesting in a field of any value (custom_params, stats)
+        except RecursionError:
             raise msgspec.DecodeError("the message is nested too deeply") from None

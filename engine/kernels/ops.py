@@ -47,9 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)): a residual add and the norm after it. The native bfloat16 path adds
     into h in place (h is the running hidden state, which nothing else holds); without delta, only the norm."""
-    fits = weight.numel() == h.shape[-1] and (
-        delta is None or delta.shape == h.shape
-    )  # else torch broadcasts or raises
+    # else torch broadcasts or raises
+    fits = weight.numel() == h.shape[-1] and (delta is None or delta.shape == h.shape)
     lib, bf16 = _native(h, weight, *(() if delta is None else (delta,))) if fits else (None, False)
     if lib is None:
         if delta is not None:
@@ -123,9 +122,8 @@ def rotate_qkv(
         and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
         and cos.shape == sin.shape == (t, head_dim)
     )
-    lib, bf16 = (
-        _native(qkv, cos, sin) if fits else (None, False)
-    )  # else torch's path: its broadcast or its error
+    # else torch's path: its broadcast or its error
+    lib, bf16 = _native(qkv, cos, sin) if fits else (None, False)
     if lib is not None:
         kernel = lib.rotary_qkv_bf16 if bf16 else lib.rotary_qkv
         kernel(

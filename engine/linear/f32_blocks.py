@@ -113,10 +113,11 @@ def exact_blocks(
     qkv = "layers.0.self_attn.qkv_proj"
     try:
         blocks = read_blocks(model_dir, cfg, shapes, {f"{qkv}.weight": reference(qkv).clone()})
+    # a block type the kernel does not read, a file that does not fit: float panels
     except (
         ValueError,
         OSError,
-    ):  # a block type the kernel does not read, a file that does not fit: float panels
+    ):
         return None
     if set(blocks) != set(shapes) or any(
         not lib.f32_blocks_bytes(kind, *shapes[n]) for n, (kind, _) in blocks.items()

@@ -31,6 +31,7 @@ from engine.linear.quantized import QuantizedLinear
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per 32 weights: Q4_0, Q4_1, Q8_0
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# the types we do not read, for the refusal's wording
 GGML_TYPES = {
     0: "F32",
     1: "F16",
@@ -44,7 +45,7 @@ GGML_TYPES = {
     14: "Q6_K",
     15: "Q8_K",
     30: "BF16",
-}  # the types we do not read, for the refusal's wording
+}
 ROUND_STEPS = 32767.0  # activations are rounded per block to int16 (QX_MAX in gguf_linear.c)
 ACT_INT8 = 0x100  # gguf_panel_linear's type flag: int8 activations, weights in gguf_q8_pack's panels (gguf_blocks.h)
 # layers not in panels: more input rows multiply dequantized tiles (docs/quantization.md)
@@ -129,10 +130,11 @@ def read_blocks(
     plan = {name: parts for i in range(cfg.num_layers) for name, parts in _parts(cfg, i).items()}
     plan["lm_head"] = ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
     q_rows, k_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # permuted, as stored
     orders = (
         (unpermute_rows(q_rows, cfg.num_heads), unpermute_rows(k_rows, cfg.num_kv_heads)),
         None,
-    )  # permuted, as stored
+    )
     order, decided = None, False  # None is also an answer: the rows are as stored
     out: dict[str, tuple[int, torch.Tensor]] = {}
     for name, parts in plan.items():
@@ -185,14 +187,12 @@ def round_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantize_x in gguf_linear.c), and per block sum(x - rounded x) [M, k / 32]."""
     b = x.reshape(x.shape[0], -1, BLOCK)
     amax = b.abs().amax(-1, keepdim=True)
-    d = torch.where(
-        amax > 1e-30, amax / ROUND_STEPS, torch.zeros_like(amax)
-    )  # as the kernel: 1/d stays finite
+    # as the kernel: 1/d stays finite
+    d = torch.where(amax > 1e-30, amax / ROUND_STEPS, torch.zeros_like(amax))
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     rounded = torch.round(b * inv) * d
-    return rounded.reshape(x.shape), (b - rounded).sum(
-        -1
-    )  # each difference exact, as gguf_panel_linear.c sums it
+    # each difference exact, as gguf_panel_linear.c sums it
+    return rounded.reshape(x.shape), (b - rounded).sum(-1)
 
 
 def block_offsets(kind: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
@@ -223,9 +223,8 @@ class GGUFLinear(QuantizedLinear):
         self.kind, (self.out_features, self.in_features) = kind, shape
         self.int8_activations = int8_activations
         self._arg = kind | ACT_INT8 if int8_activations else kind  # the kernels' type argument
-        if (
-            int8_activations
-        ):  # the blocks repacked into panels of 8 rows for gguf_q8_linear.c (the same bytes' worth)
+        # the blocks repacked into panels of 8 rows for gguf_q8_linear.c (the same bytes' worth)
+        if int8_activations:
             size = (
                 0
                 if lib is None or not hasattr(lib, "gguf_q8_pack")
@@ -253,9 +252,8 @@ class GGUFLinear(QuantizedLinear):
         self.direct_max_rows = sys.maxsize if panels or int8_activations else DIRECT_MAX_ROWS
 
     def _dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
-        if (
-            self.int8_activations
-        ):  # never needed: every row count goes to the kernel (direct_max_rows)
+        # never needed: every row count goes to the kernel (direct_max_rows)
+        if self.int8_activations:
             raise NotImplementedError(
                 "a gguf-q8 layer holds its blocks packed for gguf_q8_linear.c"
             )
@@ -272,11 +270,12 @@ class GGUFLinear(QuantizedLinear):
 
     def _kernel_args(self):
         bias = None if self.bias is None else self.bias.data_ptr()
+        # gguf_linear below 12 rows
         return (
             self._lib.gguf_panel_linear,
             (self._arg,),
             (self.blocks.data_ptr(), bias),
-        )  # gguf_linear below 12 rows
+        )
 
     def decode_linear(self) -> dict:
         """The layer as engine/model/decode_layers.py hands it to the C step (the addresses _kernel_args passes)."""

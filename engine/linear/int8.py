@@ -75,10 +75,10 @@ class Int8Linear(QuantizedLinear):
         self.out_features, self.in_features = weight.shape
         self.in_panels = in_panels(self.out_features)
         vectorized = lib is not None and self.in_panels and lib.int8_panel_vectorized() == 1
-        self.direct_max_rows = (
-            sys.maxsize if vectorized else DIRECT_MAX_ROWS
-        )  # else: the scalar loop, few rows
+        # else: the scalar loop, few rows
+        self.direct_max_rows = sys.maxsize if vectorized else DIRECT_MAX_ROWS
         shape = stored_shape(self.out_features, self.in_features)
+        # the kernel reads them raw
         ok = (
             known is not None
             and known[0].dtype == torch.int8
@@ -87,7 +87,7 @@ class Int8Linear(QuantizedLinear):
             and known[1].shape == (self.out_features,)
             and known[0].is_contiguous()
             and known[1].is_contiguous()
-        )  # the kernel reads them raw
+        )
         if not ok and weight.is_meta:
             raise ValueError(
                 "int8 weights given for this layer do not fit it, and its float weight was not loaded"

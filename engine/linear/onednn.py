@@ -14,10 +14,11 @@ from torch import nn
 
 
 BATCH_HINT = 64  # the row count oneDNN chooses the layout for (1-2,048 rows alike)
+# torch capabilities where float32 weights leave plain torch at load
 FLOAT32_ON = (
     "AVX2",
     "AVX512",
-)  # torch capabilities where float32 weights leave plain torch at load
+)
 
 
 def packing_available(dtype: torch.dtype, device: str) -> bool:

@@ -47,9 +47,8 @@ class QuantizedLinear(nn.Module):
             out = torch.empty(m, self.out_features, dtype=torch.float32)
             if m:
                 self._direct(rows, out)
-        return out.reshape(
-            *x.shape[:-1], self.out_features
-        )  # contiguous: engine/model/fused_decode.py relies on it
+        # contiguous: engine/model/fused_decode.py relies on it
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def _direct(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out [m, out_features] = the layer on rows [m, in_features] (contiguous, 0 < m <= direct_max_rows)."""

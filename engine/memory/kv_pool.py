@@ -47,9 +47,8 @@ class TokenKVPool:
         """n pool indices, or None when the pool has fewer free (the caller queues instead)."""
         if n > self._num_free:
             return None
-        out = (
-            self._free[:n].clone()
-        )  # not a view: held indices (a beam's, a step's) would keep a whole free list alive
+        # not a view: held indices (a beam's, a step's) would keep a whole free list alive
+        out = self._free[:n].clone()
         self._free = self._free[n:]
         self._num_free -= n
         return out

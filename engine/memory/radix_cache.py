@@ -93,10 +93,11 @@ class RadixCache:
                 child = self._split(child, n)
             child.last_access = now
             values.append(child.value)
+            # after a mid-edge match the next lookup misses and ends the walk
             node, pos = (
                 child,
                 pos + n,
-            )  # after a mid-edge match the next lookup misses and ends the walk
+            )
         if not values:
             return self.root.value, node
         return (values[0] if len(values) == 1 else torch.cat(values)), node
@@ -201,9 +202,8 @@ class RadixCache:
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
         freed, values = 0, []
-        while (
-            freed < num_tokens and self._heap
-        ):  # self._heap, not a name for it: _offer may rebuild it
+        # self._heap, not a name for it: _offer may rebuild it
+        while freed < num_tokens and self._heap:
             stamp, _, leaf = heapq.heappop(self._heap)
             if leaf.parent is None or leaf.children or leaf.lock_ref:
                 continue  # evicted already, no longer a leaf, or in use: offered again when that changes

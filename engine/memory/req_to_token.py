@@ -11,9 +11,8 @@ class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.table = lazy_zeros(
-            (size, max_context_len), torch.int64, device
-        )  # 16 MB, mostly never written
+        # 16 MB, mostly never written
+        self.table = lazy_zeros((size, max_context_len), torch.int64, device)
         self._free: list[int] = list(range(size))
 
     @property

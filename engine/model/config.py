@@ -68,9 +68,8 @@ def plain_config(model_dir: str) -> PlainConfig | None:
         k not in data for k in _PLAIN_KEYS
     ):
         return None
-    if (
-        data["model_type"] == "mistral" and "sliding_window" not in data
-    ):  # MistralConfig's default is 4096
+    # MistralConfig's default is 4096
+    if data["model_type"] == "mistral" and "sliding_window" not in data:
         return None
     rope = data.get("rope_parameters") or {}
     if data.get("rope_scaling") or rope.get("rope_type", "default") != "default":

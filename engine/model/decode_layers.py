@@ -105,11 +105,12 @@ class DecodeLayers:
         layers: list[DecodeLayer],
     ) -> None:
         cfg = model.cfg
+        # kept alive
         self._lib, self._layers, self._buffers = (
             lib,
             (DecodeLayer * len(layers))(*layers),
             buffers,
-        )  # kept alive
+        )
         rows = (
             buffers[n].data_ptr() for n in ("normed", "qkv", "attn", "a", "gate_up", "act", "down")
         )

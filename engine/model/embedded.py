@@ -20,9 +20,8 @@ logger = logging.getLogger(__name__)
 
 CONVERSION_FORMAT = 2  # bump when the cached layout changes
 DIGEST = 16  # hex digits of a converted directory's key
-_NAMED = re.compile(
-    rf"[^.].*-[0-9a-f]{{{DIGEST}}}"
-)  # converted_dir_for's names: the only folders pruning looks at
+# converted_dir_for's names: the only folders pruning looks at
+_NAMED = re.compile(rf"[^.].*-[0-9a-f]{{{DIGEST}}}")
 
 
 def embedded_gguf_path() -> Path:
@@ -157,9 +156,8 @@ def conversion_source(folder: Path) -> tuple[str, str | None] | None:
     """(the GGUF's path, the host that converted it) of a finished conversion; None where the folder is not
     one. The host is None where the folder records none."""
     try:
-        lines = (
-            (folder / ".complete").read_text().splitlines()
-        )  # the path first (a second line: the host)
+        # the path first (a second line: the host)
+        lines = (folder / ".complete").read_text().splitlines()
     except OSError:
         return None
     gguf = lines[0].strip() if lines else ""
@@ -196,10 +194,11 @@ def prune_conversions(kept: Path) -> list[Path]:
     removed = []
     for folder in folders:
         source = conversion_source(folder)
+        # not finished, or another host's (a shared home)
         if source is None or source[1] not in (
             None,
             host,
-        ):  # not finished, or another host's (a shared home)
+        ):
             continue
         gguf = Path(source[0])
         # a missing GGUF of the user's own may be on a drive not mounted now: only installed ones count as gone

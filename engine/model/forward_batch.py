@@ -24,8 +24,7 @@ class ForwardBatch:
     req_slots: torch.Tensor  # [B] rows of req_to_token
     seq_lens: torch.Tensor  # [B] sequence length after this pass (prefix + new)
     max_seq_len: int  # max of seq_lens, as a Python int
-    logits_indices: (
-        torch.Tensor
-    )  # [B] row in T whose hidden state gives each request's next-token logits
+    # [B] row in T whose hidden state gives each request's next-token logits
+    logits_indices: torch.Tensor
     extend_lens: list[int] = field(default_factory=list)  # EXTEND only: new tokens per request
     prefix_lens: list[int] = field(default_factory=list)  # EXTEND only: tokens already in the pool

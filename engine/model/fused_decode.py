@@ -101,9 +101,8 @@ def _rows(model: nn.Module, t: int, dtype: torch.dtype) -> _Rows:
                 name: torch.empty(MAX_ROWS, width, dtype=dtype) for name, width in widths.items()
             }
         cache[t] = _Rows(full, model.cfg, t)
-    if (
-        cache[t].qkv.dtype != dtype
-    ):  # one model, one dtype: buffers made for another would be misread
+    # one model, one dtype: buffers made for another would be misread
+    if cache[t].qkv.dtype != dtype:
         raise TypeError(f"fused decode buffers are {cache[t].qkv.dtype}, the step's rows {dtype}")
     return cache[t]
 
@@ -148,9 +147,8 @@ def decode_forward(
     rows = _rows(model, t, h.dtype)
     threads = torch.get_num_threads()
     native = _native(model, backend, lib, one_call)
-    if (
-        native is not None
-    ):  # every layer in one C call: the same kernels, order and rows as the loop below
+    # every layer in one C call: the same kernels, order and rows as the loop below
+    if native is not None:
         native.run(h, cos, sin, backend.step_args(), threads)  # float32 rows only
         return model.lm_head(rows.normed).float()
     add_rms_norm, rotary_qkv, silu_mul = _kernels(lib, h.dtype)
@@ -163,9 +161,8 @@ def decode_forward(
     )
     pending = None  # the last block's output, added to h by the next norm
     rows_decoder = getattr(backend, "rows_decoder", None)
-    attend = (
-        rows_decoder() if rows_decoder is not None else None
-    )  # K/V store and attention in one C call
+    # K/V store and attention in one C call
+    attend = rows_decoder() if rows_decoder is not None else None
     for layer in _plan(model):
         norm = layer.in_norm
         add_rms_norm(
@@ -199,9 +196,8 @@ def decode_forward(
         silu_mul(p["gate_up"], p["act"], t, rows.act.shape[1], threads)
         layer.down()(p["act"], p["down"], t)
         pending = p["down"]
-    if (
-        h.dtype != torch.float32
-    ):  # the plain forward's float32 norm and head, after the same residual add
+    # the plain forward's float32 norm and head, after the same residual add
+    if h.dtype != torch.float32:
         return model.logits(h, rows.down)
     add_rms_norm(
         h_ptr,

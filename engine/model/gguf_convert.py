@@ -76,10 +76,11 @@ def state_dict(gguf: Path, config: dict[str, Any]):
 
     from engine.model.gguf_file import read_index
 
+    # its q/k row order
     layers, processor = (
         config["num_hidden_layers"],
         LlamaTensorProcessor(config=config),
-    )  # its q/k row order
+    )
     plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
     blob = np.memmap(gguf, dtype=np.uint8, mode="r")
     out = {}
@@ -135,9 +136,8 @@ def convert_llama_gguf(gguf: Path, out: Path) -> bool:
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     values = config_dict(metadata, tensor_names)
-    config = LlamaConfig.from_dict(
-        values
-    )  # as AutoConfig.from_pretrained(folder, gguf_file=...) makes it
+    # as AutoConfig.from_pretrained(folder, gguf_file=...) makes it
+    config = LlamaConfig.from_dict(values)
     config._name_or_path = str(gguf.parent)  # as from_pretrained(folder, gguf_file=...) records it
     expected = {hf_name(n, config.num_hidden_layers) for n in tensor_names}
     params = {

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+# value type -> bytes
 SCALAR_SIZES = {
     0: 1,
     1: 1,
@@ -27,7 +28,7 @@ SCALAR_SIZES = {
     10: 8,
     11: 8,
     12: 8,
-}  # value type -> bytes
+}
 STRING, ARRAY, UINT32 = 8, 9, 4
 
 
@@ -58,9 +59,8 @@ class _Cursor:
         if kind in SCALAR_SIZES:
             self.pos += SCALAR_SIZES[kind]
         elif kind == STRING:
-            n = self.take(
-                "Q"
-            )  # not `self.pos += self.take(...)`: that would add to the position before the length
+            # not `self.pos += self.take(...)`: that would add to the position before the length
+            n = self.take("Q")
             self.pos += n
         elif kind == ARRAY:
             inner, count = self.take("IQ")

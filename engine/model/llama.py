@@ -183,11 +183,12 @@ def weight_plan(cfg: ModelConfig, names: set[str]) -> dict[str, list[str]]:
         ]
     used = {n for parts in plan.values() for n in parts}
     missing = sorted(used - names)
+    # older exports' buffers, which transformers drops too
     unexpected = sorted(
         n
         for n in names - used - {"lm_head.weight"}  # tied copies some exporters write anyway
         if not n.endswith("rotary_emb.inv_freq")
-    )  # older exports' buffers, which transformers drops too
+    )
     if missing:
         raise ValueError(f"weights missing from checkpoint: {missing[:8]}")
     if unexpected:

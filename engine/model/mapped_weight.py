@@ -22,9 +22,8 @@ class MappedWeight:
     def __init__(
         self, path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
     ) -> None:
-        start = (
-            offset - offset % mmap.ALLOCATIONGRANULARITY
-        )  # the tensor's range only, from an aligned start
+        # the tensor's range only, from an aligned start
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         with open(path, "rb") as f:
             if offset + nbytes > f.seek(0, 2):
                 raise ValueError(f"{path.name} is truncated")

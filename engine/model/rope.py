@@ -9,9 +9,8 @@ def inv_freq_and_scaling(hf_config, head_dim: int) -> tuple[torch.Tensor, float]
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if not params:  # transformers < 5 spelling
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
-    params.setdefault(
-        "rope_theta", getattr(hf_config, "rope_theta", 10000.0)
-    )  # at the top level, as transformers takes it
+    # at the top level, as transformers takes it
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params["rope_theta"]
@@ -21,9 +20,8 @@ def inv_freq_and_scaling(hf_config, head_dim: int) -> tuple[torch.Tensor, float]
         raise ValueError(
             "rope_type 'dynamic' (NTK scaling that changes with sequence length) is not supported"
         )
-    if (
-        rope_type == "longrope"
-    ):  # transformers switches to the long factors past original_max_position_embeddings
+    # transformers switches to the long factors past original_max_position_embeddings
+    if rope_type == "longrope":
         raise ValueError(
             "rope_type 'longrope' (factors that change with sequence length) is not supported"
         )

@@ -80,17 +80,14 @@ _queue = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}  # s
 # as a reset), whether an engine shut down or one scrape could not read it
 _queue_seen: dict[int, tuple[weakref.ref, dict]] = {}
 _queue_gone = {"counts": [0] * (len(QUEUE_BUCKETS) + 1), "sum": 0.0, "count": 0}
-_scrape_lock = (
-    threading.Lock()
-)  # one scrape at a time (they run in worker threads): the bookkeeping above
+# one scrape at a time (they run in worker threads): the bookkeeping above
+_scrape_lock = threading.Lock()
 # stays in order; not _lock, which the hooks take while a scrape waits for get_stats
 _http = None  # the ENGINE_METRICS_PORT server of this process, while an engine runs
-_http_lock = (
-    threading.Lock()
-)  # two engines starting in two threads check and bind the port one at a time
-_copies: set[int] = (
-    set()
-)  # user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
+# two engines starting in two threads check and bind the port one at a time
+_http_lock = threading.Lock()
+# user process: seqs of the 2nd..nth copies of an n > 1 prompt, until done
+_copies: set[int] = set()
 _announcing = threading.local()  # the PromptRequest this thread announced last (a weak reference)
 
 
@@ -320,9 +317,8 @@ def engine_request_done(rid: str, meta_info: dict, error: str | None, seq: int) 
     with _lock:
         copy = seq in _copies
         _copies.discard(seq)
-    if (
-        error is None
-    ):  # else it never finished: not sent, or cut off by the engine stopping or dying
+    # else it never finished: not sent, or cut off by the engine stopping or dying
+    if error is None:
         user_metrics().observe(meta_info, copy)
 
 

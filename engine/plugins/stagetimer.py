@@ -64,9 +64,8 @@ def engine_forward_before(batch, rids) -> None:
 @hookimpl
 def engine_forward_after(batch, rids, logits) -> None:
     _stop("forward")
-    if (
-        logits is not None and logits.shape[0]
-    ):  # a prompt chunk that is not the last samples nothing
+    # a prompt chunk that is not the last samples nothing
+    if logits is not None and logits.shape[0]:
         _start("sample")
 
 

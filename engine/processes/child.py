@@ -102,9 +102,8 @@ def run_child(
         from engine.hooks.loader import install_from_env
 
         hooks.set_role(role)
-        install_from_env(
-            strict=True
-        )  # idempotent: what sitecustomize loaded stays, the rest loads now
+        # idempotent: what sitecustomize loaded stays, the rest loads now
+        install_from_env(strict=True)
         if hooks.has("engine_process_start"):
             hooks.call("engine_process_start", role=role, pid=os.getpid())
         server = build(progress)

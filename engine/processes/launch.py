@@ -67,9 +67,8 @@ def _main_script_or_none():
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    where = (
-        os.path.join(mp.process.ORIGINAL_DIR or "", path) if path is not None else None
-    )  # as spawn resolves it
+    # as spawn resolves it
+    where = os.path.join(mp.process.ORIGINAL_DIR or "", path) if path is not None else None
     if main is None or where is None or spec_name is not None or os.path.isfile(where):
         yield
         return

@@ -40,14 +40,14 @@ WAIT_HINTS = ("poll", "recv", "wait", "select", "sleep", "zmq/sugar/poll")
 # innermost frames of a thread with nothing to do: a ThreadPoolExecutor worker waiting for work (its
 # queue's get runs in C, so the worker's own frame is the innermost)
 IDLE_FRAMES = ("_worker (concurrent/futures/thread.py:",)
-HOUSEKEEPING = (
-    "_watch_parent",
-)  # a child's parent-lifeline thread: always asleep, not the process's work
+# a child's parent-lifeline thread: always asleep, not the process's work
+HOUSEKEEPING = ("_watch_parent",)
 THREAD = "thread ("  # py-spy --threads: a stack's first frame, "thread (<tid>): <name>"
+# a child's serving thread: it built the process, then serves
 SERVING = (
     "run_child",
     ".serve_forever",
-)  # a child's serving thread: it built the process, then serves
+)
 
 
 def _blocking_lines() -> set[str]:
@@ -72,9 +72,8 @@ def _blocking_lines() -> set[str]:
     ):
         lines, first = inspect.getsourcelines(func)
         root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
-        short = os.path.relpath(
-            inspect.getsourcefile(func), root
-        )  # py-spy shows paths relative to sys.path
+        # py-spy shows paths relative to sys.path
+        short = os.path.relpath(inspect.getsourcefile(func), root)
         for offset, text in enumerate(lines):
             if marker in text:
                 out.add(f"{func.__qualname__} ({short}:{first + offset})")

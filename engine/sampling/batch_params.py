@@ -118,9 +118,8 @@ class SamplingTensors:
             values["repetition"], values["frequency"], values["presence"]
         ):
             values["counts"] = values["seen"] = None
-        if values["bias"] is not None and not bool(
-            values["bias"].any()
-        ):  # a bias of 0 changes nothing either
+        # a bias of 0 changes nothing either
+        if values["bias"] is not None and not bool(values["bias"].any()):
             values["bias"] = None
         return SamplingTensors(**values)
 

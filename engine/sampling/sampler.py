@@ -199,10 +199,11 @@ def fail_emptied_rows(logits: torch.Tensor, st: SamplingTensors, failed: dict[in
             )
 
 
+# the most likely tokens top_k / top_p are first measured in, before a full sort
 TOP_WINDOWS = (
     256,
     4096,
-)  # the most likely tokens top_k / top_p are first measured in, before a full sort
+)
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -215,9 +216,8 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     inside them; only the rows whose cut does not go on to the next window, then to a full sort of the
     vocabulary (costly at large batches): one broad row does not send the batch there."""
     rows, vocab = probs.shape
-    pending = (
-        ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)
-    )  # rows that lose anything, still to cut
+    # rows that lose anything, still to cut
+    pending = ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)
     if not pending.numel():
         return probs
     out = torch.empty_like(probs) if pending.numel() == rows else probs.clone()

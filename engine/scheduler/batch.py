@@ -55,9 +55,8 @@ class RunningBatch:
             sampling if sampling is not None else sampling_tensors(reqs, vocab_size, device)
         )
         self.rids = [r.rid for r in reqs]
-        self.matchers = [
-            r.matcher for r in reqs
-        ]  # structured output: each row's grammar matcher or None
+        # structured output: each row's grammar matcher or None
+        self.matchers = [r.matcher for r in reqs]
         self.any_grammar = any(m is not None for m in self.matchers)
 
     def __len__(self) -> int:

@@ -65,9 +65,8 @@ def abort_reqs(
 ) -> None:
     # a step that failed after some of its requests finished must not free or report those twice
     live = [(r, k) for r, k in zip(reqs, kv_lens) if r.finished is None and r.slot is not None]
-    searching = {
-        id(g.req): g for g in state.beams.groups
-    }  # beam searches under way end with their beams
+    # beam searches under way end with their beams
+    searching = {id(g.req): g for g in state.beams.groups}
     if searching and any(id(r) in searching for r, _ in live):
         beam_stage.abort(
             state, [searching[id(r)] for r, _ in live if id(r) in searching], message, keep_kv

@@ -40,9 +40,8 @@ def make_room_for_decode(state: SchedulerState) -> bool:
                 req = state.plan.chunked
                 kv_len, state.plan.chunked = req.kv_len, None
             elif not len(rows):
-                if (
-                    kv.headroom >= need()
-                ):  # a search starts over if retracted: only when the next step cannot run
+                # a search starts over if retracted: only when the next step cannot run
+                if kv.headroom >= need():
                     break
                 retracted.append(beam_stage.retract_last(state))
                 continue
@@ -50,15 +49,13 @@ def make_room_for_decode(state: SchedulerState) -> bool:
                 req, kv_len = rows.reqs[-1], int(rows.kv_lens[-1])
                 keep = [True] * (len(rows) - 1) + [False]
                 rows.filter(torch.tensor(keep, device=state.device), keep)
-            retracted.append(
-                req
-            )  # first, ready to resume: out of the batch, it must reach the queue whatever happens next
+            # first, ready to resume: out of the batch, it must reach the queue whatever happens next
+            retracted.append(req)
             req.fill_ids = req.all_ids()
             if not req.header_sent:  # a chunked prefill redone from the cache recomputes these
                 req.reset_prompt_logprobs()
-            kv.free_request(
-                req, kv_len
-            )  # its K/V stays in the tree, evictable, for when it resumes
+            # its K/V stays in the tree, evictable, for when it resumes
+            kv.free_request(req, kv_len)
     finally:  # also when freeing one raised (the step then fails): every request taken out is queued again
         if retracted:
             state.waiting.requeue(retracted[::-1])

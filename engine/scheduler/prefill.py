@@ -47,16 +47,14 @@ def plan_prefill(state: SchedulerState) -> list[tuple[Req, int, int]]:
     req = in_progress = state.plan.chunked  # its prompt is not cached until its last chunk is done
     if req is not None:
         take = min(len(req.fill_ids) - req.kv_len, budget)
-        if (
-            take > kv.headroom - len(state.running) - state.beams.num_rows
-        ):  # leave the running rows their next token
+        # leave the running rows their next token
+        if take > kv.headroom - len(state.running) - state.beams.num_rows:
             return []  # decode steps will finish requests and free memory
         entries.append((req, req.kv_len, take))
         state.plan.admitted(req)
         budget -= take
-        reserved += (
-            beam_stage.admission_need(req, take) if req.beam is not None else take
-        )  # a search's beams too
+        # a search's beams too
+        reserved += beam_stage.admission_need(req, take) if req.beam is not None else take
         if req.kv_len + take < len(req.fill_ids):
             return entries
         state.plan.chunked = None
@@ -105,9 +103,8 @@ def plan_prefill(state: SchedulerState) -> list[tuple[Req, int, int]]:
             break
         need = need_of(state, req, take)
         alone = not entries and not len(state.running) and not state.beams
-        if (
-            req.beam is not None
-        ):  # reserved whole: beams are never retracted part-way for lack of KV
+        # reserved whole: beams are never retracted part-way for lack of KV
+        if req.beam is not None:
             need = beam_stage.admission_need(req, take)
             alone = alone and need <= kv.headroom
         if need > kv.headroom - reserved and not (alone and take <= kv.headroom):
@@ -168,13 +165,11 @@ def admissible(state: SchedulerState, reserved: int, entries: list) -> bool:
     if not entries and not len(state.running) and not state.beams:
         return True
     room = state.kv.headroom - reserved
-    if (
-        room < 1 or len(state.waiting) > LPM_MAX_QUEUE
-    ):  # a long queue is not ordered anyway: no need to look
+    # a long queue is not ordered anyway: no need to look
+    if room < 1 or len(state.waiting) > LPM_MAX_QUEUE:
         return room >= 1
-    if room >= 1 + int(
-        state.plan.new_token_ratio * CLIP_NEW_TOKENS
-    ):  # past any request's least need: no loop
+    # past any request's least need: no loop
+    if room >= 1 + int(state.plan.new_token_ratio * CLIP_NEW_TOKENS):
         return True
     return room >= min(least_need(state, r) for r in state.waiting)
 
@@ -255,10 +250,11 @@ def prefill_step(state: SchedulerState, entries: list[tuple[Req, int, int]]) -> 
     state.req_to_token.table[torch.repeat_interleave(slots, takes_t), positions] = loc
     input_ids: list[int] = []
     completing, logits_rows = [], []
+    # beam searches: their prompt's last row, after the ordinary rows
     beam_starts, beam_rows = (
         [],
         [],
-    )  # beam searches: their prompt's last row, after the ordinary rows
+    )
     extra_rows: list[
         int
     ] = []  # prompt logprobs: hidden rows of positions logprob_from .. prompt_len - 2

@@ -99,9 +99,8 @@ def admit_arrivals(state: SchedulerState, arrivals: list[TokenizedRequest]) -> N
                 continue
         try:
             constraint = constraint_of(r.sampling)
-            if (
-                constraint is not None
-            ):  # compiled off the loop; the request waits for it, the others do not
+            # compiled off the loop; the request waits for it, the others do not
+            if constraint is not None:
                 req.grammar = state.grammars.request(*constraint)
                 constrained = True
                 if state.config.tp_size > 1:  # ready on every rank in the same turn, or they part

@@ -116,9 +116,8 @@ class Req:
 
     def reset_prompt_logprobs(self) -> None:
         """Start the prompt logprobs over (also when a chunked prefill is retracted and redone)."""
-        first = (
-            [None] if self.logprob_start_len == 0 else []
-        )  # the first prompt token has no logprob
+        # the first prompt token has no logprob
+        first = [None] if self.logprob_start_len == 0 else []
         self.input_logprobs, self.input_top = list(first), list(first)
 
     def max_prefix(self) -> int:

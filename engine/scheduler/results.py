@@ -46,9 +46,8 @@ def process_results(state: SchedulerState, step: Step, sampled: SampleOutput | N
     if rows.any_grammar:  # each constrained row's matcher takes its token (a refusal fails the row)
         for i, problem in state.grammars.accept(rows.matchers, ids).items():
             sampled.failed.setdefault(i, problem)
-    if (
-        sampled.failed
-    ):  # a custom processor or a grammar failed on these rows: they end here, without a token
+    # a custom processor or a grammar failed on these rows: they end here, without a token
+    if sampled.failed:
         for i in sampled.failed:
             ids[i] = NO_TOKEN
         done[list(sampled.failed)] = True
@@ -91,9 +90,8 @@ def process_results(state: SchedulerState, step: Step, sampled: SampleOutput | N
         rows.filter(~done, [not d for d in done_list])
     out = BatchTokenOut(rids, ids, finished, meta, headers, logprobs)
     state.outbox.send(out)
-    if (
-        error is not None
-    ):  # the step fails as it would have (its other requests end), none unanswered
+    # the step fails as it would have (its other requests end), none unanswered
+    if error is not None:
         raise error
     if step.mode is ForwardMode.EXTEND and len(rows):
         for req in rows.reqs:

@@ -119,9 +119,8 @@ class Scheduler:
                 ran = False
                 time.sleep(0.01)
             if not ran and self.state.waiting:
-                time.sleep(
-                    0.001
-                )  # requests wait but none could start (a plugin holds them back): no hot spin
+                # requests wait but none could start (a plugin holds them back): no hot spin
+                time.sleep(0.001)
 
     @torch.inference_mode()
     def run_once(self, block: bool = True) -> bool:

@@ -22,9 +22,8 @@ class Step:
 
     forward_batch: ForwardBatch
     rows: RunningBatch  # DECODE: the running batch itself; EXTEND: requests whose prefill completes
-    extend_reqs: list[Req] = field(
-        default_factory=list
-    )  # EXTEND: every request in the step, chunks too
+    # EXTEND: every request in the step, chunks too
+    extend_reqs: list[Req] = field(default_factory=list)
     # EXTEND: prompt logprob rows after the next-token rows: (request, first extra row, rows, first position)
     prompt_logprobs: list[tuple[Req, int, int, int]] = field(default_factory=list)
     # beam searches (engine/beam_search): their rows follow the ordinary rows in the logits. EXTEND:

@@ -303,9 +303,8 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
     async def beam_response(
         request: Request, body, args: dict, rid: str, kind: str, bases: list[str]
     ) -> dict:
-        if (
-            body.logprobs is not None and body.logprobs is not False
-        ):  # completions' logprobs: 0 asks for them too
+        # completions' logprobs: 0 asks for them too
+        if body.logprobs is not None and body.logprobs is not False:
             raise errors.OpenAIError(
                 400, "logprobs is not supported with use_beam_search", param="logprobs"
             )

@@ -83,9 +83,8 @@ def _port(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    return _number(
-        text, float, lambda v: v >= 0, "seconds >= 0 (inf: wait for every request)"
-    )  # NaN fails too
+    # NaN fails too
+    return _number(text, float, lambda v: v >= 0, "seconds >= 0 (inf: wait for every request)")
 
 
 def _positive(text: str) -> int:
@@ -156,9 +155,8 @@ def parser() -> argparse.ArgumentParser:
         "--gateway-arg=3)",
     )
     _engine_flags(p)
-    p.set_defaults(
-        preload_tokenizer=True
-    )  # build_app needs transformers' tokenizer: loaded beside the children
+    # build_app needs transformers' tokenizer: loaded beside the children
+    p.set_defaults(preload_tokenizer=True)
     return p
 
 

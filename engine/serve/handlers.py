@@ -74,9 +74,8 @@ def install(app: FastAPI) -> None:
         return response(400, str(exc))
 
     @app.exception_handler(TimeoutError)
-    async def _timeout(
-        request: Request, exc: TimeoutError
-    ):  # the scheduler did not answer a stats request
+    # the scheduler did not answer a stats request
+    async def _timeout(request: Request, exc: TimeoutError):
         return response(503, f"the engine did not answer in time: {exc}")
 
     @app.exception_handler(EngineDeadError)
@@ -90,9 +89,8 @@ def install(app: FastAPI) -> None:
             404: f"no route {request.url.path}",
             405: f"method {request.method} not allowed on {request.url.path}",
         }
-        return response(
-            status, message.get(status, str(exc.detail)), headers=exc.headers
-        )  # 405: Allow
+        # 405: Allow
+        return response(status, message.get(status, str(exc.detail)), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _other(request: Request, exc: Exception):  # a bug: say so, without a traceback

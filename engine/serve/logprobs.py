@@ -51,9 +51,8 @@ class TokenText:
         decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
         self.byte_level = "ByteLevel" in decoder
         self.sentencepiece = not self.byte_level and ("Metaspace" in decoder or '"▁"' in decoder)
-        self.added = {
-            i for i in getattr(tokenizer, "added_tokens_decoder", {})
-        }  # special tokens: plain text
+        # special tokens: plain text
+        self.added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
         self.cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:

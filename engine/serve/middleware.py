@@ -73,9 +73,10 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = given.strip().partition(b" ")
+        # schemes ignore case
         if scheme.lower() != b"bearer" or not hmac.compare_digest(
             token.lstrip(b" "), self.expected
-        ):  # schemes ignore case
+        ):
             message = (
                 "missing API key: send Authorization: Bearer <key>"
                 if not given

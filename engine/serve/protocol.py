@@ -186,9 +186,8 @@ REFUSED_CHAT: dict[str, tuple] = {
     "return_meta_info": (False,),
     "return_prompt_text": (False,),
 }
-REFUSED_COMPLETIONS: dict[str, tuple] = {
-    "add_special_tokens": (True,)
-}  # what the engine does for each route
+# what the engine does for each route
+REFUSED_COMPLETIONS: dict[str, tuple] = {"add_special_tokens": (True,)}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -339,6 +338,5 @@ def _field_names(cls: type[BaseModel]) -> set[str]:
     return names
 
 
-FIELD_NAMES = frozenset(
-    _field_names(_Body)
-)  # what a validation error's location may name (the rest are pydantic's tags)
+# what a validation error's location may name (the rest are pydantic's tags)
+FIELD_NAMES = frozenset(_field_names(_Body))

@@ -242,9 +242,8 @@ class NativeEvents:
             meta = dict(meta)
             for key in self.LISTS:
                 if key in meta or key in so_far:  # a chunk without tokens carries none of its own
-                    so_far.setdefault(key, []).extend(
-                        meta.get(key, [])
-                    )  # the event is encoded before the next
+                    # the event is encoded before the next
+                    so_far.setdefault(key, []).extend(meta.get(key, []))
                     meta[key] = so_far[key]
         return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": meta}]
 

@@ -14,9 +14,10 @@ import time
 import uuid
 from typing import Any
 
+# the engine's seeds: [0, SEED_RANGE); OpenAI's any int64, taken modulo it
 from engine.sampling_params import (
     SEED_RANGE,
-)  # the engine's seeds: [0, SEED_RANGE); OpenAI's any int64, taken modulo it
+)
 from engine.serve.errors import OpenAIError
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, TextPart
 
@@ -100,9 +101,8 @@ def _given_constraints(
         for field, kind in _CONSTRAINTS
         if getattr(body, field) is not None
     ]
-    found = [
-        f for f in found if f[0] != "response_format" or f[2].type != "text"
-    ]  # plain text constrains nothing
+    # plain text constrains nothing
+    found = [f for f in found if f[0] != "response_format" or f[2].type != "text"]
     if body.structured_outputs is not None:
         found += [
             (f"structured_outputs.{name}", kind, getattr(body.structured_outputs, attr))
@@ -203,9 +203,8 @@ def sampling_params(
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     params.update(constraint(body))
-    if (
-        body.logit_bias
-    ):  # string keys, as JSON has them: the engine's check reads them (a 400 naming logit_bias)
+    # string keys, as JSON has them: the engine's check reads them (a 400 naming logit_bias)
+    if body.logit_bias:
         params["logit_bias"] = dict(body.logit_bias)
     return params
 

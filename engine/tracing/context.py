@@ -13,9 +13,8 @@ _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-
 
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) of a valid W3C traceparent, else None."""
-    m = (
-        _TRACEPARENT.match(value.strip()) if isinstance(value, str) else None
-    )  # W3C: lowercase hex only
+    # W3C: lowercase hex only
+    m = _TRACEPARENT.match(value.strip()) if isinstance(value, str) else None
     if m is None:
         return None
     version, trace_id, span_id, flags, rest = m.groups()

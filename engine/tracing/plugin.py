@@ -42,11 +42,12 @@ from engine.tracing.context import parse_traceparent
 SCOPE = "engine"
 FLUSH_SECONDS = 4.0  # a child has 5 s to stop before it is terminated
 CUT = "engine.cut_by_shutdown"  # on the last span of a request the engine stopped before it finished here
+# besides the step span: the stages that serve the batch
 LINKED_STAGES = (
     "schedule",
     "forward",
     "sample",
-)  # besides the step span: the stages that serve the batch
+)
 ENDED_KEPT = 4096  # user process: roots ended lately, for an engine_output that fails after the end
 _propagator = TraceContextTextMapPropagator()
 
@@ -192,9 +193,8 @@ class TracingPlugin:
     ) -> None:
         if self.tracer is None:
             return
-        parent = (
-            _propagator.extract(trace_context) if "traceparent" in trace_context else None
-        )  # None: current
+        # None: current
+        parent = _propagator.extract(trace_context) if "traceparent" in trace_context else None
         operation = "chat" if request.messages is not None else "text_completion"
         model = getattr(request, "model", "") or self.model  # the request's own engine's model
         attrs = _request_attributes(sampling, model, operation)
@@ -246,9 +246,8 @@ class TracingPlugin:
                     "engine.beam.steps": meta_info["steps"],
                 }
             )
-        if (
-            error is not None
-        ):  # never sent (a later hook or check failed), or the engine stopped first
+        # never sent (a later hook or check failed), or the engine stopped first
+        if error is not None:
             _set_error(
                 root, error, "not_sent" if error.startswith("not sent:") else "engine_stopped"
             )
@@ -292,10 +291,11 @@ class TracingPlugin:
         entry = self.links.get(req.rid)
         if entry is None:
             sc = remote_span_context(req.trace_context)
+            # no link attributes: they triple a link's cost
             entry = (
                 None if sc is None else Link(sc),
                 req,
-            )  # no link attributes: they triple a link's cost
+            )
             if req.finished is None:  # cached while it runs; dropped when it finishes
                 self.links[req.rid] = entry
         return entry[0]
@@ -318,9 +318,8 @@ class TracingPlugin:
                 return
             if self.live.get(req.rid) is req:  # a rid reused after this one is another request
                 del self.live[req.rid]
-            self._request_spans(
-                req, finish_reason
-            )  # under the lock: before the stop hook's flush, not after
+            # under the lock: before the stop hook's flush, not after
+            self._request_spans(req, finish_reason)
 
     def _request_spans(self, req, finish_reason: dict | None) -> None:
         """queue, prefill, decode from the request's recorded times; finish_reason None: cut by shutdown."""
@@ -386,9 +385,8 @@ class TracingPlugin:
         if step.error is None and (not self.step_every or self.steps_seen % self.step_every):
             return  # one step in step_every (0: none), and every failed step
         with self.lock:  # the stop hook sets `stopped` under this lock, then flushes: a step ends
-            if (
-                not self.stopped
-            ):  # wholly before that flush, or is not traced (the process exits after it)
+            # wholly before that flush, or is not traced (the process exits after it)
+            if not self.stopped:
                 self._step_spans(step)
 
     def _step_spans(self, step) -> None:
@@ -445,9 +443,8 @@ class TracingPlugin:
                         self.detok[rid] = (now, header.trace_context, rid)
             for i in [i for i, f in enumerate(output.finished) if f is not None]:
                 started = self.detok.pop(output.rids[i], None)
-                if (
-                    started is not None
-                ):  # its span made under the lock: before the stop hook's flush
+                # its span made under the lock: before the stop hook's flush
+                if started is not None:
                     start, headers, rid = started
                     self._detokenize_span(
                         rid, start, headers, output.finished[i], output.meta[i], now

@@ -159,9 +159,8 @@ def _handler(receiver: OTLPReceiver):
             if body is None:
                 return
             encoding = (self.headers.get("Content-Encoding") or "").lower()
-            as_json = "json" in (
-                self.headers.get("Content-Type") or ""
-            )  # the reply is encoded the same way
+            # the reply is encoded the same way
+            as_json = "json" in (self.headers.get("Content-Type") or "")
             request = ExportRequest()
             try:
                 if encoding == "gzip":

@@ -92,9 +92,8 @@ def outcome(eng, hook: str) -> str:
             reason = out["meta_info"]["finish_reason"]
             assert reason["type"] != "abort" or hook in reason["message"], reason
             return reason["type"]
-        if (
-            hook == "engine_stats"
-        ):  # a plugin's error is its entry in the figures; the others' stay (docs/plugins.md)
+        # a plugin's error is its entry in the figures; the others' stay (docs/plugins.md)
+        if hook == "engine_stats":
             plugins = eng.get_stats()["plugins"]
             errors = [
                 entry["error"]
@@ -102,9 +101,8 @@ def outcome(eng, hook: str) -> str:
                 for entry in figures.values()
                 if isinstance(entry, dict) and "error" in entry
             ]
-            assert len(errors) == len(plugins) == 3, (
-                plugins
-            )  # the plugin runs in all three processes
+            # the plugin runs in all three processes
+            assert len(errors) == len(plugins) == 3, plugins
             assert all(hook in e and "on purpose" in e for e in errors), errors
             return "recorded"
         out = eng.generate("Hello there", PARAMS)
@@ -121,15 +119,15 @@ def test_a_plugin_raising_in_each_hook_in_turn(faulty, hook):
     eng, control = faulty
     control.write_text(hook)
     try:
-        met = outcome(
-            eng, hook
-        )  # returns: a clear error or a result, never a hang (pytest's timeout is the CI's)
+        # returns: a clear error or a result, never a hang (pytest's timeout is the CI's)
+        met = outcome(eng, hook)
     finally:
         control.write_text("")
+    # an unloaded plugin would show as "length" everywhere
     assert met == EXPECTED[hook], (
         hook,
         met,
-    )  # an unloaded plugin would show as "length" everywhere
+    )
     assert eng.alive
     out = eng.generate("Hello there", PARAMS)  # the engine serves on
     assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
@@ -238,9 +236,8 @@ def test_detokenizer_sigkill_mid_generation_raises_engine_dead_and_leaves_nothin
         with pytest.raises(EngineDeadError, match="detokenizer"):
             for chunk in stream:
                 got.append(chunk)
-        assert not got or got[-1]["meta_info"]["finish_reason"] is None, got[
-            -1
-        ]  # it never claims to have finished
+        # it never claims to have finished
+        assert not got or got[-1]["meta_info"]["finish_reason"] is None, got[-1]
         with pytest.raises(EngineDeadError):
             eng.generate("Hi", {"max_new_tokens": 2})
     finally:

@@ -24,9 +24,8 @@ SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None
 )
 
-any_char = st.characters(
-    min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()
-)  # surrogates included
+# surrogates included
+any_char = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
 texts = st.one_of(
     st.text(any_char, max_size=40),
     st.text(st.sampled_from("\x00\x07\x1b\n\r\t\u200b\ufeff\ud800"), max_size=20),
@@ -72,9 +71,8 @@ token_ids = st.one_of(
         st.one_of(st.integers(-(2**40), 2**40), st.integers(0, 49151), numbers, texts), max_size=30
     ),
 )
-plain_text = st.text(
-    st.characters(codec="utf-8"), min_size=1, max_size=60
-)  # valid, control characters included
+# valid, control characters included
+plain_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=60)
 valid_chat = st.lists(
     st.fixed_dictionaries({"role": st.just("user"), "content": plain_text}), min_size=1, max_size=2
 )
@@ -111,9 +109,8 @@ def try_request(engine, **kwargs) -> str:
         assert str(exc), "a ValueError must say what is wrong"
         return "refused"
     try:
-        for i, chunk in enumerate(
-            stream
-        ):  # a few chunks: every sampled id must be a token of the vocabulary
+        # a few chunks: every sampled id must be a token of the vocabulary
+        for i, chunk in enumerate(stream):
             assert "text" in chunk and all(
                 type(t) is int and 0 <= t < VOCAB for t in chunk["output_ids"]
             ), chunk
@@ -133,12 +130,13 @@ def tally(engine):
     out = engine.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0})
     assert len(out["output_ids"]) == 4  # still serving
     print("hostile inputs tried:", counts)
+    # the properties explored both sides
     for key in (
         "sampling_params",
         "input_ids",
         "prompt",
         "messages",
-    ):  # the properties explored both sides
+    ):
         assert counts.get(f"{key}:served", 0) and counts.get(f"{key}:refused", 0), counts
 
 

@@ -210,9 +210,8 @@ def test_the_server_listens_on_loopback_only(tiny_server):
                 local, state = line.split()[1], line.split()[3]
                 if local.endswith(":" + port) and state == "0A":  # LISTEN
                     listening.append(local.split(":")[0])
-    assert listening == ["0100007F"], (
-        listening
-    )  # 127.0.0.1, little-endian hex; nothing on 0.0.0.0 or ::
+    # 127.0.0.1, little-endian hex; nothing on 0.0.0.0 or ::
+    assert listening == ["0100007F"], listening
 
 
 EXAMPLES = int(os.environ.get("ENGINE_HYPOTHESIS_EXAMPLES", "25"))

@@ -66,20 +66,16 @@ def hostile_messages(seed: int) -> list[bytes]:
         b"\xc1" * 10,
         msgspec.msgpack.encode({"a": 1}),
         msgspec.msgpack.encode([1, 2, 3]),
-        msgspec.msgpack.encode(
-            ["generate", [["rid", [-1, 10**12], None]]]
-        ),  # a GenerateBatch with bad fields
-        msgspec.msgpack.encode(
-            ["tokens", ["a", "b"], [1], [None], [None]]
-        ),  # lists of unequal length
-        msgspec.msgpack.encode(
-            ["tokens", ["a"], [2**40], [None], [None]]
-        ),  # a token id no vocabulary has
+        # a GenerateBatch with bad fields
+        msgspec.msgpack.encode(["generate", [["rid", [-1, 10**12], None]]]),
+        # lists of unequal length
+        msgspec.msgpack.encode(["tokens", ["a", "b"], [1], [None], [None]]),
+        # a token id no vocabulary has
+        msgspec.msgpack.encode(["tokens", ["a"], [2**40], [None], [None]]),
         msgspec.msgpack.encode(["text", ["a"], ["x"], [1], [None]]),
         msgspec.msgpack.encode(["abort", [], "x", []]),
-        msgspec.msgpack.encode(
-            ["text", ["a", "b"], ["x"], [1], [None], [None]]
-        ),  # lists of unequal length
+        # lists of unequal length
+        msgspec.msgpack.encode(["text", ["a", "b"], ["x"], [1], [None], [None]]),
         rng.randbytes(8 << 20),
     ]
     for g in good:
@@ -139,10 +135,11 @@ def test_hostile_messages_are_dropped_not_fatal(victim, target, caplog):
         sock.close()
         ctx.term()
     err = caplog.text + victim.stderr_log.read_text(errors="replace")
+    # well-typed, but lists of unequal length: refused, not cut short
     if target in (
         "detokenizer",
         "tokenizer",
-    ):  # well-typed, but lists of unequal length: refused, not cut short
+    ):
         assert "rids but lists of" in err, err[-2000:]
 
 

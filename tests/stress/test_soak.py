@@ -17,9 +17,8 @@ def check(result: dict, rss_mb_per_1000: float | None) -> None:
     steady = result["samples"][result["warmup_rounds"] :]
     for role in ("user", "scheduler", "detokenizer"):
         fds = [s[f"{role}_fds"] for s in steady]
-        assert max(fds) - min(fds) <= 2, (
-            f"{role} file descriptors {fds}"
-        )  # the receiver's poll may hold one more
+        # the receiver's poll may hold one more
+        assert max(fds) - min(fds) <= 2, f"{role} file descriptors {fds}"
         if rss_mb_per_1000 is not None:
             assert result["slopes"][f"{role}_rss_mb_per_1000_requests"] <= rss_mb_per_1000, (
                 role,

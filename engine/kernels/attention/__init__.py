@@ -38,9 +38,8 @@ def create_backend(
                 native_support,
             )
 
-            if (
-                native_support(lib, heads, kv_heads, head_dim) & DECODE
-            ):  # asked once: no failures per request
+            # asked once: no failures per request
+            if native_support(lib, heads, kv_heads, head_dim) & DECODE:
                 return CpuNativeAttentionBackend(lib, native_extend, **kwargs)
             if name == "cpu_native":
                 raise ValueError(

@@ -50,9 +50,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             self._lens = batch.seq_lens.contiguous()
             self._out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
-            table = (
-                self.req_to_token
-            )  # what every layer's _decode_rows passes, looked up once a step
+            # what every layer's _decode_rows passes, looked up once a step
+            table = self.req_to_token
             self._step_args = (
                 self._out_loc.data_ptr(),
                 table.data_ptr(),
@@ -90,9 +89,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     def _one_row_layout(self, q, k, v) -> bool:
         return (
             q.dtype == k.dtype == v.dtype == self._one_call_dtype
-            and (
-                q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0)
-            )  # one row: its stride is unused
+            # one row: its stride is unused
+            and (q.shape[0] == 1 or q.stride(0) == k.stride(0) == v.stride(0))
             and all(t.stride(-1) == 1 and t.stride(-2) == self.head_dim for t in (q, k, v))
         )
 

@@ -33,9 +33,8 @@ class TorchAttentionBackend(AttentionBackend):
             max_len = batch.max_seq_len
             self._gather_idx = self.req_to_token[batch.req_slots, :max_len]  # [B, L]
             arange = torch.arange(max_len, device=batch.seq_lens.device)
-            self._mask = (arange[None, :] < batch.seq_lens[:, None])[
-                :, None, None, :
-            ]  # [B, 1, 1, L]
+            # [B, 1, 1, L]
+            self._mask = (arange[None, :] < batch.seq_lens[:, None])[:, None, None, :]
         else:
             slots = batch.req_slots.tolist()
             start = 0
@@ -59,6 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
         compute = torch.float32 if q.device.type == "cpu" else q.dtype
         keys = k_buf[idx].transpose(1, 2).to(compute)  # [B, Hkv, L, D]
         values = v_buf[idx].transpose(1, 2).to(compute)
+        # [B, H, 1, D]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2).to(compute),
             keys,
@@ -66,7 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
             attn_mask=self._mask,
             scale=self.scale,
             enable_gqa=True,
-        )  # [B, H, 1, D]
+        )
         return out.squeeze(2).to(q.dtype)
 
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:

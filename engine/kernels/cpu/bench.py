@@ -40,9 +40,8 @@ def _time_library(path: str, repeats: int) -> dict:
         n_pool = 64 * 400
         k = torch.randn(n_pool, HKV, D, generator=gen).to(dtype)
         v = torch.randn(n_pool, HKV, D, generator=gen).to(dtype)
-        table = (
-            torch.randperm(n_pool, generator=gen).reshape(64, 400).contiguous()
-        )  # scattered rows
+        # scattered rows
+        table = torch.randperm(n_pool, generator=gen).reshape(64, 400).contiguous()
         # decode: 64 requests, 370 tokens each
         q = torch.randn(64, H, D, generator=gen).to(dtype)
         o = torch.empty_like(q)
@@ -168,9 +167,8 @@ def main(argv: list[str]) -> None:
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise SystemExit(f"no such library: {', '.join(missing)}\n{__doc__}")
-    paths = [
-        os.path.abspath(p) for p in paths
-    ]  # ctypes looks a bare name up on the library path, not here
+    # ctypes looks a bare name up on the library path, not here
+    paths = [os.path.abspath(p) for p in paths]
     rounds: dict[str, list[dict]] = {p: [] for p in paths}
     for _ in range(5):
         for p in paths:

@@ -31,12 +31,10 @@ from engine import envvars
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted(
-    Path(__file__).parent.glob("*.c")
-)  # every kernel: attention, elementwise, the decode step, linear layers
-HEADERS = sorted(
-    Path(__file__).parent.glob("*.h")
-)  # every header the sources include: part of the cache key, as the sources
+# every kernel: attention, elementwise, the decode step, linear layers
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+# every header the sources include: part of the cache key, as the sources
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 LIBRARY_NAME = "cpu_kernels"
 FLAGS = [
     "-O3",
@@ -305,9 +303,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int64,
         ctypes.c_int,
     ]
-    if hasattr(
-        lib, "int8_panel_linear"
-    ):  # absent from libraries built before it (the kernel bench loads old builds)
+    # absent from libraries built before it (the kernel bench loads old builds)
+    if hasattr(lib, "int8_panel_linear"):
         lib.int8_panel_linear.restype = ctypes.c_int
         lib.int8_panel_linear.argtypes = lib.int8_linear.argtypes
         lib.int8_panel_vectorized.restype = ctypes.c_int
@@ -324,16 +321,14 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int64,
         ctypes.c_int,
     ]
-    if hasattr(
-        lib, "gguf_panel_linear"
-    ):  # absent from libraries built before it, as int8_panel_linear
+    # absent from libraries built before it, as int8_panel_linear
+    if hasattr(lib, "gguf_panel_linear"):
         lib.gguf_panel_linear.restype = ctypes.c_int
         lib.gguf_panel_linear.argtypes = lib.gguf_linear.argtypes
         lib.gguf_panel_vectorized.restype = ctypes.c_int
         lib.gguf_panel_vectorized.argtypes = []
-    if hasattr(
-        lib, "gguf_q8_linear"
-    ):  # quantization="gguf-q8" (absent from libraries built before it)
+    # quantization="gguf-q8" (absent from libraries built before it)
+    if hasattr(lib, "gguf_q8_linear"):
         lib.gguf_q8_bytes.restype = ctypes.c_int64
         lib.gguf_q8_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         lib.gguf_q8_pack.restype = ctypes.c_int
@@ -409,9 +404,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int64,
         ctypes.c_int,
     ]
-    if hasattr(
-        lib, "bf16_linear"
-    ):  # absent from libraries built before it (the kernel bench loads old builds)
+    # absent from libraries built before it (the kernel bench loads old builds)
+    if hasattr(lib, "bf16_linear"):
         lib.bf16_linear_support.restype = ctypes.c_int
         lib.bf16_linear_support.argtypes = []
         lib.bf16_linear_pack.restype = ctypes.c_int
@@ -433,9 +427,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ctypes.c_void_p,
             ctypes.c_int,
         ]
-    if hasattr(
-        lib, "bf16_logits"
-    ):  # a bfloat16 model's float32 logits (absent from libraries built before it)
+    # a bfloat16 model's float32 logits (absent from libraries built before it)
+    if hasattr(lib, "bf16_logits"):
         lib.bf16_logits_support.restype = ctypes.c_int
         lib.bf16_logits_support.argtypes = []
         lib.bf16_logits_pack.restype = ctypes.c_int
@@ -447,12 +440,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ctypes.c_void_p,
         ]
         lib.bf16_logits.restype = ctypes.c_int
-        lib.bf16_logits.argtypes = (
-            lib.bf16_linear.argtypes
-        )  # (x, m, k, packed, n, nr, y, threads), y float32
-    if hasattr(
-        lib, "f32_linear"
-    ):  # absent from libraries built before it (the kernel bench loads old builds)
+        # (x, m, k, packed, n, nr, y, threads), y float32
+        lib.bf16_logits.argtypes = lib.bf16_linear.argtypes
+    # absent from libraries built before it (the kernel bench loads old builds)
+    if hasattr(lib, "f32_linear"):
         lib.f32_linear_support.restype = ctypes.c_int
         lib.f32_linear_support.argtypes = []
         lib.f32_linear_pack.restype = ctypes.c_int
@@ -473,9 +464,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ctypes.c_void_p,
             ctypes.c_int,
         ]
-    if hasattr(
-        lib, "f32_block_linear"
-    ):  # absent from libraries built before it (the kernel bench loads old builds)
+    # absent from libraries built before it (the kernel bench loads old builds)
+    if hasattr(lib, "f32_block_linear"):
         lib.f32_blocks_support.restype = ctypes.c_int
         lib.f32_blocks_support.argtypes = []
         lib.f32_blocks_bytes.restype = ctypes.c_int64
@@ -500,9 +490,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ctypes.c_void_p,
             ctypes.c_int,
         ]
-    if hasattr(
-        lib, "decode_layers"
-    ):  # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
+    # engine/model/decode_layers.py: the structs' addresses, h, t, cos, sin, the step
+    if hasattr(lib, "decode_layers"):
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [
             ctypes.c_void_p,
