@@ -154,16 +154,9 @@ def test_config_refuses_what_does_not_fit(fields, message):
 
 @pytest.fixture(scope="module")
 def chat_ids(tokenizer) -> list[list[int]]:
-    ids = []
-    for i, p in enumerate(PROMPTS):
-        if i % 2 == 0:
-            ids.append(tokenizer.encode(p))
-        else:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-            )
-            ids.append(tokenizer.encode(text, add_special_tokens=False))
-    return ids
+    from engine.bench.quality import parity_inputs
+
+    return parity_inputs(tokenizer)
 
 
 @pytest.fixture(scope="module")
