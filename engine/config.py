@@ -65,6 +65,8 @@ class EngineConfig:
     # sequences one generate or beam_search call may create (prompts x n; a beam search's beams):
     # a few KB of input must not queue a hundred thousand requests
     max_sequences_per_call: int = 4096
+    # the most bytes of hidden states one request may ask for (return_hidden_states, engine/taps)
+    max_hidden_state_bytes: int = 64 * 2**20
     # A/B runs of the kernels: {row of engine/linear/choose.py's table: "off", or "on" for an opt-in row},
     # e.g. {"f32-blocks": "off"}; `engine info` prints the rows. Empty: the table's own choice.
     kernel_overrides: dict[str, str] = field(default_factory=dict)
@@ -123,7 +125,12 @@ class EngineConfig:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("max_running_requests", "max_prefill_tokens", "max_sequences_per_call"):
+        for name in (
+            "max_running_requests",
+            "max_prefill_tokens",
+            "max_sequences_per_call",
+            "max_hidden_state_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -251,7 +251,10 @@ def _free(state: SchedulerState, g: BeamGroup, keep_kv: bool = True) -> None:
 
 
 def _meta(g: BeamGroup, completion_tokens: int) -> RequestMeta:
-    return RequestMeta(g.req.prompt_len, completion_tokens, g.req.cached_tokens)
+    """Its counters, and the prompt's hidden states when it asked for them (engine/taps)."""
+    taps = g.req.taps
+    hidden = taps.result(0) if taps is not None and taps.hidden is not None else None
+    return RequestMeta(g.req.prompt_len, completion_tokens, g.req.cached_tokens, hidden)
 
 
 def finish(state: SchedulerState, groups: list[BeamGroup]) -> None:

@@ -47,9 +47,15 @@ def _submit_args(
     top_logprobs_num,
     logprob_start_len,
     trace_context,
+    return_hidden_states=None,
+    steering=None,
+    layer_taps=None,
 ) -> dict:
     """generate's and async_generate's request arguments, as TokenizerManager.submit takes them."""
     return dict(
+        return_hidden_states=return_hidden_states,
+        steering=steering,
+        layer_taps=layer_taps,
         prompt=prompt,
         sampling_params=sampling_params,
         input_ids=input_ids,
@@ -203,6 +209,7 @@ class Engine:
             res.children[0].info,
             model=model_name(self.config.model_path),
             max_sequences_per_call=self.config.max_sequences_per_call,
+            max_hidden_state_bytes=self.config.max_hidden_state_bytes,
         )
         self._prompt_tokenizer = tokenizer
         sentinels = {c.process.sentinel: c.role for c in res.children}
@@ -237,6 +244,9 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         trace_context=None,
+        return_hidden_states=None,
+        steering=None,
+        layer_taps=None,
     ):
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts, in order).
 
@@ -248,6 +258,9 @@ class Engine:
         likely alternatives, logprob_start_len >= 0 the prompt's from that position on.
         trace_context (a W3C traceparent string or a dict of trace headers) makes the request's spans
         part of the caller's trace when tracing is on (docs/tracing.md).
+        return_hidden_states, steering and layer_taps read and steer the model's layers for these
+        requests alone (docs/interpretability.md); hidden states come back in
+        meta_info["hidden_states"].
         Raises ValueError before anything is queued if any input is bad.
         """
         tm = self._tm()
@@ -261,6 +274,9 @@ class Engine:
             top_logprobs_num,
             logprob_start_len,
             trace_context,
+            return_hidden_states,
+            steering,
+            layer_taps,
         )
         if stream:
             return sync_stream(tm, submit)
@@ -293,6 +309,9 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         trace_context=None,
+        return_hidden_states=None,
+        steering=None,
+        layer_taps=None,
     ):
         """generate() for asyncio: `await engine.async_generate(...)` gives the result(s);
         `async for chunk in await engine.async_generate(..., stream=True)` streams. Cancelling the
@@ -308,6 +327,9 @@ class Engine:
             top_logprobs_num,
             logprob_start_len,
             trace_context,
+            return_hidden_states,
+            steering,
+            layer_taps,
         )
         if stream:
             return await async_stream(tm, submit)
@@ -325,6 +347,9 @@ class Engine:
         messages=None,
         rid=None,
         trace_context=None,
+        return_hidden_states=None,
+        steering=None,
+        layer_taps=None,
         **sampling,
     ):
         """Beam search in the scheduler (docs/beam_search.md): for one prompt a dict, for a batch a list.
@@ -336,7 +361,8 @@ class Engine:
         parameters that suit beams (logit_bias, repetition/frequency/presence_penalty,
         min_new_tokens, stop_token_ids, ignore_eos, custom_logit_processor, custom_params, ...) apply
         to every beam; the others (temperature > 0, top_p, n, seed, stop, stream, ...) raise
-        ValueError naming them, before anything is queued.
+        ValueError naming them, before anything is queued. return_hidden_states (the prompt's:
+        tokens "last" or "prompt"), steering (every beam) and layer_taps as in generate.
         """
         tm = self._tm()
         submit = beam_submit_args(
@@ -351,6 +377,9 @@ class Engine:
             early_stopping,
             num_return_sequences,
             sampling,
+        )
+        submit.update(
+            return_hidden_states=return_hidden_states, steering=steering, layer_taps=layer_taps
         )
         states, is_batch = tm.submit(**submit)
         results = tm.wait(states)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.ipc.messages import BeamParams, BeamTextOut, FinishReason, RequestHeader, RequestMeta
+from engine.taps.result import hidden_states_dict
 
 
 def lp_tuples(logprobs: list, token_ids: list[int]) -> list[tuple]:
@@ -83,6 +84,8 @@ class ReqState:
             "first_token_latency": (self.first_token_at or self.finished_at or time.perf_counter())
             - self.created,
         }
+        if meta is not None and meta.hidden_states is not None:
+            info["hidden_states"] = hidden_states_dict(meta.hidden_states)
         if self.beam is not None:
             out = self.beam_out
             info["beam_width"] = self.beam.width

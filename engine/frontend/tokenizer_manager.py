@@ -32,6 +32,9 @@ from engine.frontend.request_state import ReqState
 from engine.frontend.tokenize_stage import tokenize_stage
 from engine.hooks.types import PromptRequest
 from engine.ipc.channels import MAX_MESSAGE_BYTES, Endpoints, pull_socket, push_socket
+from engine.taps.checks import layer_request, size_problem
+from engine.taps.registry import TapRegistry
+from engine.taps.spec import LayerRequest
 from engine.ipc.inbox import Inbox
 from engine.ipc.messages import (
     AbortRequest,
@@ -134,6 +137,8 @@ class TokenizerManager:
         self.max_total_tokens = 0
         self.max_running_requests = 0
         self.max_sequences_per_call = 0
+        self.taps = TapRegistry(0, 0)  # the model's layers and plugins' taps, known at start
+        self.max_hidden_state_bytes = 0
         self.model = ""  # this engine's model name: its requests carry it (PromptRequest.model)
         # rids of calls between their clash check and registration: checked and taken under
         # states_lock, so two calls giving one rid at once never both reach the submit hooks
@@ -150,6 +155,8 @@ class TokenizerManager:
         self.max_sequences_per_call = info["max_sequences_per_call"]
         self.vocab_size = info["vocab_size"]  # the model's, which may exceed the tokenizer's
         self.model = str(info.get("model", ""))
+        self.taps = TapRegistry(info["num_layers"], info["hidden_size"])
+        self.max_hidden_state_bytes = info["max_hidden_state_bytes"]
         self._on_dead = on_dead
         self._thread = threading.Thread(
             target=self._recv_loop, args=(sentinels,), name="engine-recv", daemon=True
@@ -377,6 +384,9 @@ class TokenizerManager:
         listener=None,
         trace_context=None,
         beam: BeamParams | None = None,
+        return_hidden_states=None,
+        steering=None,
+        layer_taps=None,
     ) -> tuple[list[ReqState], bool]:
         """Tokenize, validate everything, then send all requests in one message. Nothing is sent on error.
 
@@ -417,6 +427,9 @@ class TokenizerManager:
                 )
                 if problem is not None:
                     raise ValueError((f"request {i}: " if is_batch else "") + problem)
+        layers = self.layer_request(
+            return_hidden_states, steering, layer_taps, id_lists, params, beam, is_batch
+        )
         for i, ids in enumerate(id_lists):
             if logprob_start_len >= len(ids):
                 where = f"request {i}: " if is_batch else ""
@@ -447,6 +460,7 @@ class TokenizerManager:
                         logprob_start_len,
                         seq=seq,
                         beam=beam,
+                        layers=layers,
                     )
                 )
                 items_of.append(item)
@@ -552,6 +566,38 @@ class TokenizerManager:
         clash = [r for r in names if r in self.states or r in self.groups or r in self._reserved]
         if clash:
             raise ValueError(f"request id(s) already running: {clash}")
+
+    def layer_request(
+        self, return_hidden_states, steering, layer_taps, id_lists, params, beam, is_batch
+    ) -> LayerRequest | None:
+        """The call's hidden states, steering and plugin taps (engine/taps), checked for every prompt."""
+        layers = layer_request(return_hidden_states, steering, layer_taps, self.taps)
+        hidden = layers.hidden if layers is not None else None
+        if hidden is None:
+            return layers
+        if beam is not None and hidden.tokens in ("generated", "all"):
+            raise ValueError(
+                "return_hidden_states.tokens must be 'last' or 'prompt' for beam search: its beams "
+                "reorder at every step (a plugin tap sees each beam's rows)"
+            )
+        for i, (ids, p) in enumerate(zip(id_lists, params)):
+            where = f"request {i}: " if is_batch else ""
+            if p.stop:
+                raise ValueError(
+                    f"{where}return_hidden_states cannot be combined with stop strings (the request "
+                    "ends in the detokenizer, before its hidden states leave the scheduler): use "
+                    "stop_token_ids"
+                )
+            problem = size_problem(
+                layers,
+                len(ids),
+                p.max_new_tokens,
+                self.taps.hidden_size,
+                self.max_hidden_state_bytes,
+            )
+            if problem is not None:
+                raise ValueError(where + problem)
+        return layers
 
     def parse_params(self, params) -> SamplingParams:
         return parse_sampling_params(params, self.vocab_size, get_logit_processor)

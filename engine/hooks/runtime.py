@@ -25,7 +25,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 # Hooks whose results are gathered per plugin (keyed by plugin name): a wrapper around them would
 # have no single result to see, so one is refused at load time rather than silently skipped.
-PER_PLUGIN_HOOKS = ("engine_stats", "engine_logit_processors")
+PER_PLUGIN_HOOKS = (
+    "engine_stats",
+    "engine_logit_processors",
+    "engine_layer_taps",
+    "engine_steering_vectors",
+)
 # Hooks that report what already happened: nothing is left to fail, so a plain implementation's error
 # is logged where it happens and the plugins after it still get the event (pluggy would stop at it).
 AFTER_THE_FACT_HOOKS = (
@@ -277,19 +282,29 @@ def call_first(name: str, **kwargs):
     return caller(**kwargs) if caller is not None else None
 
 
-def call_named(name: str, **kwargs) -> dict:
-    """A per-plugin hook (PER_PLUGIN_HOOKS): each implementation's non-None result by plugin name. A
-    plugin that fails gives {"error": message} in its place: one broken plugin must not hide the
-    others' figures, nor break get_stats() and the shutdown report (a fatal error still raises)."""
+def call_each(name: str, **kwargs) -> list[tuple[str, Any, HookError | None]]:
+    """A per-plugin hook (PER_PLUGIN_HOOKS): (plugin name, result, error) for each implementation, in
+    call order; a plugin that failed has result None and its HookError (a fatal error still raises)."""
     caller = _callers.get(name)
-    out = {}
+    out = []
     for impl in reversed(caller.get_hookimpls()) if caller is not None else ():
         try:
-            result = impl.function(*(kwargs[a] for a in impl.argnames))
+            out.append((impl.plugin_name, impl.function(*(kwargs[a] for a in impl.argnames)), None))
         except HookError as exc:
-            result = {"error": str(exc)}
+            out.append((impl.plugin_name, None, exc))
+    return out
+
+
+def call_named(name: str, **kwargs) -> dict:
+    """A per-plugin hook's non-None results by plugin name. A plugin that fails gives {"error":
+    message} in its place: one broken plugin must not hide the others' figures, nor break
+    get_stats() and the shutdown report."""
+    out = {}
+    for plugin, result, error in call_each(name, **kwargs):
+        if error is not None:
+            result = {"error": str(error)}
         if result is not None:
-            out[impl.plugin_name] = result
+            out[plugin] = result
     return out
 
 

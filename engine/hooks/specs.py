@@ -255,6 +255,21 @@ class EngineSpecs:
         firstresult: stops at the first non-None result."""
 
     @hookspec
+    def engine_layer_taps(self) -> list[Any] | None:
+        """The layer taps this plugin provides: a list of engine.taps.LayerTap (name, layers, points,
+        fn, writes, every_request). Called in every process when the plugin is loaded (the user
+        process checks the names requests give in layer_taps); the scheduler calls each tap's `fn`
+        with a TapRows during the forward pass, once per step per (layer, point), for the requests
+        that asked (docs/interpretability.md). A tap's error fails only its rows' requests. Per
+        plugin, so it cannot be wrapped."""
+
+    @hookspec
+    def engine_steering_vectors(self) -> dict[str, Any] | None:
+        """Named steering vectors this plugin provides: {name: vector of hidden_size floats (a list
+        or a 1-D tensor)}; requests name them in steering[i].vector. Called in every process when a
+        request names one. Per plugin, so it cannot be wrapped."""
+
+    @hookspec
     def engine_stats(self, role: str) -> dict[str, Any] | None:
         """Figures for engine.get_stats()["plugins"][role][plugin name]. Called in every process
         whenever stats are asked for; per plugin (keyed by its name), so it cannot be wrapped. If

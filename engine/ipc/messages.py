@@ -13,6 +13,7 @@ from typing import Union
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from engine.taps.spec import HiddenStates, LayerRequest
 
 
 class TokenizedRequest(msgspec.Struct, array_like=True):
@@ -31,6 +32,8 @@ class TokenizedRequest(msgspec.Struct, array_like=True):
     seq: int = 0  # the user process's submission number: with rid, names this request for aborts
     # set: a beam search (engine/beam_search), not a sampled request
     beam: Union["BeamParams", None] = None
+    # hidden states, steering and plugin taps asked of the layers (engine/taps)
+    layers: Union[LayerRequest, None] = None
 
 
 class BeamParams(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
@@ -94,11 +97,12 @@ class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class RequestMeta(msgspec.Struct, array_like=True):
-    """Per-request counters attached to a request's last output."""
+    """Per-request counters attached to a request's last output, with its hidden states if asked."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    hidden_states: Union[HiddenStates, None] = None
 
 
 class RequestHeader(msgspec.Struct, array_like=True, omit_defaults=True):

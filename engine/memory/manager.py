@@ -63,7 +63,7 @@ class KVManager:
 
     def cache_prompt(self, req) -> None:
         """After its prefill: put the request's tokens in the tree, so requests arriving now share them."""
-        if not self.cache.enabled:
+        if not self.cache.enabled or _private(req):
             return
         kv_len = len(req.fill_ids)
         indices, node = self.cache.cache_unfinished(
@@ -82,7 +82,7 @@ class KVManager:
             return
         try:
             indices = self.table[req.slot, :kv_len]
-            if keep:
+            if keep and not _private(req):
                 self.cache.cache_finished(
                     req.all_ids()[:kv_len], indices, req.cache_node, req.cache_prefix_len
                 )
@@ -105,3 +105,9 @@ class KVManager:
             "cache_lock_refs": cache.lock_refs(),
             "cache_evicted_tokens": cache.evicted_tokens,
         }
+
+
+def _private(req) -> bool:
+    """A steered request's K/V are its own: they never join the prefix cache (engine/taps)."""
+    taps = getattr(req, "taps", None)
+    return taps is not None and taps.private_kv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,3 +29,5 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     extend_lens: list[int] = field(default_factory=list)  # EXTEND only: new tokens per request
     prefix_lens: list[int] = field(default_factory=list)  # EXTEND only: tokens already in the pool
+    # engine.taps.plan.TapPlan: steering, plugin taps and captures at chosen layers; None: untapped
+    taps: Any = None

@@ -70,12 +70,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, delta, cos, sin, backend, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """h + delta is this layer's input: the previous layer's MLP output (delta) is added here, fused with
-        the norm after it, as is the attention output; returns (h, this layer's MLP output)."""
+        the norm after it, as is the attention output; returns (h, this layer's MLP output). The
+        batch's taps see the attention and MLP outputs (engine/taps)."""
+        taps, i = batch.taps, self.self_attn.layer_id
         norm = self.input_layernorm
         h, x = add_rms_norm(h, delta, norm.weight, norm.eps)
+        attn = self.self_attn(x, cos, sin, backend, batch)
+        if taps is not None:
+            attn = taps.at(i, "attn_out", attn)
         norm = self.post_attention_layernorm
-        h, x = add_rms_norm(h, self.self_attn(x, cos, sin, backend, batch), norm.weight, norm.eps)
-        return h, self.mlp(x)
+        h, x = add_rms_norm(h, attn, norm.weight, norm.eps)
+        mlp = self.mlp(x)
+        return h, mlp if taps is None else taps.at(i, "mlp_out", mlp)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,9 +122,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits [B, vocab] in float32 for each request's last new token: small decode steps on the fused
-        decode path where choose_decode_path chose it, everything else on plain_forward."""
+        decode path where choose_decode_path chose it (and nothing taps a layer), everything else on
+        plain_forward."""
         fused = self.decode_path
-        if fused is not None and fused.takes(batch):
+        if fused is not None and batch.taps is None and fused.takes(batch):
             return fused(self, batch, backend)
         return self.plain_forward(batch, backend)
 
@@ -129,8 +136,11 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[batch.positions]
         sin = self.rope_sin[batch.positions]
         h, delta = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
+        taps = batch.taps
+        for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, backend, batch)
+            if taps is not None and i in taps.resid_layers:  # the residual stream, made whole
+                h, delta = taps.at(i, "resid_post", h + delta), None
         if batch.mode is ForwardMode.EXTEND:
             h = h[batch.logits_indices]
             delta = None if delta is None else delta[batch.logits_indices]

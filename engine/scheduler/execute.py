@@ -9,6 +9,7 @@ import torch
 from engine import hooks
 from engine.beam_search import stage as beam_stage
 from engine.sampling.sampler import SampleOutput, sample as sample_rows
+from engine.scheduler import layer_taps
 from engine.scheduler.results import prompt_logprobs
 from engine.scheduler.step import Step
 
@@ -22,6 +23,8 @@ def forward(runner: ModelRunner, step: Step) -> torch.Tensor:
     if hooks.has("engine_forward_before"):
         hooks.call("engine_forward_before", batch=batch, rids=step.rids)
     logits = runner.forward(batch)
+    if batch.taps is not None:
+        layer_taps.deliver(step)
     if hooks.has("engine_forward_after"):
         hooks.call("engine_forward_after", batch=batch, rids=step.rids, logits=logits)
     return logits

@@ -26,7 +26,12 @@ def finished_hook(req: Req) -> None:
 
 
 def request_meta(req: Req) -> RequestMeta:
-    return RequestMeta(req.prompt_len, len(req.output_ids), req.cached_tokens)
+    """A request's last output's counters, and its hidden states when it asked for them."""
+    meta = RequestMeta(req.prompt_len, len(req.output_ids), req.cached_tokens)
+    taps = req.taps
+    if taps is not None and taps.hidden is not None:
+        meta.hidden_states = taps.result(len(req.output_ids))
+    return meta
 
 
 def abort_held(

@@ -31,6 +31,7 @@ from engine.scheduler.admission import check_request, clip_to_context
 from engine.scheduler.endings import abort_rids, finish_unstarted
 from engine.scheduler.request import Req
 from engine.scheduler.stats import stats
+from engine.taps.request import RequestTaps
 
 if TYPE_CHECKING:
     from engine.scheduler.state import SchedulerState
@@ -129,7 +130,7 @@ def arrival_problem(state: SchedulerState, r: TokenizedRequest, vocab: int) -> s
 def new_req(state: SchedulerState, r: TokenizedRequest, eos: tuple[int, ...], now: int) -> Req:
     """The scheduler's request for an arrival that passed the checks."""
     r = clip_to_context(r, state.context_len)  # the user process does this too; be safe
-    return Req(
+    req = Req(
         r.rid,
         r.input_ids,
         r.sampling,
@@ -143,6 +144,10 @@ def new_req(state: SchedulerState, r: TokenizedRequest, eos: tuple[int, ...], no
         r.seq,
         r.beam,
     )
+    if r.layers is not None:
+        req.taps = RequestTaps(r.layers, len(r.input_ids), r.sampling.max_new_tokens, state.taps)
+        state.taps.requested = True
+    return req
 
 
 def refuse(state: SchedulerState, r: TokenizedRequest, problem: str) -> None:

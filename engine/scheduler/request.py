@@ -41,6 +41,7 @@ class Req:
         "beam_steps",
         "grammar",
         "matcher",
+        "taps",
     )
 
     def __init__(
@@ -105,6 +106,8 @@ class Req:
         # structured output: the compile's future (engine/grammar), None: no constraint
         self.grammar = None
         self.matcher = None  # its grammar matcher, from admission on
+        # engine.taps.request.RequestTaps: steering, plugin taps, hidden states; None: untapped
+        self.taps = None
 
     @property
     def prompt_len(self) -> int:
@@ -121,11 +124,15 @@ class Req:
         self.input_logprobs, self.input_top = list(first), list(first)
 
     def max_prefix(self) -> int:
-        """How many fill tokens the prefix cache may lend: all but the last, and none whose prompt
-        logprobs are wanted (they need hidden states only a prefill computes)."""
+        """How many fill tokens the prefix cache may lend: all but the last, none whose prompt
+        logprobs or hidden states are wanted (only a prefill computes them), none to a steered request."""
         limit = len(self.fill_ids) - 1
         if self.logprob_from is not None and not self.header_sent:
             limit = min(limit, self.logprob_from)
+        if self.taps is not None:  # steered, or hidden states wanted from a position on
+            taps_limit = self.taps.prefix_limit()
+            if taps_limit is not None:
+                limit = min(limit, taps_limit)
         return limit
 
     def all_ids(self) -> list[int]:

@@ -43,7 +43,7 @@ from engine.ipc.inbox import Inbox
 from engine.ipc.messages import Codec, Stats, ToScheduler
 from engine.model.loader import kernel_info
 from engine.sampling.sampler import SampleOutput
-from engine.scheduler import endings, execute, receive, results
+from engine.scheduler import endings, execute, layer_taps, receive, results
 from engine.scheduler import schedule as schedule_stage
 from engine.scheduler import stats as stats_stage
 from engine.scheduler.model_runner import ModelRunner
@@ -99,6 +99,8 @@ class Scheduler:
             "max_running_requests": config.max_running_requests,
             "context_length": runner.context_len,
             "vocab_size": mc.vocab_size,
+            "num_layers": mc.num_layers,
+            "hidden_size": mc.hidden_size,
             "architecture": mc.architecture,
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_bytes_per_token": runner.bytes_per_token,
@@ -152,6 +154,7 @@ class Scheduler:
             sampled = self.sample(step, logits)
             t3 = clock()
             self.process_results(step, sampled)
+            layer_taps.fail_tapped(state, step)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             message = f"{type(exc).__name__}: {exc}"
             endings.abort_step(state, step, message)
@@ -184,7 +187,10 @@ class Scheduler:
         receive.recv_requests(self.state, self.inbox, block)
 
     def schedule(self) -> Step | None:
-        return schedule_stage.schedule(self.state)
+        step = schedule_stage.schedule(self.state)
+        if step is not None:
+            layer_taps.attach(self.state, step)
+        return step
 
     def forward(self, step: Step) -> torch.Tensor:
         return execute.forward(self.runner, step)

@@ -17,6 +17,7 @@ from engine.scheduler.batch import RunningBatch
 from engine.scheduler.outbox import Outbox
 from engine.scheduler.plan import SchedulePlan
 from engine.scheduler.waiting import WaitingQueue
+from engine.taps.registry import TapRegistry
 
 if TYPE_CHECKING:
     from engine.scheduler.model_runner import ModelRunner
@@ -38,6 +39,7 @@ class SchedulerState:
     grammars: Grammars  # structured output: compiles and matchers
     plan: SchedulePlan  # chunked prefill, the admission estimate, this turn's admissions
     outbox: Outbox  # messages to the detokenizer
+    taps: TapRegistry  # the plugins' layer taps and steering vectors
     processors: ProcessorSet = field(default_factory=ProcessorSet)
     counters: collections.Counter = field(default_factory=collections.Counter)
     busy_seconds: collections.Counter = field(default_factory=collections.Counter)  # per stage
@@ -63,6 +65,7 @@ class SchedulerState:
             grammars=Grammars(model_dir, mc.vocab_size, list(mc.eos_token_ids)),
             plan=SchedulePlan(config.init_new_token_ratio),
             outbox=outbox,
+            taps=TapRegistry(mc.num_layers, mc.hidden_size, device, runner.dtype),
         )
 
     def idle(self) -> bool:

@@ -1,0 +1,67 @@
+"""The layer-taps stage: lay out each step's rows for the taps its requests asked for (before the
+forward pass), hand over the captured rows (after it), and fail the requests a plugin tap failed on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.model.forward_batch import ForwardMode
+from engine.scheduler.endings import abort_rids
+from engine.taps.plan import Segment, TapPlan
+
+if TYPE_CHECKING:
+    from engine.scheduler.state import SchedulerState
+    from engine.scheduler.step import Step
+
+
+def attach(state: SchedulerState, step: Step) -> None:
+    """Give the step's ForwardBatch its TapPlan, or leave it None: no request in the step taps
+    anything and no plugin taps every request (then the forward pass is the untapped one)."""
+    registry = state.taps
+    if not registry.active:
+        return
+    every = registry.every_request()
+    batch = step.forward_batch
+    if batch.mode is ForwardMode.EXTEND:
+        reqs = step.extend_reqs
+        if not every and all(r.taps is None for r in reqs):
+            return
+        segments, row = [], 0
+        for req, prefix, take in zip(reqs, batch.prefix_lens, batch.extend_lens):
+            segments.append(Segment(req.rid, req.taps, row, prefix, take))
+            row += take
+        mode = "prefill"
+    else:
+        ordinary, beam_reqs = step.rows.reqs, step.beam_reqs
+        if not every and all(r.taps is None for r in ordinary + beam_reqs):
+            return
+        positions = batch.positions.tolist()
+        beams = [None] * len(ordinary) + list(state.beams.beam_index)
+        segments = [
+            Segment(r.rid, r.taps, i, positions[i], 1, beams[i])
+            for i, r in enumerate(ordinary + beam_reqs)
+        ]
+        mode = "decode"
+    plan = TapPlan(mode)
+    for seg in segments:
+        plan.add(seg, every)
+    batch.taps = plan.finalize(state.device)
+
+
+def deliver(step: Step) -> None:
+    """After the forward pass: each request's captured rows join its hidden states."""
+    plan = step.forward_batch.taps
+    if plan is not None:
+        plan.deliver()
+
+
+def fail_tapped(state: SchedulerState, step: Step) -> None:
+    """After the step's results: the requests whose rows a plugin tap failed on end with its error."""
+    plan = step.forward_batch.taps
+    if plan is None or not plan.failed:
+        return
+    by_message: dict[str, dict[str, None]] = {}
+    for rid, message in plan.failed.items():
+        by_message.setdefault(message, {})[rid] = None
+    for message, rids in by_message.items():
+        abort_rids(state, rids, message)
