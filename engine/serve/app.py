@@ -20,7 +20,16 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from engine.serve import beams, errors, handlers, logprobs, sse, translate, worker_api
+from engine.serve import (
+    beams,
+    errors,
+    handlers,
+    hidden_encoding,
+    logprobs,
+    sse,
+    translate,
+    worker_api,
+)
 from engine.serve.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -186,7 +195,10 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
         params, want_logprobs, top, rid = opening(body, request, "chatcmpl")
         if beams.wants_beams(body):
             args = dict(
-                messages=translate.chat_messages(body), rid=rid, **beams.beam_kwargs(body, params)
+                messages=translate.chat_messages(body),
+                rid=rid,
+                **beams.beam_kwargs(body, params),
+                **body.layer_kwargs(),
             )
             return await beam_response(request, body, args, rid, "chat.completion", [rid])
         args = dict(
@@ -195,6 +207,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             rid=rid,
             return_logprob=want_logprobs,
             top_logprobs_num=top,
+            **body.layer_kwargs(),
         )
         if body.stream:
             stream = await open_stream(args, [rid])
@@ -223,7 +236,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
                 }
                 if want_logprobs:
                     choice["logprobs"] = logprobs.chat_logprobs(r["meta_info"], text_of)
-                choices.append(choice)
+                choices.append({**choice, **hidden_encoding.choice_fields(r["meta_info"])})
             return {
                 "id": rid,
                 "object": "chat.completion",
@@ -255,10 +268,14 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             inputs, prompts = {"prompt": prompt, "rid": rid}, 1
         bases = inputs["rid"] if isinstance(inputs["rid"], list) else [inputs["rid"]]
         if beams.wants_beams(body):
-            args = dict(**inputs, **beams.beam_kwargs(body, params))
+            args = dict(**inputs, **beams.beam_kwargs(body, params), **body.layer_kwargs())
             return await beam_response(request, body, args, rid, "text_completion", bases)
         args = dict(
-            **inputs, sampling_params=params, return_logprob=want_logprobs, top_logprobs_num=top
+            **inputs,
+            sampling_params=params,
+            return_logprob=want_logprobs,
+            top_logprobs_num=top,
+            **body.layer_kwargs(),
         )
         if body.stream:
             stream = await open_stream(args, bases)
@@ -286,6 +303,7 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
                     "logprobs": logprobs.completion_logprobs(r["meta_info"], text_of)
                     if want_logprobs
                     else None,
+                    **hidden_encoding.choice_fields(r["meta_info"]),
                 }
                 for i, r in enumerate(results)
             ]
@@ -347,13 +365,14 @@ def build_app(engine, options: ServeOptions) -> FastAPI:
             return_logprob=body.return_logprob,
             top_logprobs_num=body.top_logprobs_num,
             logprob_start_len=body.logprob_start_len,
+            **body.layer_kwargs(),
         )
         if body.stream:
             stream = await open_stream(args, bases)
             return _sse_response(stream, sse.NativeEvents(), inflight, bases)
         with inflight.track(bases):
             out = await until_disconnect(request, engine.async_generate(**args))
-        return await json_off_loop(lambda: out)
+        return await json_off_loop(lambda: hidden_encoding.encode_result(out))
 
     @app.get("/stats")
     async def stats():

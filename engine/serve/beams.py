@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.serve.errors import OpenAIError
+from engine.serve.hidden_encoding import choice_fields
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.serve.translate import finish_reason
 
@@ -62,6 +63,7 @@ def beam_choices(results: list[dict], n: int, chat: bool) -> tuple[list[dict], d
     for p, r in enumerate(results):
         meta = r["meta_info"]
         prompt += meta["prompt_tokens"]
+        states = choice_fields(meta)
         hyps = r["hypotheses"] or [
             {"text": "", "output_ids": [], "finish_reason": meta["finish_reason"]}
         ]
@@ -73,7 +75,15 @@ def beam_choices(results: list[dict], n: int, chat: bool) -> tuple[list[dict], d
                 if chat
                 else {"text": h["text"]}
             )
-            choices.append({"index": p * n + j, **body, "finish_reason": reason, "logprobs": None})
+            choices.append(
+                {
+                    "index": p * n + j,
+                    **body,
+                    "finish_reason": reason,
+                    "logprobs": None,
+                    **states,  # the prompt's hidden states, on each of its hypotheses
+                }
+            )
     return choices, {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

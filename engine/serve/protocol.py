@@ -61,7 +61,47 @@ class StructuredOutputs(_Body):
     json_object: StrictBool | None = None
 
 
-class _EngineExtras(_Body):
+class HiddenStatesOptions(_Body):
+    """return_hidden_states as an object: which layers, tokens and point (the engine checks the values)."""
+
+    layers: list[StrictInt] | StrictInt | None = None
+    tokens: str | None = None
+    point: str | None = None
+
+
+class Steering(_Body):
+    """One steering entry: scale * vector added to the residual stream after layer."""
+
+    layer: StrictInt
+    vector: list[Number] | str  # the model's hidden size of numbers, or a name a plugin registered
+    scale: Number | None = None
+
+
+class _LayerFields(_Body):
+    """Per-request hidden states, steering and plugin taps (docs/interpretability.md), as the
+    engine's keywords of the same names; every route takes them."""
+
+    return_hidden_states: StrictBool | HiddenStatesOptions | None = None
+    steering: list[Steering] | None = None
+    layer_taps: list[str] | None = None
+
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The engine's keywords for the fields given, as sent (nulls left out); none when none
+        asks for anything, so such a request is submitted as before."""
+        out: dict[str, Any] = {}
+        hidden = self.return_hidden_states
+        if isinstance(hidden, HiddenStatesOptions):
+            out["return_hidden_states"] = hidden.model_dump(exclude_unset=True)
+        elif hidden:
+            out["return_hidden_states"] = True
+        if self.steering is not None:
+            out["steering"] = [s.model_dump(exclude_unset=True) for s in self.steering]
+        if self.layer_taps is not None:
+            out["layer_taps"] = list(self.layer_taps)
+        return out
+
+
+class _EngineExtras(_LayerFields):
     """The engine's own sampling parameters, as extra body fields (the `extra_body` of the openai
     client), named as SGLang and vLLM name them."""
 
@@ -168,7 +208,6 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "prompt_embeds": (),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
-    "return_hidden_states": (False,),
     "return_routed_experts": (False,),
     "return_cached_tokens_details": (False,),
 }
@@ -318,7 +357,7 @@ class CompletionRequest(_Sampling):
     best_of: StrictInt | None = None  # only n (no choosing among more samples): likewise
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_LayerFields):
     """SGLang's native /generate: text or input_ids, sampling_params as the engine takes them."""
 
     text: str | list[str] | None = None

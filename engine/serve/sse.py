@@ -7,11 +7,12 @@ aborted), turns an engine failure into an error event, and always ends with `dat
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Protocol
 
 import msgspec
 
-from engine.serve import errors, translate
+from engine.serve import errors, hidden_encoding, translate
 from engine.serve.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 
 DONE = "data: [DONE]\n\n"
@@ -29,12 +30,20 @@ class Formatter(Protocol):
     def close(self) -> list[dict]: ...
 
 
+def _events_of(fmt: Formatter, chunk: dict) -> list[str]:
+    return [sse(payload) for payload in fmt.chunk(chunk)]
+
+
 async def events(stream, fmt: Formatter) -> AsyncIterator[str]:
     try:
         try:
             async for chunk in stream:
-                for payload in fmt.chunk(chunk):
-                    yield sse(payload)
+                if "hidden_states" in chunk["meta_info"]:  # up to megabytes to encode: off the loop
+                    out = await asyncio.to_thread(_events_of, fmt, chunk)
+                else:
+                    out = _events_of(fmt, chunk)
+                for event in out:
+                    yield event
             tail = fmt.close()
         except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so in the stream
             tail = [errors.body(503, f"the request failed: {exc}")]
@@ -107,6 +116,10 @@ class _OpenAIChunks:
             }
         return {**self.base, "choices": [choice], **self.extra}
 
+    def last_fields(self, chunk: dict, reason: str | None) -> dict:
+        """A choice's last chunk carries its hidden states (when asked for), as the answer would."""
+        return hidden_encoding.choice_fields(chunk["meta_info"]) if reason is not None else {}
+
     def finished(self, chunk: dict, reason: str | None) -> None:
         if reason is not None:
             self.finals[chunk["index"]] = {"meta_info": chunk["meta_info"]}
@@ -169,7 +182,13 @@ class ChatChunks(_OpenAIChunks):
             delta = {"content": text} if text else {}
             out.append(
                 self.payload(
-                    {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason},
+                    {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                        **self.last_fields(chunk, reason),
+                    },
                     chunk["meta_info"],
                 )
             )
@@ -214,6 +233,7 @@ class CompletionChunks(_OpenAIChunks):
                         "text": self.text(chunk, reason),
                         "logprobs": lp,
                         "finish_reason": reason,
+                        **self.last_fields(chunk, reason),
                     },
                     chunk["meta_info"],
                 )
@@ -245,6 +265,8 @@ class NativeEvents:
                     # the event is encoded before the next
                     so_far.setdefault(key, []).extend(meta.get(key, []))
                     meta[key] = so_far[key]
+        else:
+            meta = hidden_encoding.encode_meta(meta)  # the last chunk's hidden states, as JSON
         return [{"index": i, "text": self.text[i], "output_ids": self.ids[i], "meta_info": meta}]
 
     def close(self) -> list[dict]:

@@ -66,6 +66,8 @@ _STRUCTURED_OUTPUTS = (
     ("grammar", "grammar", "ebnf"),
     ("json_object", "json_object", "json_schema"),
 )
+# the per-request layer fields; an engine error names the entry and key (steering[0].vector)
+_LAYER_FIELDS = ("return_hidden_states", "steering", "layer_taps")
 _KNOWN_PARAMS = {
     *_PASSED,
     *_RENAMED,
@@ -232,6 +234,9 @@ def openai_error(exc: ValueError, names: dict[str, str] | None = None) -> OpenAI
     words = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
     message = words.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
     param = names.get(found.group(2), found.group(2)) if found else None
+    if param in _LAYER_FIELDS:  # steering[0].vector -> steering.0.vector, as pydantic's paths
+        path = re.match(r"(request \d+: )?([a-z_]+(?:\[\d+\]|\.[a-z_]+)*)", str(exc)).group(2)
+        return OpenAIError(400, message, param=re.sub(r"\[(\d+)\]", r".\1", path))
     return OpenAIError(400, message, param=param if param in _KNOWN_PARAMS else None)
 
 
