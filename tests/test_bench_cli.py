@@ -77,3 +77,23 @@ def test_cpu_engine_runs_again_after_the_baselines_unless_told_not_to(capsys, mo
     )
     batch = out[out.index("batch (generated tokens / wall)") :]
     assert "3.30x" in batch and "3.00x" in batch
+
+
+def test_layers_workload_prints_each_configuration_against_the_untapped_one(engine, capsys):
+    """A short form of `--workload layers` on the shared engine (one round, two tiny requests): every
+    configuration runs and prints its row with a ratio to the untapped one; capture returns its rows."""
+    from engine.bench.layers import CONFIGS, measure, print_layers
+
+    args = parse_args(
+        ["--workload", "layers", "--layers-rounds", "1", "--num-prompts", "2"]
+        + ["--min-len", "8", "--max-len", "16", "--max-new-tokens", "3"]
+    )
+    r = measure(engine, args)
+    print_layers(r)
+    table = capsys.readouterr().out
+    assert f"decode path the engine chose: {r['decode_path']} " in table
+    rows = [line.split() for line in table.splitlines() if " tok/s " in line]
+    assert [" ".join(row[: row.index("tok/s") - 1]) for row in rows] == list(CONFIGS)
+    assert all(row[row.index("tok/s") + 1].endswith("x") for row in rows) and rows[0][3] == "1.000x"
+    assert r["tokens"] == dict.fromkeys(CONFIGS, 6) and not any(r["short_requests"].values())
+    assert r["state_rows"] == {"none": 0, "capture last": 2, "capture generated": 6, "steer": 0}

@@ -18,6 +18,7 @@ model's own shapes. The workload is deterministic: seeded windows of standard-li
     python -m engine.bench --workload logits-head           # bfloat16 logits against float32 ones, the lm_head alone
     python -m engine.bench --workload soak                  # the stress crowd for many rounds: leaks, memory slope
     python -m engine.bench --workload scale                 # one replica against two behind the gateway
+    python -m engine.bench --workload layers                # untapped against capture and steering
     python -m engine.bench --num-prompts 4 --max-new-tokens 8 --dtypes float32 --workload throughput  # smoke
 """
 
@@ -38,6 +39,7 @@ from engine.bench.beam import parse_shapes, print_beam, run_beam
 from engine.bench.cpu_speed import print_cpu, run_cpu
 from engine.bench.dtype_quality import print_dtype_quality, run_dtype_quality
 from engine.bench.grammar import print_grammar, run_grammar
+from engine.bench.layers import add_args as add_layers_args, print_layers, run_layers
 from engine.bench.logits_head import print_logits_head, run_logits_head
 from engine.bench.machine import machine_line
 from engine.bench.prompts import build_prompts
@@ -106,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "logits-head",
             "soak",
             "scale",
+            "layers",
         ),
         default="all",
         help="throughput: mixed prompts against transformers and the bound; shared-prefix: cache on/off; "
@@ -119,9 +122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "transformers float32 (not in all); "
         "logits-head: a bfloat16 model's lm_head with bfloat16 logits against float32 ones; "
         "soak: the stress suite's crowd for many rounds, memory and descriptors per process (not in all); "
-        "scale: one replica against two behind the smg gateway, round robin and cache-aware (not in all)",
+        "scale: one replica against two behind the smg gateway, round robin and cache-aware (not in all); "
+        "layers: the throughput prompts untapped, capturing the last layer and steered (not in all)",
     )
     add_scale_args(p)
+    add_layers_args(p)
     p.add_argument(
         "--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams"
     )
@@ -289,6 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cpu_new_tokens",
         "soak_rounds",
         "soak_requests",
+        "layers_rounds",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -562,11 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         ("logits-head", run_logits_head, print_logits_head),
         ("soak", run_soak, print_soak),
         ("scale", run_scale, print_scale),
+        ("layers", run_layers, print_layers),
     ):
         extra[name] = None
         # slow: when asked
         if args.workload == name or (
-            args.workload == "all" and name not in ("soak", "dtype-quality", "scale")
+            args.workload == "all" and name not in ("soak", "dtype-quality", "scale", "layers")
         ):
             extra[name] = run(args)
             show(extra[name])
