@@ -397,6 +397,9 @@ class Engine:
         messages=None,
         rid=None,
         trace_context=None,
+        return_hidden_states=None,
+        steering=None,
+        layer_taps=None,
         **sampling,
     ):
         """beam_search() for asyncio; cancelling the awaiting task aborts the searches."""
@@ -413,6 +416,9 @@ class Engine:
             early_stopping,
             num_return_sequences,
             sampling,
+        )
+        submit.update(
+            return_hidden_states=return_hidden_states, steering=steering, layer_taps=layer_taps
         )
         return await async_collect(tm, submit)
 
