@@ -117,7 +117,7 @@ def test_logit_lens_at_the_last_layer_is_the_greedy_choice(interp):
 def test_a_contrast_vector_steers_by_name_as_inline(interp):
     eng, base, vector = interp
     name, layer, loaded = load_vector(str(base / "love.safetensors"))
-    assert (name, layer) == ("love", STEER_LAYER) and torch.equal(loaded, vector)
+    assert (name, layer) == ("love", STEER_LAYER) and loaded == vector.tolist()
     prompt = "I think that you are"
     plain = eng.generate(prompt, greedy(6))
     named = eng.generate(

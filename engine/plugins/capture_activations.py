@@ -20,12 +20,14 @@ import logging
 import os
 import threading
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine import envvars
 from engine.hooks import hookimpl
 from engine.taps import LayerTap, TapRows
+
+if TYPE_CHECKING:  # torch loads where rows arrive: the user process and detokenizer need none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class CaptureActivations:
         """Write the held rows as one shard (atomically: readers never see half a file)."""
         if not self._rows:
             return
+        import torch
         from safetensors.torch import save_file
 
         rids: list[str] = []
@@ -149,6 +152,7 @@ def read_shards(directory: str, latest: bool = True) -> dict:
     """Every shard in directory as one dataset: {"layer_<i>": [N, hidden], "positions": [N],
     "beams": [N], "rids": list of N request ids}. A request recomputed after a retraction has its
     positions twice; latest=True keeps one row per (rid, beam, position): the last written."""
+    import torch
     from safetensors import safe_open
 
     parts: dict[str, list[torch.Tensor]] = {}

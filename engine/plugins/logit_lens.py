@@ -18,13 +18,14 @@ import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from engine import envvars
 from engine.hooks import hookimpl
 from engine.taps import LayerTap, TapRows
+
+if TYPE_CHECKING:  # torch loads where rows arrive: the user process and detokenizer need none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class OwnHead:
         self.norm, self.head = found["model.norm.weight"].to(device), head.to(device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch
+
         if self.head is None or self.head.device != x.device:
             self._load(x.device)
         h = x.float()
@@ -130,6 +133,8 @@ class LogitLens:
             ]
         if not pick:
             return
+        import torch
+
         with torch.inference_mode():
             logits = self._head(rows)(rows.values[pick])
             top = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)

@@ -18,15 +18,19 @@ steers with it by name:
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine import envvars
 from engine.hooks import hookimpl
 
+if TYPE_CHECKING:  # make_vector's: the plugin itself reads its files without torch
+    import torch
+
 
 def mean_residual(engine, prompts: list[str], layer: int) -> torch.Tensor:
     """The residual stream after `layer`, averaged over every token of every prompt: float32 [hidden]."""
+    import torch
+
     results = engine.generate(
         list(prompts),
         {"max_new_tokens": 1, "temperature": 0},
@@ -56,14 +60,14 @@ def make_vector(
     return vector
 
 
-def load_vector(path: str) -> tuple[str, int | None, torch.Tensor]:
+def load_vector(path: str) -> tuple[str, int | None, list[float]]:
     """(name, layer it was made at, vector) from a file make_vector wrote; the name defaults to
-    the file's stem."""
+    the file's stem. Read with numpy: the engine's user process and detokenizer load no torch."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with safe_open(path, framework="numpy") as f:
         meta = f.metadata() or {}
-        vector = f.get_tensor("vector").float()
+        vector = f.get_tensor("vector").astype("float32").tolist()
     layer = meta.get("layer")
     return meta.get("name") or Path(path).stem, None if layer is None else int(layer), vector
 
@@ -82,7 +86,7 @@ class SteerContrast:
             name, _, vector = load_vector(path)
             if name in self.vectors:
                 raise ValueError(f"steer_contrast: two vector files are named {name!r}")
-            self.vectors[name] = vector.tolist()
+            self.vectors[name] = vector
 
     @hookimpl
     def engine_steering_vectors(self) -> dict[str, list[float]]:
