@@ -93,6 +93,60 @@ VARIABLES: dict[str, EnvVar] = {
             "scheduler or detokenizer",
             "set by the engine for its children only, so plugins know their role from interpreter start; never set it",
         ),
+        EnvVar(
+            "ENGINE_CAPTURE_DIR",
+            "activations",
+            "a directory",
+            "capture_activations plugin: where its safetensors shards go",
+        ),
+        EnvVar(
+            "ENGINE_CAPTURE_LAYERS",
+            "-1",
+            "comma-separated layer indices",
+            "capture_activations plugin: the layers it captures",
+        ),
+        EnvVar(
+            "ENGINE_CAPTURE_POINT",
+            "resid_post",
+            "resid_post, attn_out or mlp_out",
+            "capture_activations plugin: the point it captures",
+        ),
+        EnvVar(
+            "ENGINE_CAPTURE_SHARD_ROWS",
+            "65536",
+            "N >= 1",
+            "capture_activations plugin: rows per shard",
+        ),
+        EnvVar(
+            "ENGINE_CAPTURE_EVERY_REQUEST",
+            "0",
+            "1 or 0",
+            'capture_activations plugin: 1 captures every request; else those with layer_taps=["capture"]',
+        ),
+        EnvVar(
+            "ENGINE_LOGIT_LENS_LAYERS",
+            "",
+            "comma-separated layer indices",
+            "logit_lens plugin: the layers it reads (unset: every layer)",
+        ),
+        EnvVar(
+            "ENGINE_LOGIT_LENS_TOP_K",
+            "5",
+            "N >= 1",
+            "logit_lens plugin: tokens kept per layer and position",
+        ),
+        EnvVar(
+            "ENGINE_LOGIT_LENS_FILE",
+            "",
+            "a file path",
+            "logit_lens plugin: also append each finished request's record as a JSON line",
+        ),
+        EnvVar(
+            "ENGINE_STEER_VECTORS",
+            "",
+            "comma-separated file paths",
+            "steer_contrast plugin: vector files made by make_vector, registered by name",
+        ),
     )
 }
 

@@ -255,13 +255,13 @@ class EngineSpecs:
         firstresult: stops at the first non-None result."""
 
     @hookspec
-    def engine_layer_taps(self) -> list[Any] | None:
-        """The layer taps this plugin provides: a list of engine.taps.LayerTap (name, layers, points,
-        fn, writes, every_request). Called in every process when the plugin is loaded (the user
-        process checks the names requests give in layer_taps); the scheduler calls each tap's `fn`
-        with a TapRows during the forward pass, once per step per (layer, point), for the requests
-        that asked (docs/interpretability.md). A tap's error fails only its rows' requests. Per
-        plugin, so it cannot be wrapped."""
+    def engine_layer_taps(self, num_layers: int) -> list[Any] | None:
+        """The layer taps this plugin provides on a model of `num_layers` decoder layers: a list of
+        engine.taps.LayerTap (name, layers, points, fn, writes, every_request). Called in every
+        process (the user process checks the names requests give in layer_taps); the scheduler
+        calls each tap's `fn` with a TapRows during the forward pass, once per step per (layer,
+        point), for the requests that asked (docs/interpretability.md). A tap's error fails only
+        its rows' requests. Per plugin, so it cannot be wrapped."""
 
     @hookspec
     def engine_steering_vectors(self) -> dict[str, Any] | None:

@@ -42,7 +42,7 @@ def attach(state: SchedulerState, step: Step) -> None:
             for i, r in enumerate(ordinary + beam_reqs)
         ]
         mode = "decode"
-    plan = TapPlan(mode)
+    plan = TapPlan(mode, registry.model)
     for seg in segments:
         plan.add(seg, every)
     batch.taps = plan.finalize(state.device)

@@ -65,7 +65,7 @@ class SchedulerState:
             grammars=Grammars(model_dir, mc.vocab_size, list(mc.eos_token_ids)),
             plan=SchedulePlan(config.init_new_token_ratio),
             outbox=outbox,
-            taps=TapRegistry(mc.num_layers, mc.hidden_size, device, runner.dtype),
+            taps=TapRegistry(mc.num_layers, mc.hidden_size, device, runner.dtype, runner.model),
         )
 
     def idle(self) -> bool:

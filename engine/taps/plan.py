@@ -48,8 +48,8 @@ class Site:
 
 
 class TapPlan:
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
+    def __init__(self, mode: str, model=None) -> None:
+        self.mode, self.model = mode, model
         self.sites: dict[tuple[int, str], Site] = {}
         self.resid_layers: frozenset[int] = frozenset()
         # (request taps, [(site, offset in its captured rows)] per layer, rows)
@@ -131,7 +131,11 @@ class TapPlan:
         values = x.index_select(0, rows)
         tap = pr.tap
         try:
-            tap.fn(TapRows(layer, point, values, pr.rids, pr.positions, pr.beams, self.mode))
+            tap.fn(
+                TapRows(
+                    layer, point, values, pr.rids, pr.positions, pr.beams, self.mode, self.model
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - a plugin's failure is its requests' alone
             message = f"plugin {tap.plugin!r} failed in layer tap {tap.name!r}: {type(exc).__name__}: {exc}"
             for rid in pr.rids:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine.taps.spec import POINTS
 
@@ -23,6 +23,8 @@ class TapRows:
     positions: list[int]  # each row's position in its request's sequence
     beams: list[int | None]  # a beam search's beam index, None for an ordinary request
     mode: str  # "prefill" or "decode"
+    # the scheduler's model, read-only: model.logits(values, None) gives float32 logits (a logit lens)
+    model: Any = None
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,13 @@ logger = logging.getLogger(__name__)
 class TapRegistry:
     """The plugins' taps (layers made non-negative) and vectors, read again when the plugins change."""
 
-    def __init__(self, num_layers: int, hidden_size: int, device=None, dtype=None) -> None:
-        """device, dtype: where the scheduler's model runs (steering vectors are made there)."""
+    def __init__(
+        self, num_layers: int, hidden_size: int, device=None, dtype=None, model=None
+    ) -> None:
+        """device, dtype, model: the scheduler's model and where it runs (steering vectors are made
+        there; taps see the model in TapRows.model)."""
         self.num_layers, self.hidden_size = num_layers, hidden_size
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.model = device, dtype, model
         self._key: tuple | None = None
         self._taps: dict[str, LayerTap] = {}
         self.requested = False  # a request with taps or steering has arrived
@@ -42,7 +45,9 @@ class TapRegistry:
         """A plugin whose hook fails or whose tap is malformed is logged and left out: it must not
         stop the engine."""
         found: dict[str, LayerTap] = {}
-        for plugin, result, error in hooks.call_each("engine_layer_taps"):
+        for plugin, result, error in hooks.call_each(
+            "engine_layer_taps", num_layers=self.num_layers
+        ):
             if error is not None:
                 logger.error("engine::taps: %s", error)
                 continue
