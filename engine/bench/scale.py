@@ -77,7 +77,16 @@ def _gateway(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
     cmd = gateway.launch_command(urls, "127.0.0.1", port, policy, free_port("127.0.0.1"))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    if not gateway.wait_routing(url, urls, 60, alive=lambda: proc.poll() is None):
+
+    def alive() -> bool:
+        return proc.poll() is None
+
+    # routing to every replica, and every replica's load polled (cache-aware places new prefixes by
+    # the loads: a coin toss until each replica has one; docs/scale-out.md)
+    if not (
+        gateway.wait_routing(url, urls, 60, alive=alive)
+        and gateway.wait_loads(url, urls, 30, alive=alive)
+    ):
         proc.kill()
         raise RuntimeError(f"the gateway did not route to {urls}")
     return proc, url

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "prefix_hash")
+LOAD_MONITOR_INTERVAL = 1  # seconds between the gateway's polls of every worker's /v1/loads
 
 
 def smg_command() -> list[str]:
@@ -41,9 +42,13 @@ def launch_command(
 ) -> list[str]:
     """`smg launch` for these workers. Health is probed every second and two failures mark a worker
     not ready, so a dead replica stops getting requests within about 2 s (the gateway's defaults,
-    60 s and 3, suit slow probes of large fleets); its Prometheus listener is bound beside the
-    gateway, on the gateway's host; the tokenizer is not loaded (HTTP routing reads text, not tokens).
-    `extra` comes last, so it overrides any of these."""
+    60 s and 3, suit slow probes of large fleets). Loads are polled every second, not every 10 s:
+    the gateway's first poll runs as the first worker registers, so the others have no load on file
+    until the next one, and while one worker has none cache-aware routing scores every request that
+    matches no cached prefix as a tie between them and places it by a coin toss (docs/scale-out.md,
+    Cache-aware routing); `wait_loads` waits for that poll. Its Prometheus listener is bound beside
+    the gateway, on the gateway's host; the tokenizer is not loaded (HTTP routing reads text, not
+    tokens). `extra` comes last, so it overrides any of these."""
     cmd = [
         *smg_command(),
         "launch",
@@ -61,6 +66,8 @@ def launch_command(
         "2",
         "--health-success-threshold",
         "1",
+        "--load-monitor-interval",
+        str(LOAD_MONITOR_INTERVAL),
         "--prometheus-host",
         host,
         "--prometheus-port",
@@ -116,6 +123,33 @@ def wait_routing(
     while time.monotonic() < deadline and alive():
         ready = {w.get("url") for w in workers(gateway_url, api_key) if is_ready(w)}
         if want <= ready:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def loads_on_file(gateway_url: str, api_key: str | None = None) -> set[str]:
+    """The workers whose load the gateway has polled (GET /get_loads: its snapshot, not a new poll)."""
+    answer = get_json(gateway_url + "/get_loads", api_key=api_key)
+    if not isinstance(answer, dict):
+        return set()
+    return {entry.get("worker") for entry in answer.get("loads") or [] if isinstance(entry, dict)}
+
+
+def wait_loads(
+    gateway_url: str,
+    worker_urls: Sequence[str],
+    timeout: float,
+    api_key: str | None = None,
+    alive=lambda: True,
+) -> bool:
+    """Wait until the gateway holds a polled load for every worker, so that its load-aware choices
+    (cache-aware routing's placement of a new prefix) compare like with like; False at the deadline
+    or once `alive()` says the gateway process is gone."""
+    deadline = time.monotonic() + timeout
+    want = set(worker_urls)
+    while time.monotonic() < deadline and alive():
+        if want <= loads_on_file(gateway_url, api_key):
             return True
         time.sleep(0.2)
     return False

@@ -28,6 +28,7 @@ log = logging.getLogger("engine.serve")
 
 READY = re.compile(r"engine serve: ready on (http://\S+) ")
 GATEWAY_START_TIMEOUT = 60.0  # the gateway registers already-running workers within seconds
+LOADS_TIMEOUT = 10.0  # its load poll comes every gateway.LOAD_MONITOR_INTERVAL seconds
 
 
 @dataclass
@@ -208,6 +209,18 @@ def run(
                 return 0
             log.error("engine serve: the gateway did not route to every replica; stopping")
             return 1
+        # cache-aware routing places a new prefix by the replicas' polled loads, a coin toss until
+        # every replica has one (gateway.launch_command); the poll comes within a second
+        if not gateway.wait_loads(
+            probe,
+            urls,
+            LOADS_TIMEOUT,
+            api_key,
+            alive=lambda: deployment.gateway.proc.poll() is None and not stop.is_set(),
+        ):
+            if stop.is_set():
+                return 0
+            log.warning("engine serve: the gateway has not polled every replica's load yet")
         print(
             f"engine serve: ready on {url} (smg gateway, policy {policy}; "
             f"{dp} replicas: {' '.join(urls)})",
