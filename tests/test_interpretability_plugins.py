@@ -52,7 +52,7 @@ def interp(tmp_path_factory, engine):
 
             capture = CaptureActivations(directory={str(base / "acts")!r}, layers={CAPTURE_LAYERS!r},
                                          point="resid_post", shard_rows=1, every_request=False)
-            lens = LogitLens(layers=(0, 15, -1), top_k=3, model_dir={engine.model_dir!r},
+            lens = LogitLens(layers=(0, 15, -1), top_k=3,
                              file={str(base / "lens.jsonl")!r})
             steer = SteerContrast(paths=[{str(base / "love.safetensors")!r}])
             """

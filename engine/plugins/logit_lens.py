@@ -17,15 +17,10 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
 from engine import envvars
 from engine.hooks import hookimpl
 from engine.taps import LayerTap, TapRows
-
-if TYPE_CHECKING:  # torch loads where rows arrive: the user process and detokenizer need none
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -41,60 +36,19 @@ def parse_layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"layers must be comma-separated integers, got {text!r}") from None
 
 
-class OwnHead:
-    """The final norm and lm_head read from a checkpoint directory, in float32, on first use: for an
-    engine that does not hand taps its model."""
-
-    def __init__(self, model_dir: str) -> None:
-        self.model_dir = Path(model_dir)
-        config = json.loads((self.model_dir / "config.json").read_text())
-        self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self.num_layers = int(config["num_hidden_layers"])
-        self.norm: torch.Tensor | None = None
-        self.head: torch.Tensor | None = None
-
-    def _load(self, device: torch.device) -> None:
-        from safetensors import safe_open
-
-        found: dict[str, torch.Tensor] = {}
-        wanted = ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight")
-        for path in sorted(self.model_dir.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                for name in wanted:
-                    if name in f.keys():
-                        found[name] = f.get_tensor(name).float()
-        head = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
-        self.norm, self.head = found["model.norm.weight"].to(device), head.to(device)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        if self.head is None or self.head.device != x.device:
-            self._load(x.device)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.norm * h) @ self.head.T
-
-
 class LogitLens:
-    """The plugin: arguments left None come from the ENGINE_LOGIT_LENS_* variables. model_dir: read
-    the final norm and lm_head from there (else the tap uses the model the engine hands it)."""
+    """The plugin: arguments left None come from the ENGINE_LOGIT_LENS_* variables; no layers: every
+    layer. Logits come from the engine's own final norm and lm_head (TapRows.model)."""
 
     def __init__(
         self,
         layers: tuple[int, ...] | None = None,
         top_k: int | None = None,
         file: str | None = None,
-        model_dir: str | None = None,
     ) -> None:
         self.layers = tuple(layers or parse_layers(envvars.read("ENGINE_LOGIT_LENS_LAYERS")))
         self.top_k = top_k or int(envvars.read("ENGINE_LOGIT_LENS_TOP_K"))
         self.file = file if file is not None else envvars.read("ENGINE_LOGIT_LENS_FILE")
-        self.own_head = OwnHead(model_dir) if model_dir else None
-        if not self.layers:
-            if self.own_head is None:
-                raise ValueError("logit_lens: give its layers (ENGINE_LOGIT_LENS_LAYERS)")
-            self.layers = tuple(range(self.own_head.num_layers))
         if self.top_k < 1:
             raise ValueError(f"logit_lens: top_k must be >= 1, got {self.top_k}")
         self._lock = threading.Lock()  # engine_stats may run beside the serving thread
@@ -104,23 +58,14 @@ class LogitLens:
         self._done: OrderedDict[str, dict] = OrderedDict()
 
     @hookimpl
-    def engine_layer_taps(self) -> list[LayerTap]:
-        return [LayerTap(name=TAP_NAME, layers=self.layers, fn=self.on_rows)]
+    def engine_layer_taps(self, num_layers: int) -> list[LayerTap]:
+        layers = self.layers or tuple(range(num_layers))
+        return [LayerTap(name=TAP_NAME, layers=layers, fn=self.on_rows)]
 
     @hookimpl
     def engine_request_arrived(self, req) -> None:
         with self._lock:
             self._prompt_len[req.rid] = len(req.input_ids)
-
-    def _head(self, rows: TapRows) -> Callable[[torch.Tensor], torch.Tensor]:
-        model = getattr(rows, "model", None)
-        if model is not None:
-            return lambda x: model.logits(x.contiguous(), None).float()
-        if self.own_head is None:
-            raise RuntimeError(
-                "logit_lens needs the model: the engine gave the tap none, give model_dir"
-            )
-        return self.own_head
 
     def on_rows(self, rows: TapRows) -> None:
         """The rows that predict a generated token (position >= prompt length - 1; a beam search's
@@ -136,7 +81,7 @@ class LogitLens:
         import torch
 
         with torch.inference_mode():
-            logits = self._head(rows)(rows.values[pick])
+            logits = rows.model.logits(rows.values[pick].contiguous(), None)
             top = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
         ids, probs = top.indices.tolist(), top.values.tolist()
         with self._lock:
