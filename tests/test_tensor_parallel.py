@@ -216,6 +216,25 @@ def test_request_features_under_two_ranks(engine, tp2, chat_ids):
     assert engine_idle(tp2.get_stats())
 
 
+def test_hidden_states_and_steering_under_two_ranks(engine, tp2, chat_ids):
+    """The residual stream is whole on every rank: the same steered tokens as one scheduler's, and
+    hidden states equal to its own within the all-reduce's reordering."""
+    hidden = engine.server_info["hidden_size"]
+    vector = (torch.randn(hidden, generator=torch.Generator().manual_seed(5)) * 4.0).tolist()
+    fields = dict(
+        return_hidden_states={"layers": [3, -1], "tokens": "all"},
+        steering=[{"layer": 8, "vector": vector}],
+    )
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    one = engine.generate(input_ids=chat_ids[0], sampling_params=greedy, **fields)
+    two = tp2.generate(input_ids=chat_ids[0], sampling_params=greedy, **fields)
+    assert two["output_ids"] == one["output_ids"]
+    for part in ("prompt", "generated"):
+        a, b = one["meta_info"]["hidden_states"][part], two["meta_info"]["hidden_states"][part]
+        scale = a.abs().amax(dim=-1).clamp(min=1.0)
+        assert float(((a - b).abs().amax(dim=-1) / scale).max()) <= 1e-5
+
+
 def _pids(eng) -> list[int]:
     return [pid for role, pid in eng.pids.items() if role != "user"]
 
