@@ -11,6 +11,7 @@ import torch
 
 from engine import Engine
 from engine.hooks.loader import unload_plugins
+from helpers import engine_idle
 
 PLUGIN = "layer_tap_plugin:plugin"
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -104,6 +105,7 @@ def test_a_failing_tap_fails_only_its_requests(tapped):
     assert calm["meta_info"]["finish_reason"]["type"] == "length"
     assert calm["output_ids"] == alone["output_ids"]
     assert eng.generate("Tell me a story", GREEDY)["output_ids"] == alone["output_ids"]
+    assert engine_idle(eng.get_stats())
 
 
 def test_a_writing_tap_steers_as_steering_with_its_vector_does(tapped):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
+from helpers import engine_idle
 from test_beam_search import _same, hf_beam_search
 
 LAYER = 12
@@ -41,6 +42,7 @@ def test_a_steered_beam_search_matches_transformers_with_a_hook(
     _same(ours["hypotheses"], ref, tokenizer.eos_token_id)
     plain = engine.beam_search(input_ids=ids, beam_width=3, max_new_tokens=10)
     assert plain["hypotheses"][0]["output_ids"] != ours["hypotheses"][0]["output_ids"]
+    assert engine_idle(engine.get_stats())  # the steered search's private K/V all went back
 
 
 def test_a_beam_search_returns_its_prompts_hidden_states(engine, hf_model, tokenizer):
