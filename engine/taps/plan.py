@@ -37,7 +37,7 @@ class Site:
     """What happens at one (layer, point): steer, then plugin taps, then capture."""
 
     steer_rows: list[int] = field(default_factory=list)
-    steer_vecs: list[torch.Tensor] = field(default_factory=list)
+    steer_vecs: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (vector, rows)
     plugins: dict[str, _PluginRows] = field(default_factory=dict)
     capture_rows: list[int] = field(default_factory=list)
     captured: torch.Tensor | None = None
@@ -77,7 +77,7 @@ class TapPlan:
         for layer, vec in rt.steer.items():
             s = self.site(layer, "resid_post")
             s.steer_rows += rows
-            s.steer_vecs += [vec] * seg.count
+            s.steer_vecs.append((vec, seg.count))
         spec = rt.hidden
         span = rt.wanted(seg.pos, seg.count) if spec is not None else None
         if span is None:
@@ -97,9 +97,11 @@ class TapPlan:
             return None
         for s in self.sites.values():
             if s.steer_rows:
+                vecs = torch.stack([v for v, _ in s.steer_vecs])
+                counts = torch.tensor([n for _, n in s.steer_vecs], device=vecs.device)
                 s.steer = (
                     torch.tensor(s.steer_rows, dtype=torch.int64, device=device),
-                    torch.stack(s.steer_vecs),
+                    vecs.repeat_interleave(counts, dim=0),
                 )
             if s.capture_rows:
                 s.capture = torch.tensor(s.capture_rows, dtype=torch.int64, device=device)
