@@ -77,9 +77,12 @@ class Gateway:
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        assert gateway.wait_routing(self.url, urls, 60, alive=lambda: self.proc.poll() is None), (
-            "".join(self.lines)
-        )
+        assert gateway.wait_routing(self.url, urls, 60, alive=self.alive), "".join(self.lines)
+        # every worker's load polled once: until then cache-aware places new prefixes by coin toss
+        assert gateway.wait_loads(self.url, urls, 30, alive=self.alive), "".join(self.lines)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -190,30 +193,39 @@ def test_round_robin_spreads_requests_evenly(replicas, make_gateway, model_name,
 
 @pytest.mark.parametrize("per_group", [8, pytest.param(25, marks=pytest.mark.stress)])
 def test_cache_aware_routing_serves_far_more_prompt_tokens_from_cache(
-    replicas, make_gateway, model_name, per_group
+    replicas, make_gateway, model_name, per_group, record_property
 ):
     """8 prefix groups of about 256 tokens, shuffled, at concurrency 4; each replica's pool holds
     about four prefixes.
     Round robin sends every group to both replicas, which evict each other's prefixes; cache-aware
-    routing keeps a group on one replica."""
+    routing keeps a group on one replica, placing each new group by the replicas' loads (the
+    gateway's defaults here, gateway.launch_command; docs/scale-out.md, Cache-aware routing)."""
     workload = prefix_groups(8, per_group, 256, seed=0)
     urls = [s.url for s in replicas]
-    rates, spread = {}, {}
+    rates, spread, seconds = {}, {}, {}
     for policy in ("round_robin", "cache_aware"):
         g = make_gateway(urls, policy)
         assert httpx.post(g.url + "/flush_cache", timeout=30).status_code == 200
         before = stats(replicas)
+        start = time.monotonic()
         run_completions(g.client(), model_name, workload, concurrency=4, max_tokens=2)
+        seconds[policy] = round(time.monotonic() - start, 2)
         after = stats(replicas)
         rates[policy] = hit_rate(before, after)
         spread[policy] = [
             a["finished_requests"] - b["finished_requests"] for b, a in zip(before, after)
         ]
         g.stop()
-    # smg sends a group's first request to the least-loaded replica and keeps the group there, so
-    # the groups split unevenly (7 to 1 seen) and the busier replica still evicts: the margin is
-    # less than the 30 points an even split gives (docs/scale-out.md, Measured here)
-    assert rates["cache_aware"] >= rates["round_robin"] + 0.15, (rates, spread)
+    shown = {policy: round(rate, 3) for policy, rate in rates.items()}
+    figures = {"hit_rate": shown, "requests_per_replica": spread, "seconds": seconds}
+    record_property("figures", figures)
+    print(f"cache-aware against round robin, 8 x {per_group}: {figures}")
+    # with every replica's load polled, smg places each new group on the replica sent fewer
+    # requests since its last poll, ties at random: the groups split 4 to 4 or 5 to 3 (a coin toss
+    # per group before: 7 to 1 seen). Round robin's rate moves with how requests interleave: +30
+    # to +40 points in most runs, +18 the least seen, not the issue's 30 every time
+    # (docs/scale-out.md, Measured here)
+    assert rates["cache_aware"] >= rates["round_robin"] + 0.15, figures
 
 
 # ---------------------------------------------------------------------- draining and failures
