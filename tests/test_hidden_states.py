@@ -196,6 +196,23 @@ def test_prefix_cache_hit(eng, hf_model, prompts):
     assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == first["output_ids"]
 
 
+def test_stream_carries_them_on_its_last_chunk(eng, hf_model, prompts):
+    """stream=True: only the final chunk carries the hidden states, of every token streamed."""
+    ids = prompts[6]
+    chunks = list(
+        eng.generate(
+            input_ids=ids,
+            sampling_params=GREEDY,
+            stream=True,
+            return_hidden_states={"layers": [2, 29], "tokens": "all"},
+        )
+    )
+    assert all("hidden_states" not in c["meta_info"] for c in chunks[:-1])
+    last = dict(chunks[-1], output_ids=[t for c in chunks for t in c["output_ids"]])
+    assert len(last["output_ids"]) == NEW
+    check_states(hf_model, ids, last, [2, 29], "all", greedy=True)
+
+
 def test_n_copies_each_get_their_own_rows(eng, hf_model, prompts):
     """n > 1: every sampled copy returns the prompt rows and the rows of its own generated tokens."""
     ids = prompts[5]
@@ -302,7 +319,8 @@ def tight():
 
 def test_chunked_prefill_and_retraction(tight, hf_model, long_prompts):
     """Hidden states (prompt rows over several chunks, generated rows across a retraction) and steering,
-    on an engine that chunks every prompt and must retract: all exact against transformers."""
+    on an engine that chunks every prompt and must retract (each request asks for one or the other,
+    so whichever is retracted is tapped): all exact against transformers, every row returned once."""
     params = {"max_new_tokens": LONGEST_NEW, "temperature": 0, "ignore_eos": True}
     assert max(len(ids) for ids in long_prompts) == LONGEST_PROMPT
     vector = torch.randn(576, generator=torch.Generator().manual_seed(1))
@@ -313,7 +331,7 @@ def test_chunked_prefill_and_retraction(tight, hf_model, long_prompts):
         ({"layers": [14], "tokens": "generated"}, None),
         (None, steering),
         ({"layers": [0, 29], "tokens": "prompt"}, None),
-        (None, None),
+        ({"layers": [7], "tokens": "last"}, None),
         ({"layers": [-1], "tokens": "all"}, steering),
     ]
     before = tight.get_stats()
