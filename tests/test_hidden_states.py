@@ -32,9 +32,9 @@ def eng():
 NEW = 8
 LAYERS = 30  # SmolLM2-135M's decoder layers
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-# float32 against float32, the same sums in other orders: each row within 1e-4 of its norm (observed up
-# to 2e-5; transformers' own float32 is up to 1.2e-5 from float64); a wrong row is off by 0.1 or more
-TOL = 1e-4
+# float32 against float32, the same sums in other orders: each row within 5e-5 of its norm (observed up
+# to 2e-5; transformers' own float32 is up to 1.2e-5 from float64); a wrong row is off by 0.08 or more
+TOL = 5e-5
 
 
 def together(eng: Engine, calls: list[dict]) -> list:
