@@ -105,6 +105,11 @@ def test_a_failing_tap_fails_only_its_requests(tapped):
     assert calm["meta_info"]["finish_reason"]["type"] == "length"
     assert calm["output_ids"] == alone["output_ids"]
     assert eng.generate("Tell me a story", GREEDY)["output_ids"] == alone["output_ids"]
+    # its last step too: a one-token request fails, not a normal finish without the tap's change
+    last = eng.generate(
+        "Tell me a story", {**GREEDY, "max_new_tokens": 1}, rid="tapboom-2", layer_taps=["boom"]
+    )
+    assert last["meta_info"]["finish_reason"]["type"] == "abort" and last["output_ids"] == []
     assert engine_idle(eng.get_stats())
 
 

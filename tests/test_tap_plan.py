@@ -128,3 +128,13 @@ def test_prompt_rows_limit_the_prefix_and_a_position_is_captured_once(registry):
     assert t.wanted(8, 6) == (8, 10) and t.prefix_limit() is None
     last = RequestTaps(LayerRequest(HiddenSpec((0,), "last")), 10, 4, registry)
     assert last.prefix_limit() == 9 and last.wanted(0, 9) is None and last.wanted(9, 1) == (9, 10)
+
+
+def test_the_scheduler_refuses_layers_the_model_lacks(registry):
+    """A message that skipped the user process's checks is refused alone, not failing a step."""
+    with pytest.raises(ValueError, match="layers \\[9\\]"):
+        RequestTaps(LayerRequest(HiddenSpec((9,), "last")), 3, 1, registry)
+    with pytest.raises(ValueError, match="layers \\[4\\]"):
+        RequestTaps(LayerRequest(steering=(SteerSpec(4, name="ones"),)), 3, 1, registry)
+    with pytest.raises(ValueError, match="point"):
+        RequestTaps(LayerRequest(HiddenSpec((1,), "last", "nowhere")), 3, 1, registry)

@@ -38,7 +38,12 @@ def sample(state: SchedulerState, step: Step, logits: torch.Tensor) -> SampleOut
     n, nb = len(rows), len(step.beam_starts) or len(step.beam_reqs)
     if step.prompt_logprobs:
         prompt_logprobs(state, step, logits[n + nb :])
+    tap_failed = layer_taps.failed(step)  # a plugin tap raised on these requests' rows
     beam = beam_stage.prepare(state, step, logits[n : n + nb]) if nb else None
+    if beam is not None and tap_failed:
+        for r in beam.reqs:
+            if r.rid in tap_failed:
+                step.beam_failed.setdefault(id(r), tap_failed[r.rid])
     logits = logits[:n]
     hook = hooks.has("engine_process_logits")
     out = None
@@ -79,6 +84,10 @@ def sample(state: SchedulerState, step: Step, logits: torch.Tensor) -> SampleOut
             on_logits,
             grammar,
         )
+        if tap_failed:  # they end here, without a token
+            for i, rid in enumerate(rows.rids):
+                if rid in tap_failed:
+                    out.failed.setdefault(i, tap_failed[rid])
         if hooks.has("engine_sample_after"):
             hooks.call(
                 "engine_sample_after", rids=rows.rids, next_ids=out.next_ids, logprobs=out.logprobs

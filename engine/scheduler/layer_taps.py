@@ -55,13 +55,23 @@ def deliver(step: Step) -> None:
         plan.deliver()
 
 
+def failed(step: Step) -> dict[str, str]:
+    """rid -> why a plugin tap failed on its rows this step: the sample stage ends the rows that
+    sample (ordinary rows and beam searches) without a token."""
+    plan = step.forward_batch.taps
+    return plan.failed if plan is not None else {}
+
+
 def fail_tapped(state: SchedulerState, step: Step) -> None:
-    """After the step's results: the requests whose rows a plugin tap failed on end with its error."""
+    """After the step's results: a prompt chunk that sampled nothing yet, whose rows a plugin tap
+    failed on, ends with its error too."""
     plan = step.forward_batch.taps
     if plan is None or not plan.failed:
         return
-    by_message: dict[str, dict[str, None]] = {}
-    for rid, message in plan.failed.items():
-        by_message.setdefault(message, {})[rid] = None
-    for message, rids in by_message.items():
-        abort_rids(state, rids, message)
+    by_message: dict[str, dict[str, set[int]]] = {}
+    for req in step.extend_reqs:
+        message = plan.failed.get(req.rid)
+        if message is not None and req.finished is None:
+            by_message.setdefault(message, {})[req.rid] = {req.seq}
+    for message, targets in by_message.items():
+        abort_rids(state, targets, message)

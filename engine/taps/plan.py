@@ -150,4 +150,4 @@ class TapPlan:
         """After the forward pass: each request's captured rows, [layers, rows, hidden] float32."""
         for rt, places, count in self.deliveries:
             parts = [s.captured[off : off + count] for s, off in places]
-            rt.chunks.append(torch.stack(parts).float())
+            rt.chunks.append(torch.stack(parts).float().cpu())  # held off the device till it ends

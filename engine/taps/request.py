@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.taps.plugin import LayerTap
-from engine.taps.spec import HiddenStates, LayerRequest
+from engine.taps.spec import POINTS, HiddenStates, LayerRequest
 
 if TYPE_CHECKING:
     from engine.taps.registry import TapRegistry
@@ -37,6 +37,11 @@ class RequestTaps:
         registry: TapRegistry,
     ) -> None:
         """ValueError when a named vector or tap is unknown here (the user process checked it too)."""
+        n = registry.num_layers
+        bad = [i for i in (spec.hidden.layers if spec.hidden else ()) if not 0 <= i < n]
+        bad += [s.layer for s in spec.steering if not 0 <= s.layer < n]
+        if bad or (spec.hidden is not None and spec.hidden.point not in POINTS):
+            raise ValueError(f"layers {bad} or a point the model does not have ({n} layers)")
         self.hidden = spec.hidden
         self.prompt_len = prompt_len
         self.hidden_size = registry.hidden_size
@@ -115,5 +120,5 @@ class RequestTaps:
 
 def _part(rows: torch.Tensor, a: int, b: int) -> tuple[int, bytes]:
     """Rows [a, b) of [layers, rows, hidden] (fewer if fewer were computed) as float32 bytes."""
-    part = rows[:, a:b].float().clone(memory_format=torch.contiguous_format)
-    return part.shape[1], bytes(part.untyped_storage())
+    part = rows[:, a:b].float().contiguous()
+    return part.shape[1], part.numpy().tobytes()
