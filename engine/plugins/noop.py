@@ -127,5 +127,15 @@ def engine_logit_processors():
 
 
 @hookimpl
+def engine_layer_taps(num_layers):
+    return None
+
+
+@hookimpl
+def engine_steering_vectors():
+    return None
+
+
+@hookimpl
 def engine_grammar_backend(tokenizer, vocab_size, stop_ids):
     return None
