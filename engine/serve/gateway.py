@@ -118,14 +118,12 @@ def wait_routing(
 ) -> bool:
     """Wait until the gateway lists every worker as ready; False at the deadline or once `alive()`
     says the gateway process is gone."""
-    deadline = time.monotonic() + timeout
     want = set(worker_urls)
-    while time.monotonic() < deadline and alive():
-        ready = {w.get("url") for w in workers(gateway_url, api_key) if is_ready(w)}
-        if want <= ready:
-            return True
-        time.sleep(0.2)
-    return False
+    return _wait(
+        lambda: want <= {w.get("url") for w in workers(gateway_url, api_key) if is_ready(w)},
+        timeout,
+        alive,
+    )
 
 
 def loads_on_file(gateway_url: str, api_key: str | None = None) -> set[str]:
@@ -146,10 +144,15 @@ def wait_loads(
     """Wait until the gateway holds a polled load for every worker, so that its load-aware choices
     (cache-aware routing's placement of a new prefix) compare like with like; False at the deadline
     or once `alive()` says the gateway process is gone."""
-    deadline = time.monotonic() + timeout
     want = set(worker_urls)
+    return _wait(lambda: want <= loads_on_file(gateway_url, api_key), timeout, alive)
+
+
+def _wait(done, timeout: float, alive) -> bool:
+    """Poll `done()` every 0.2 s: True once it holds, False at the deadline or once `alive()` fails."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and alive():
-        if want <= loads_on_file(gateway_url, api_key):
+        if done():
             return True
         time.sleep(0.2)
     return False

@@ -198,12 +198,16 @@ def run(
         deployment.gateway = _spawn("gateway", cmd)
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         probe = url.replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
+
+        def serving() -> bool:
+            return deployment.gateway.proc.poll() is None and not stop.is_set()
+
         if not gateway.wait_routing(
             probe,
             urls,
             GATEWAY_START_TIMEOUT,
             api_key,
-            alive=lambda: deployment.gateway.proc.poll() is None and not stop.is_set(),
+            alive=serving,
         ):
             if stop.is_set():
                 return 0
@@ -216,7 +220,7 @@ def run(
             urls,
             LOADS_TIMEOUT,
             api_key,
-            alive=lambda: deployment.gateway.proc.poll() is None and not stop.is_set(),
+            alive=serving,
         ):
             if stop.is_set():
                 return 0

@@ -30,7 +30,9 @@ class TapRegistry:
     @property
     def active(self) -> bool:
         """Whether a step may need a tap plan at all: until then steps skip the tap stage."""
-        return self.requested or bool(self.every_request())
+        if self.requested:
+            return True
+        return hooks.has("engine_layer_taps") and bool(self.every_request())
 
     def taps(self) -> dict[str, LayerTap]:
         key = tuple(hooks.implementers("engine_layer_taps"))

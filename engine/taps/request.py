@@ -68,15 +68,15 @@ class RequestTaps:
         # the positions whose rows return_hidden_states wants: [start, end_pos)
         tokens = self.hidden.tokens if self.hidden is not None else None
         self.start = 0 if tokens in ("prompt", "all") else prompt_len - 1
-        self.end_pos = {
-            None: 0,
-            "last": prompt_len,
-            "prompt": prompt_len,
-        }.get(tokens, prompt_len - 1 + max_new_tokens)
+        if tokens is None:
+            self.end_pos = 0
+        elif tokens in ("last", "prompt"):
+            self.end_pos = prompt_len
+        else:  # the position that predicts the last of max_new_tokens
+            self.end_pos = prompt_len - 1 + max_new_tokens
         self.next_pos = self.start
-        self.chunks: list[
-            torch.Tensor
-        ] = []  # [len(layers), rows, hidden] float32, in position order
+        # [len(layers), rows, hidden] float32, in position order
+        self.chunks: list[torch.Tensor] = []
 
     def prefix_limit(self) -> int | None:
         """The most fill tokens the prefix cache may lend: none to a request whose K/V are its own,
