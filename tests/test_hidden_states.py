@@ -251,6 +251,65 @@ def test_grammar_requests(eng, hf_model, prompts):
     check_states(hf_model, prompts[1], rx, [10], "generated")
 
 
+def first_match(eng: Engine, out: dict) -> tuple[str, int]:
+    """A stop string for out's text, a word its greedy run reaches after a few tokens, and how many
+    tokens it takes to reach it."""
+    ids = out["output_ids"]
+    for k in range(3, len(ids) - 2):
+        word = eng.tokenizer.decode(ids[k - 1 : k]).strip()
+        text = eng.tokenizer.decode(ids[:k])
+        if len(word) >= 2 and text.find(word) == len(text) - len(word):
+            return word, k
+    raise AssertionError(f"no word to stop at in {eng.tokenizer.decode(ids)!r}")
+
+
+def test_stop_strings_cut_hidden_states_at_the_match(eng, hf_model, prompts):
+    """A request a stop string ends gets the rows of the tokens up to the match, whether the match
+    ends it before the scheduler does (its states come later) or on the scheduler's last token."""
+    ids = prompts[6]
+    params = dict(GREEDY, max_new_tokens=16)
+    whole = eng.generate(input_ids=ids, sampling_params=params)
+    word, k = first_match(eng, whole)
+    hidden = {"layers": [0, 29], "tokens": "all"}
+    early, on_last, plain = together(
+        eng,
+        [
+            call(ids, hidden, dict(params, stop=[word])),
+            call(
+                ids,
+                {"layers": [14], "tokens": "generated"},
+                dict(params, stop=[word], max_new_tokens=k),
+            ),
+            call(prompts[2], None, params),
+        ],
+    )
+    for out, layers, tokens in ((early, [0, 29], "all"), (on_last, [14], "generated")):
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "stop", "matched": word}, meta["finish_reason"]
+        assert out["output_ids"] == whole["output_ids"][:k]
+        assert meta["completion_tokens"] == k
+        assert meta["hidden_states"]["generated"].shape[1] == k
+        assert word not in out["text"]  # the stop string is the text's first
+        check_states(hf_model, ids, out, layers, tokens)
+    assert plain["meta_info"]["completion_tokens"] == 16
+    chunks = list(
+        eng.generate(
+            input_ids=ids,
+            sampling_params=dict(params, stop=[word]),
+            stream=True,
+            return_hidden_states=hidden,
+        )
+    )
+    assert all("hidden_states" not in c["meta_info"] for c in chunks[:-1])
+    last = dict(chunks[-1], output_ids=[t for c in chunks for t in c["output_ids"]])
+    assert last["output_ids"] == whole["output_ids"][:k]
+    assert last["meta_info"]["finish_reason"]["type"] == "stop"
+    check_states(hf_model, ids, last, [0, 29], "all")
+    stats = eng.get_stats()
+    assert engine_idle(stats)
+    assert stats["tracked"]["detokenizer"]["awaiting_meta"] == 0
+
+
 @pytest.mark.parametrize(
     "hidden, params, field",
     [
@@ -261,7 +320,6 @@ def test_grammar_requests(eng, hf_model, prompts):
         ({"tokens": "every"}, GREEDY, "return_hidden_states.tokens"),
         ({"point": "q_proj"}, GREEDY, "return_hidden_states.point"),
         ("yes", GREEDY, "return_hidden_states"),
-        (True, dict(GREEDY, stop=["."]), "return_hidden_states"),  # ends in the detokenizer
         (  # 30 layers x (prompt + 1000) rows x 576 x 4 bytes is over the default 64 MiB
             {"layers": list(range(30)), "tokens": "all"},
             {"max_new_tokens": 1000, "temperature": 0},

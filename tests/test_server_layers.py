@@ -107,6 +107,32 @@ def test_hidden_states_over_http_equal_engine_generate(server, client, engine):
     assert "hidden_states" not in (plain.choices[0].model_extra or {})  # only when asked for
 
 
+def test_stop_strings_end_requests_with_their_hidden_states(server, client, engine):
+    """A stop string ends the request in the detokenizer: its generated rows stop at the match."""
+    params = {"max_new_tokens": 16, "temperature": 0}
+    whole = engine.generate(PROMPT, params)
+    stop = whole["text"].split()[2]  # a word some tokens in
+    ref = engine.generate(
+        PROMPT,
+        dict(params, stop=[stop]),
+        return_hidden_states={"layers": [3], "tokens": "generated"},
+    )
+    n = ref["meta_info"]["completion_tokens"]
+    assert 0 < n < 16 and ref["meta_info"]["hidden_states"]["generated"].shape == (1, n, HIDDEN)
+    done = client.completions.create(
+        model="smol",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"return_hidden_states": {"layers": [3], "tokens": "generated"}},
+    )
+    assert done.choices[0].finish_reason == "stop" and done.choices[0].text == ref["text"]
+    assert done.usage.completion_tokens == n
+    got = decode_hidden_states(done.choices[0].model_extra["hidden_states"])
+    assert_same_states(got, ref["meta_info"]["hidden_states"])
+
+
 def test_streams_carry_hidden_states_on_the_last_chunk_only(server, client):
     asked = {"layers": [-1], "tokens": "generated"}
     whole = client.completions.create(
@@ -196,7 +222,6 @@ BAD = [
         },
         "return_hidden_states",
     ),
-    ({"return_hidden_states": True, "stop": ["."]}, "return_hidden_states"),
     ({"return_hidden_states": "yes"}, "return_hidden_states"),
     ({"steering": [{"layer": "2", "vector": [0.0] * HIDDEN}]}, "steering.0.layer"),
     ({"steering": [{"layer": 2, "vector": [0.0] * HIDDEN, "bias": 1}]}, "steering.0.bias"),

@@ -13,6 +13,7 @@ import zmq
 from engine import hooks
 from engine.detokenizer.incremental import IncrementalDetokenizer
 from engine.hooks import HookError
+from engine.detokenizer.stop_meta import stopped_meta
 from engine.detokenizer.stop_strings import StopMatcher
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.inbox import Inbox
@@ -25,7 +26,7 @@ from engine.ipc.messages import (
     BeamTextOut,
     Codec,
     FinishReason,
-    RequestMeta,
+    NO_TOKEN,
     ToDetokenizer,
     ToScheduler,
     ToTokenizer,
@@ -43,6 +44,7 @@ class StopState:
     cached_tokens: int
     tokens: int = 0
     seq: int = 0  # the request's submission number, for the abort that stops it
+    hidden_states: bool = False  # its hidden states come with the scheduler's last output
 
 
 def _check_texts(hook: str, texts, n: int, allow_none: bool = False) -> None:
@@ -113,6 +115,8 @@ class DetokenizerManager:
         self.stop_states: dict[str, StopState] = {}  # requests with stop strings
         # finished here; the scheduler's remaining outputs are dropped
         self.stopped: set[str] = set()
+        # stopped by a string, ending when the scheduler's last output brings their hidden states
+        self.awaiting: dict[str, tuple[FinishReason, StopState]] = {}
         self.seqs: dict[str, int] = {}  # running request -> its submission number (aborts name it)
         self.info: dict = {}
 
@@ -165,6 +169,7 @@ class DetokenizerManager:
             "decode_states": len(self.incremental.states),
             "stop_states": len(self.stop_states),
             "stopped": len(self.stopped),
+            "awaiting_meta": len(self.awaiting),
             "seqs": len(self.seqs),
         }
 
@@ -216,10 +221,13 @@ class DetokenizerManager:
                         header.prompt_tokens,
                         header.cached_tokens,
                         seq=header.seq,
+                        hidden_states=header.hidden_states,
                     )
         out = self._drop_strays(out)
         if out is None:
             return None
+        if self.awaiting:
+            self._end_awaiting(out)
         finished = [f is not None for f in out.finished]
         try:
             deltas = self._decode(out, finished)
@@ -264,6 +272,7 @@ class DetokenizerManager:
         for rid in out.rids:
             self.incremental.forget(rid)
             state = self.stop_states.pop(rid, None)
+            self.awaiting.pop(rid, None)
             held.append(state.matcher.pending if state is not None else "")
             self.seqs.pop(rid, None)
         if running:
@@ -293,14 +302,20 @@ class DetokenizerManager:
             else:
                 deltas[i], matched = state.matcher.feed(deltas[i], final)
             if matched is not None:
-                out.finished[i] = FinishReason("stop", matched=matched)
-                out.meta[i] = RequestMeta(state.prompt_tokens, state.tokens, state.cached_tokens)
+                reason = FinishReason("stop", matched=matched)
                 # the scheduler has not finished it yet: stop it, drop what it still sends
                 if not final:
                     stopping.append(rid)
                     seqs.append(state.seq)
                     self.stopped.add(rid)
                     self.incremental.forget(rid)
+                if state.hidden_states and not final:  # its last output brings them
+                    self.awaiting[rid] = (reason, state)
+                else:
+                    out.finished[i] = reason
+                    out.meta[i] = stopped_meta(
+                        out.meta[i], state.prompt_tokens, state.cached_tokens, state.tokens
+                    )
                 final = True
             if final:
                 del self.stop_states[rid]
@@ -309,13 +324,28 @@ class DetokenizerManager:
                 self.scheduler_codec.encode(AbortRequest(stopping, STOP_STRING_MATCHED, seqs))
             )
 
+    def _end_awaiting(self, out: BatchTokenOut) -> None:
+        """The scheduler's last output of a request a stop string ended: no token, the stop as its
+        reason, and the counters and hidden states up to the match."""
+        for i, rid in enumerate(out.rids):
+            if out.finished[i] is not None and rid in self.awaiting:
+                reason, state = self.awaiting.pop(rid)
+                out.token_ids[i] = NO_TOKEN
+                out.finished[i] = reason
+                out.meta[i] = stopped_meta(
+                    out.meta[i], state.prompt_tokens, state.cached_tokens, state.tokens
+                )
+
     def _drop_stopped(self, out: BatchTokenOut) -> BatchTokenOut | None:
-        """Remove outputs of requests already finished by a stop string; their last one clears them."""
+        """Remove outputs of requests already finished by a stop string; their last one clears them
+        (and is kept when it brings the hidden states of one)."""
         keep = []
         for i, rid in enumerate(out.rids):
             if rid in self.stopped:
                 if out.finished[i] is not None:
                     self.stopped.discard(rid)
+                    if rid in self.awaiting:
+                        keep.append(i)
             else:
                 keep.append(i)
         return _pick(out, keep)

@@ -582,12 +582,6 @@ class TokenizerManager:
             )
         for i, (ids, p) in enumerate(zip(id_lists, params)):
             where = f"request {i}: " if is_batch else ""
-            if p.stop:
-                raise ValueError(
-                    f"{where}return_hidden_states cannot be combined with stop strings (the request "
-                    "ends in the detokenizer, before its hidden states leave the scheduler): use "
-                    "stop_token_ids"
-                )
             problem = size_problem(
                 layers,
                 len(ids),

@@ -120,6 +120,7 @@ class RequestHeader(msgspec.Struct, array_like=True, omit_defaults=True):
         str, str
     ] = {}  # the request's W3C trace headers, for the detokenizer's spans
     seq: int = 0  # TokenizedRequest.seq: the detokenizer's aborts carry it
+    hidden_states: bool = False  # its hidden states ride on the scheduler's last output
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):

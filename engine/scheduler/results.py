@@ -122,6 +122,7 @@ def first_headers(state: SchedulerState, reqs: list[Req]) -> list:
                 req.input_top,
                 req.trace_context,
                 req.seq,
+                req.taps is not None and req.taps.hidden is not None,
             )
         )
     return headers if any(h is not None for h in headers) else []
