@@ -121,6 +121,55 @@ def test_every_layer_of_the_embedded_model_is_bitwise_its_float32_layer(model_di
     assert held < sum(m.packed.numel() * 4 for m in floats.values()) / 5
 
 
+class _Rank:
+    """A tensor-parallel rank as load_model sees it; its collectives are never called here."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+def _rank_linears(model_dir: str, rank: int, blocks: bool) -> dict[str, torch.nn.Module]:
+    """A rank's shard of every linear layer (inside its tensor-parallel wrapper), as loaded."""
+    overrides = {} if blocks else {"f32-blocks": "off"}
+    model, _ = load_model(
+        model_dir,
+        load_hf_config(model_dir),
+        torch.float32,
+        "cpu",
+        64,
+        kernel_overrides=overrides,
+        group=_Rank(rank, 2),
+    )
+    kept = {
+        n.removesuffix(".inner"): m
+        for n, m in model.named_modules()
+        if isinstance(m, (F32Linear, F32BlockLinear, torch.nn.Linear))
+    }
+    return {n: F32Linear(m, LIB) if isinstance(m, torch.nn.Linear) else m for n, m in kept.items()}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_block_shard_is_bitwise_its_float_shard(model_dir, rank):
+    """Under TP=2 each rank's layers are made from its shard of the blocks (rows of qkv, gate_up and
+    the lm_head; whole blocks of columns of o_proj and down_proj): bitwise F32Linear on the same
+    shard of the float weights."""
+    floats = _rank_linears(model_dir, rank, blocks=False)
+    mine = _rank_linears(model_dir, rank, blocks=True)
+    assert set(mine) == set(floats) and len(mine) == 30 * 4 + 1
+    assert all(isinstance(m, F32BlockLinear) for m in mine.values())
+    assert mine["lm_head"].out_features == 49152 // 2
+    assert mine["layers.0.self_attn.o_proj"].in_features == (384, 192)[rank]  # its query heads
+    gen = torch.Generator().manual_seed(2 + rank)
+    for name, layer in mine.items():
+        assert (layer.out_features, layer.in_features) == (
+            floats[name].out_features,
+            floats[name].in_features,
+        )
+        for rows in (1, 9):
+            x = torch.randn(rows, layer.in_features, generator=gen)
+            assert torch.equal(layer(x), floats[name](x)), name
+
+
 def test_the_engine_on_blocks_gives_the_float_panels_tokens_and_logprobs(engine, monkeypatch):
     # wherever the kernel runs (AVX2, FMA and F16C; AVX-512 CPUs too) the embedded model computes from its blocks
     assert engine.server_info["linear_layers"] == ["F32BlockLinear"]

@@ -14,6 +14,8 @@ import torch
 
 from conftest import PROMPTS
 from engine.config import EngineConfig
+from engine.kernels.cpu import load_native
+from engine.linear import f32_blocks
 from engine.distributed.shard import Shard, shard_blocks, shard_floats
 from engine.linear.choose import Layer, Where, choose, choose_decode_path
 from engine.linear.gguf import BLOCK_BYTES, dequantize
@@ -114,8 +116,21 @@ def test_block_shards_are_the_float_shards():
         assert torch.equal(dequantize(kind, part, len(cols)), whole[:, cols.start : cols.stop])
 
 
+def test_a_shard_that_would_cut_blocks_apart():
+    """Columns off block boundaries: the gguf modes refuse; the exact mode leaves that layer out of
+    its blocks (the table gives it the next row, on its float shard)."""
+    cfg = _config(hidden_size=64, intermediate_size=100, vocab_size=64, head_dim=8)
+    down = {"layers.0.mlp.down_proj": (8, torch.zeros(64, 4 * 34, dtype=torch.uint8))}
+    shard = Shard.plan(cfg, 1, 2)
+    assert shard.inter == range(50, 100)
+    with pytest.raises(ValueError, match="block"):
+        shard_blocks(down, shard, cfg, BLOCK_BYTES)
+    assert shard_blocks(down, shard, cfg, BLOCK_BYTES, strict=False) == {}
+
+
 def test_the_table_under_tensor_parallelism():
-    """Under tp no row takes a whole file's weights, and decode steps take the plain forward."""
+    """Under tp the exact mode computes from each rank's block shard; rows that take a whole file's
+    weights (the embedding as the head) step aside; decode steps take the plain forward."""
     facts = dict(packs=True, f32_kernel=True, f32_blocks_kernel=True, exact_blocks=True)
     one = Where("none", "float32", "cpu", tied=True, **facts)
     tp = Where("none", "float32", "cpu", tied=True, tp=True, **facts)
@@ -124,8 +139,14 @@ def test_the_table_under_tensor_parallelism():
         Layer("lm_head", 128, 576, False),
     )
     assert choose(one, qkv).row == "f32-blocks"
-    assert choose(tp, qkv).row != "f32-blocks"
-    assert choose(tp, head).row != "tied-head-shared"
+    assert choose(tp, qkv).row == "f32-blocks"
+    assert choose(tp, head).row == "f32-blocks"
+    # a shard not in whole panels of 16 rows: that layer alone takes the next row
+    assert choose(tp, Layer("layers.0.self_attn.qkv_proj", 648, 576, False)).row == "f32-mkl"
+    assert choose(tp.found(exact_blocks=False), head).row not in ("f32-blocks", "tied-head-shared")
+    cut = tp.found(unblocked=frozenset({"layers.0.mlp.down_proj"}))
+    assert choose(cut, Layer("layers.0.mlp.down_proj", 576, 768, False)).row == "f32-mkl"
+    assert choose(cut, Layer("layers.1.mlp.down_proj", 576, 768, False)).row == "f32-blocks"
     assert choose_decode_path(one, {"f32_blocks"}).row == "decode-layers-c"
     assert choose_decode_path(tp, {"f32_panels"}).row == "tensor-parallel"
     gguf = Where("gguf", "float32", "cpu", tied=True, tp=True)
@@ -178,8 +199,14 @@ def _run(eng, ids) -> list[tuple[list[int], list[float]]]:
 
 
 def test_two_ranks_give_one_schedulers_tokens(engine, tp2, chat_ids):
+    """Both compute from the GGUF blocks (each rank from its block shard), in float32."""
     assert tp2.server_info["tp_size"] == 2
     assert tp2.server_info["decode_path"].startswith("tensor-parallel")
+    if f32_blocks.runs_here(load_native()):  # AVX2, FMA, F16C and a C compiler
+        for info in (engine.server_info, tp2.server_info):
+            choices = info["linear_choices"]
+            assert set(choices) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+            assert all(why.startswith("f32-blocks:") for why in choices.values()), choices
     one, two = _run(engine, chat_ids), _run(tp2, chat_ids)
     for (ids1, lp1), (ids2, lp2) in zip(one, two):
         assert ids2 == ids1

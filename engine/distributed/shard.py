@@ -126,16 +126,23 @@ def shard_floats(
 
 
 def shard_blocks(
-    blocks: dict[str, tuple[int, torch.Tensor]], shard: Shard, cfg: ModelConfig, block_bytes: dict
+    blocks: dict[str, tuple[int, torch.Tensor]],
+    shard: Shard,
+    cfg: ModelConfig,
+    block_bytes: dict,
+    strict: bool = True,
 ) -> dict[str, tuple[int, torch.Tensor]]:
     """This rank's part of each layer's GGUF blocks [out, row bytes]: rows as the floats', columns
-    in whole blocks."""
+    in whole blocks. A layer whose columns would cut blocks apart: a ValueError, or (not strict:
+    the exact mode, which has the floats) left out."""
     out = {}
     for layer, (kind, b) in blocks.items():
         rows, cols = shard.rows(layer, cfg), shard.columns(layer, cfg)
         if rows is not None:
             b = _take_rows(b, rows)
         elif cols is not None:
+            if (cols.start % BLOCK or cols.stop % BLOCK) and not strict:
+                continue
             if cols.start % BLOCK or cols.stop % BLOCK:
                 raise ValueError(
                     f"{layer}: columns {cols.start}..{cols.stop} do not fall on GGUF block "

@@ -4,9 +4,10 @@ Rows are read top to bottom; a layer takes the first row whose `here` (facts abo
 dtype, device, CPU, weights found) and `fits` (the layer: shape, bias, lm_head, tied) both hold. Every
 row can be turned off, and rows marked opt-in on, by EngineConfig.kernel_overrides ({row name: "off" or
 "on"}): the A/B facility for benchmarks and tests. Nothing here imports torch: EngineConfig checks names.
-Under tensor parallelism (`tp`) each layer is a rank's shard: rows that take a whole file's weights
-(GGUF blocks equal to the floats, cached panels, the embedding as the head) step aside, and decode
-steps take the plain forward, which sums the ranks' outputs between the layers.
+Under tensor parallelism (`tp`) each layer is a rank's shard: the exact float32 mode's GGUF blocks are
+the rank's shard of them, rows that take a whole file's weights (cached panels, the embedding as the
+head) step aside, and decode steps take the plain forward, which sums the ranks' outputs between the
+layers.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class Where:
     bf16_kernel: bool = False  # our bf16_linear runs here (AVX512_BF16, no AMX)
     f32_kernel: bool = False  # our f32_linear runs here (AVX2, FMA)
     f32_blocks_kernel: bool = False  # our f32_block_linear runs here (AVX2, FMA, F16C)
-    # every layer's float32 weights are its GGUF blocks' values (checked)
+    # the float32 weights are their GGUF blocks' values (checked; under tp, each rank's shard)
     exact_blocks: bool = False
+    # layers the kernel does not take from blocks (their shape or shard): the next row takes them
+    unblocked: frozenset[str] = frozenset()
     cached_panels: frozenset[str] = frozenset()  # layers whose f32_linear panels the cache holds
     embedding_mapped: bool = False  # the embedding stays mapped from the file (mapped_weight.py)
     tp: bool = False  # tensor parallel: each layer is a rank's shard (engine/distributed/shard.py)
@@ -107,9 +110,9 @@ ROWS: tuple[Row, ...] = (
     Row(
         "f32-blocks",
         "f32_blocks",
-        lambda w: _packed(w, "float32") and w.f32_kernel and w.f32_blocks_kernel and not w.tp,
+        lambda w: _packed(w, "float32") and w.f32_kernel and w.f32_blocks_kernel,
         "the float32 weights are GGUF blocks' values: the blocks, bitwise the same outputs",
-        fits=lambda layer, w: layer.panels_fit and w.exact_blocks,
+        fits=lambda layer, w: layer.panels_fit and w.exact_blocks and layer.name not in w.unblocked,
     ),
     Row(
         "f32-panels-cached",

@@ -11,7 +11,9 @@ Used only where that equality is checked at load (exact_blocks): the model was c
 every linear layer's blocks are of a type the kernel reads (Q4_0, Q4_1, Q8_0), and the first decoder
 layer's four layers and the first CHECKED_HEAD_ROWS rows of the lm_head dequantize bitwise to the converted
 weights (tests/test_f32_block_linear.py checks every layer of the embedded model). Anything else keeps the
-float weights (the choice table's next rows).
+float weights (the choice table's next rows), as does a layer whose shape the kernel does not take.
+Under tensor parallelism the check is made on the rank's shard of the blocks against its shard of the
+floats (engine/distributed/shard.py cuts both alike).
 """
 
 from __future__ import annotations
@@ -94,19 +96,18 @@ class F32BlockLinear(KernelLinear):
         return f"{sizes}, bias=False, GGUF blocks, exact float32"
 
 
-def exact_blocks(
+def file_blocks(
     model_dir: str,
     cfg: ModelConfig,
     shapes: dict[str, tuple[int, int]],
     reference: Callable[[str], torch.Tensor],
     lib,
 ) -> dict[str, tuple[int, torch.Tensor]] | None:
-    """name -> (ggml type, blocks) for every linear layer, where the exact float32 weights are the blocks'
-    values (see the top); None where not, and the layers keep their float panels. reference(name): the
-    layer's converted float32 weight (a view valid until the next call)."""
+    """name -> (ggml type, blocks) for every linear layer of the whole model, from the GGUF it was
+    converted from, where every layer's type is one the kernel reads; else None. Not yet checked."""
     if not runs_here(lib):
         return None
-    from engine.linear.gguf import dequantize, gguf_source, read_blocks
+    from engine.linear.gguf import gguf_source, read_blocks
 
     if gguf_source(model_dir) is None:
         return None
@@ -114,19 +115,53 @@ def exact_blocks(
     try:
         blocks = read_blocks(model_dir, cfg, shapes, {f"{qkv}.weight": reference(qkv).clone()})
     # a block type the kernel does not read, a file that does not fit: float panels
-    except (
-        ValueError,
-        OSError,
-    ):
+    except (ValueError, OSError):
         return None
     if set(blocks) != set(shapes) or any(
-        not lib.f32_blocks_bytes(kind, *shapes[n]) for n, (kind, _) in blocks.items()
+        not lib.f32_blocks_bytes(k, PANEL, 32) for k, _ in blocks.values()
     ):
         return None
-    checked = [n for n in shapes if n.startswith("layers.0.")] + ["lm_head"]
+    return blocks
+
+
+def checked_blocks(
+    blocks: dict[str, tuple[int, torch.Tensor]],
+    shapes: dict[str, tuple[int, int]],
+    reference: Callable[[str], torch.Tensor],
+    lib,
+) -> dict[str, tuple[int, torch.Tensor]] | None:
+    """The blocks (the whole model's, or a rank's shard of them) the kernel takes, where the checked
+    layers dequantize bitwise to their float weights (reference(name): the same whole or shard); else
+    None. A layer the kernel does not take (rows not in whole panels of 16, a shard that cut its blocks
+    apart) is left out: the table gives it the next row."""
+    from engine.linear.gguf import dequantize
+
+    taken = {
+        n: (kind, b)
+        for n, (kind, b) in blocks.items()
+        if n in shapes and lib.f32_blocks_bytes(kind, *shapes[n])
+    }
+    checked = [n for n in taken if n.startswith("layers.0.") or n == "lm_head"]
+    if not checked:
+        return None
     for name in checked:
-        kind, b = blocks[name]
+        kind, b = taken[name]
         rows = min(shapes[name][0], CHECKED_HEAD_ROWS)
         if not torch.equal(dequantize(kind, b[:rows], shapes[name][1]), reference(name)[:rows]):
             return None
-    return blocks
+    return taken
+
+
+def exact_blocks(
+    model_dir: str,
+    cfg: ModelConfig,
+    shapes: dict[str, tuple[int, int]],
+    reference: Callable[[str], torch.Tensor],
+    lib,
+) -> dict[str, tuple[int, torch.Tensor]] | None:
+    """name -> (ggml type, blocks) for the linear layers whose exact float32 weights are the blocks'
+    values (see the top) and whose shape the kernel takes; None where the model's are not, and the
+    layers keep their float panels. reference(name): the layer's converted float32 weight (a view
+    valid until the next call)."""
+    blocks = file_blocks(model_dir, cfg, shapes, reference, lib)
+    return None if blocks is None else checked_blocks(blocks, shapes, reference, lib)

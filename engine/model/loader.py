@@ -21,7 +21,7 @@ from engine.distributed.shard import Shard, shard_blocks, shard_floats
 from engine.linear import panel_cache
 from engine.linear.build import FROM_FILE, NO_FLOATS, Sources, make
 from engine.linear.choose import Choice, Layer, Where, choose, may_use
-from engine.linear.f32_blocks import exact_blocks
+from engine.linear.f32_blocks import checked_blocks, exact_blocks, file_blocks
 from engine.linear.gguf import BLOCK_BYTES
 from engine.linear.here import native_library, where_here
 from engine.linear.parallel import Collectives, wrap_model
@@ -156,14 +156,18 @@ def load_model(
         if shard is not None and src.stored is not None:  # the gguf modes' blocks (int8 refused)
             src.stored = shard_blocks(src.stored, shard, cfg, BLOCK_BYTES)
         where, mapped = _map_embedding(where, plan, entries, dtype, device)
-        where = _find_weights(where, src, model_dir, cfg, shapes, plan, entries, views, dtype)
+        where = _find_weights(
+            where, src, model_dir, cfg, (shapes, whole_shapes, shard), plan, entries, views, dtype
+        )
         choices = {
             n: choose(where, Layer(n, *shapes[n], model.get_submodule(n).bias is not None))
             for n in shapes
         }
         now, later = _split_plan(plan, choices, mapped is not None, src.stored is not None)
+        unread = set()
         if shard is not None:  # read whole, then cut: no layer packs from a view of the file
-            now, later = {**now, **later}, {}
+            unread = {k for k in later if choices[k.removesuffix(".weight")].impl in NO_FLOATS}
+            now, later = {**now, **{k: v for k, v in later.items() if k not in unread}}, {}
         total = len(now) + len(later)
         state = read_planned(now, entries, dtype, progress and (lambda i, n: progress(i, total)))
         if shard is not None:
@@ -172,7 +176,9 @@ def load_model(
             state["embed_tokens.weight"] = mapped.tensor
         if device != "cpu":
             state = {k: v.to(device) for k, v in state.items()}
-        unread = set(later) | ({f"{n}.weight" for n in shapes} if src.stored is not None else set())
+        unread |= set(later) | (
+            {f"{n}.weight" for n in shapes} if src.stored is not None else set()
+        )
         _assign(model, state, unread | ({"lm_head.weight"} if tied else set()))
         del state  # the model holds the weights now: replacing a layer frees its plain weight
         model.rope_cos, model.rope_sin = cos, sin
@@ -210,9 +216,11 @@ def _map_embedding(
     return where.found(embedding_mapped=True), mapped
 
 
-def _find_weights(where, src, model_dir, cfg, shapes, plan, entries, views, dtype) -> Where:
+def _find_weights(where, src, model_dir, cfg, layout, plan, entries, views, dtype) -> Where:
     """Weights that spare reading or packing the float ones: the GGUF blocks the float32 weights are
-    exactly (f32_blocks.py), else f32_linear panels kept by an earlier start (panel_cache.py)."""
+    exactly (f32_blocks.py; under tp this rank's shard of them), else f32_linear panels kept by an
+    earlier start (panel_cache.py). layout: (this load's layer shapes, the whole model's, the shard)."""
+    shapes, whole_shapes, shard = layout
     if where.mode in ("gguf", "gguf-q8"):
         src.blocks = src.stored
         return where
@@ -222,13 +230,32 @@ def _find_weights(where, src, model_dir, cfg, shapes, plan, entries, views, dtyp
             parts = plan.get(f"{name}.weight") or plan["embed_tokens.weight"]  # tied lm_head
             return views.stacked([entries[p] for p in parts], dtype)
 
-        src.blocks = exact_blocks(model_dir, cfg, shapes, reference, src.lib)
+        if shard is None:
+            src.blocks = exact_blocks(model_dir, cfg, shapes, reference, src.lib)
+        else:
+            src.blocks = _shard_exact_blocks(model_dir, cfg, layout, reference, src.lib)
         if src.blocks is not None:
-            return where.found(exact_blocks=True)
+            return where.found(
+                exact_blocks=True, unblocked=frozenset(set(shapes) - set(src.blocks))
+            )
     if may_use(where, "f32-panels-cached"):
         src.panels = panel_cache.mapped_panels(model_dir, shapes)
         return where.found(cached_panels=frozenset(src.panels or ()))
     return where
+
+
+def _shard_exact_blocks(model_dir, cfg, layout, reference, lib) -> dict | None:
+    """This rank's shard of the exact blocks, checked against its shard of the float weights."""
+    shapes, whole_shapes, shard = layout
+    blocks = file_blocks(model_dir, cfg, whole_shapes, reference, lib)
+    if blocks is None:
+        return None
+    blocks = shard_blocks(blocks, shard, cfg, BLOCK_BYTES, strict=False)
+
+    def local(name: str) -> torch.Tensor:  # the rank's shard of a converted weight
+        return shard_floats({f"{name}.weight": reference(name)}, shard, cfg)[f"{name}.weight"]
+
+    return checked_blocks(blocks, shapes, local, lib)
 
 
 def _split_plan(
