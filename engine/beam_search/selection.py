@@ -32,6 +32,7 @@ class Hypothesis:
     logprob: float  # cumulative log-probability (after the logit processors), as in beam scores
     score: float  # logprob / len(output_ids) ** length_penalty
     stopped: bool  # its last token is a stop token (else it reached max_new_tokens)
+    slot: int = 0  # its index among the finished hypotheses (BeamStates keeps rows by it)
 
 
 class BeamSelection:
@@ -65,6 +66,8 @@ class BeamSelection:
         self.improvable = True
         self.steps = 0  # tokens generated so far by every live beam
         self.done = False
+        # the last step's (kept, best, candidates' parents, live parents), for row_sources
+        self._sources: tuple[torch.Tensor, ...] = ()
 
     def _tokens_of(self, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[n, max_new] the token rows of n candidates: their parent's tokens, then their own."""
@@ -99,11 +102,12 @@ class BeamSelection:
         best = torch.topk(merged, k).indices
         kept = best < k  # a finished hypothesis kept, else candidate best - k
         cand = (best - k).clamp(min=0)
-        new_rows = self._tokens_of(parents[cand], tokens[cand])
+        cand_parents, live = parents[cand], parents[nxt]
+        new_rows = self._tokens_of(cand_parents, tokens[cand])
         self.fin_tokens = torch.where(
             kept[:, None], self.fin_tokens[best.clamp(max=k - 1)], new_rows
         )
-        self.tokens, self.scores = self._tokens_of(parents[nxt], tokens[nxt]), running[nxt]
+        self.tokens, self.scores = self._tokens_of(live, tokens[nxt]), running[nxt]
         self.fin_scores = merged[best]
         self.fin_logprobs = torch.cat([self.fin_logprobs, top_scores])[best]
         self.fin_lens = torch.cat([self.fin_lens, torch.full_like(tokens, t + 1)])[best]
@@ -119,7 +123,15 @@ class BeamSelection:
         self.improvable = self.improvable and bool((best_possible > worst).any())
         all_finished = bool(self.is_fin.all()) and self.early_stopping is True
         self.done = not self.improvable or all_finished or bool(hits.all())
-        return parents[nxt], tokens[nxt]
+        self._sources = (kept, best, cand_parents, live)
+        return live, tokens[nxt]
+
+    def row_sources(self) -> torch.Tensor:
+        """[2K] after a step: where each finished slot's and each live beam's history comes from, as an
+        index into the histories before the step (finished slots 0..K-1, then live beams K..2K-1)."""
+        kept, best, cand_parents, live = self._sources
+        k = self.width
+        return torch.cat([torch.where(kept, best, cand_parents + k), live + k])
 
     def _best_candidates(
         self, logprobs: torch.Tensor
@@ -157,6 +169,7 @@ class BeamSelection:
         finished one from a pushed-down beam (the prompt's copies, at a start a grammar narrows to fewer
         tokens than beams) is no hypothesis either."""
         kept = self.is_fin[:count] & (self.fin_logprobs[:count] > PUSH_DOWN / 2)
+        slots = kept.nonzero().flatten().tolist()
         scores, logprobs = (
             self.fin_scores[:count][kept].tolist(),
             self.fin_logprobs[:count][kept].tolist(),
@@ -164,7 +177,7 @@ class BeamSelection:
         lens, tokens = self.fin_lens[:count][kept].tolist(), self.fin_tokens[:count][kept].tolist()
         stops = set(self.stop_ids.tolist())
         out = []
-        for ids, n, lp, score in zip(tokens, lens, logprobs, scores):
+        for ids, n, lp, score, slot in zip(tokens, lens, logprobs, scores, slots):
             ids = ids[:n]
-            out.append(Hypothesis(ids, lp, score, bool(ids) and ids[-1] in stops))
+            out.append(Hypothesis(ids, lp, score, bool(ids) and ids[-1] in stops, slot))
         return out
