@@ -1,6 +1,7 @@
 """Layer fields with beam search on the session's float32 engine, against transformers: a steered
 beam search equals generate(num_beams=k) with a forward hook adding the vector; the prompt's hidden
-states come back with the hypotheses; per-step rows are refused up front."""
+states come back with the hypotheses, and each hypothesis's generated rows are those of its own
+tokens (its beams reordered at every step)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from conftest import PROMPTS
 from helpers import engine_idle
+from hf_reference import hf_states, one_thread, row_error
 from test_beam_search import _same, hf_beam_search
 
 LAYER = 12
@@ -67,6 +69,68 @@ def test_a_beam_search_returns_its_prompts_hidden_states(engine, hf_model, token
         assert float(((hs["prompt"][j] - want).abs().amax(dim=-1) / scale).max()) <= 1e-5
 
 
-def test_per_step_rows_are_refused_for_beam_search(engine, tokenizer):
-    with pytest.raises(ValueError, match="return_hidden_states.tokens must be 'last' or 'prompt'"):
-        engine.beam_search("Hello", beam_width=2, return_hidden_states={"tokens": "generated"})
+def _check_hypotheses(out: dict, hf_model, ids: list[int], tokens: str) -> None:
+    """Each returned hypothesis's generated rows are transformers' states over prompt + its own
+    tokens, one row per token (row k: the position that predicted token k); "all" adds the prompt's."""
+    hs, hyps = out["meta_info"]["hidden_states"], out["hypotheses"]
+    generated = hs["generated"]
+    assert isinstance(generated, list) and len(generated) == len(hyps) > 1
+    p, hidden = len(ids), hf_model.config.hidden_size
+    for h, rows in zip(hyps, generated):
+        n = len(h["output_ids"])
+        assert rows.shape == (len(hs["layers"]), n, hidden)
+        with one_thread():
+            ref = hf_states(hf_model, ids + h["output_ids"], hs["layers"])
+        assert row_error(rows, ref[:, p - 1 : p - 1 + n]) <= 5e-5, h["output_ids"]
+        if tokens == "all":
+            assert row_error(hs["prompt"], ref[:, :p]) <= 5e-5
+    if tokens == "generated":
+        assert "prompt" not in hs
+
+
+def _branches_late(hyps: list[dict]) -> bool:
+    """Whether two hypotheses share their first tokens and part later: beams were reordered mid-way."""
+    ids = [h["output_ids"] for h in hyps]
+    return any(a[:2] == b[:2] and a != b for i, a in enumerate(ids) for b in ids[i + 1 :])
+
+
+@pytest.mark.parametrize("tokens", ["generated", "all"])
+def test_each_hypothesis_gets_the_hidden_states_of_its_own_tokens(
+    engine, hf_model, tokenizer, tokens
+):
+    ids = tokenizer.encode(PROMPTS[1])
+    layers = [0, LAYER, -1]
+    plain = engine.beam_search(
+        input_ids=ids, beam_width=3, max_new_tokens=8, num_return_sequences=3
+    )
+    out = engine.beam_search(
+        input_ids=ids,
+        beam_width=3,
+        max_new_tokens=8,
+        num_return_sequences=3,
+        return_hidden_states={"layers": layers, "tokens": tokens},
+    )
+    assert out["hypotheses"] == plain["hypotheses"]  # the states change nothing else
+    assert "hidden_states" not in plain["meta_info"]
+    assert out["meta_info"]["hidden_states"]["layers"] == [0, LAYER, 29]
+    assert _branches_late(out["hypotheses"])
+    _check_hypotheses(out, hf_model, ids, tokens)
+    assert engine_idle(engine.get_stats())
+
+
+def test_a_hypothesis_that_finished_early_keeps_its_rows(engine, hf_model, tokenizer):
+    """A stop token ends some hypotheses before others: each keeps the rows it had when it finished,
+    while the live beams go on reordering; the result matches transformers' beam search."""
+    ids = tokenizer.encode(PROMPTS[2])
+    first = engine.beam_search(input_ids=ids, beam_width=3, max_new_tokens=8)
+    stop = first["hypotheses"][0]["output_ids"][2]  # ends the best hypothesis at its third token
+    kwargs = dict(input_ids=ids, beam_width=3, max_new_tokens=8, num_return_sequences=3)
+    out = engine.beam_search(
+        **kwargs,
+        stop_token_ids=[stop],
+        return_hidden_states={"layers": [LAYER], "tokens": "all"},
+    )
+    lengths = {len(h["output_ids"]) for h in out["hypotheses"]}
+    assert len(lengths) > 1, out["hypotheses"]  # some finished early, some ran on
+    assert out["hypotheses"] == engine.beam_search(**kwargs, stop_token_ids=[stop])["hypotheses"]
+    _check_hypotheses(out, hf_model, ids, "all")

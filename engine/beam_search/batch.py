@@ -18,6 +18,7 @@ import torch
 
 from engine import hooks
 from engine.hooks import FatalHookError
+from engine.beam_search.hidden import BeamStates, wants_rows
 from engine.beam_search.selection import PUSH_DOWN, BeamSelection
 from engine.sampling.batch_params import SamplingTensors
 from engine.sampling.processors import ProcessorSet
@@ -29,7 +30,7 @@ from engine.scheduler.request import Req
 class BeamGroup:
     """One beam search in the scheduler."""
 
-    __slots__ = ("req", "selection", "slots", "owned", "matchers", "failed")
+    __slots__ = ("req", "selection", "slots", "owned", "matchers", "failed", "hidden")
 
     def __init__(self, req: Req, selection: BeamSelection, slots: torch.Tensor) -> None:
         self.req = req
@@ -44,6 +45,8 @@ class BeamGroup:
         ] * selection.width  # each beam's grammar matcher (structured output)
         # why its grammar backend failed advancing its matchers: it ends
         self.failed: str | None = None
+        # each beam's generated hidden states, when it asked for them
+        self.hidden: BeamStates | None = None
 
     @property
     def width(self) -> int:
@@ -168,6 +171,9 @@ class BeamBatch:
         slots = torch.tensor([req.slot, *req.beam_slots], dtype=torch.int64, device=self.device)
         self.table[slots[1:], :n] = self.table[req.slot, :n]
         group = BeamGroup(req, selection, slots)
+        if wants_rows(req.taps):
+            group.hidden = BeamStates(selection, req.taps)
+            group.hidden.select(selection, None)
         if req.matcher is not None:
             _advance_group(group, [req.matcher], [0] * group.width, first_tokens.tolist())
         k = group.width
@@ -270,6 +276,8 @@ class BeamBatch:
             start, end = g.req.prompt_len, kv_lens[off]
             if end > start:
                 table[g.slots, start:end] = table[g.slots[parents], start:end]
+            if g.hidden is not None:  # this step's rows, delivered by the layer taps
+                g.hidden.select(g.selection, g.req.taps.beam_step.pop())
             src.append(parents + off)
             off += g.width
         index = torch.cat(src)

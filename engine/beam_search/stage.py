@@ -20,7 +20,8 @@ from engine.beam_search.batch import BeamGroup, beam_step_hook, selection_failed
 from engine.scheduler.batch import stop_table
 from engine.scheduler.finish import abort_held, finished_hook
 from engine.beam_search.params import beam_problem, check_beam
-from engine.beam_search.selection import BeamSelection
+from engine.beam_search.hidden import beam_result
+from engine.beam_search.selection import BeamSelection, Hypothesis
 from engine.hooks import HookError
 from engine.ipc.messages import (
     BatchTokenOut,
@@ -250,10 +251,17 @@ def _free(state: SchedulerState, g: BeamGroup, keep_kv: bool = True) -> None:
     state.kv.free_request(g.req, g.req.prompt_len, keep=keep_kv)
 
 
-def _meta(g: BeamGroup, completion_tokens: int) -> RequestMeta:
-    """Its counters, and the prompt's hidden states when it asked for them (engine/taps)."""
+def _meta(
+    g: BeamGroup, completion_tokens: int, hyps: list[Hypothesis] | None = None
+) -> RequestMeta:
+    """Its counters, and its hidden states when it asked for them (engine/taps): the prompt's, and
+    each returned hypothesis's own generated rows (those of `hyps`)."""
     taps = g.req.taps
-    hidden = taps.result(0) if taps is not None and taps.hidden is not None else None
+    hidden = None
+    if g.hidden is not None:
+        hidden = beam_result(taps, g.hidden.generated(hyps or []))
+    elif taps is not None and taps.hidden is not None:
+        hidden = taps.result(0)
     return RequestMeta(g.req.prompt_len, completion_tokens, g.req.cached_tokens, hidden)
 
 
@@ -262,7 +270,8 @@ def finish(state: SchedulerState, groups: list[BeamGroup]) -> None:
     for g in groups:
         req, sel = g.req, g.selection
         hyps = []
-        for h in sel.results(req.beam.num_return):
+        found = sel.results(req.beam.num_return)
+        for h in found:
             reason = (
                 FinishReason("stop", matched=h.output_ids[-1])
                 if h.stopped
@@ -277,7 +286,7 @@ def finish(state: SchedulerState, groups: list[BeamGroup]) -> None:
         out = BeamSearchOut(
             req.rid,
             hyps,
-            _meta(g, sum(len(h.output_ids) for h in hyps)),
+            _meta(g, sum(len(h.output_ids) for h in hyps), found),
             g.width,
             sel.steps,
             p.skip_special_tokens,

@@ -45,7 +45,18 @@ def attach(state: SchedulerState, step: Step) -> None:
     plan = TapPlan(mode, registry.model)
     for seg in segments:
         plan.add(seg, every)
+    if mode == "decode":
+        _beam_rows(state, plan, len(step.rows.reqs))
     batch.taps = plan.finalize(state.device)
+
+
+def _beam_rows(state: SchedulerState, plan: TapPlan, row: int) -> None:
+    """The rows of each beam search that keeps its beams' hidden states (they follow the ordinary
+    rows, in group order, one per beam)."""
+    for g in state.beams.groups:
+        if g.hidden is not None:
+            plan.add_beam_rows(g.req.taps, row, g.width)
+        row += g.width
 
 
 def deliver(step: Step) -> None:

@@ -52,8 +52,8 @@ class TapPlan:
         self.mode, self.model = mode, model
         self.sites: dict[tuple[int, str], Site] = {}
         self.resid_layers: frozenset[int] = frozenset()
-        # (request taps, [(site, offset in its captured rows)] per layer, rows)
-        self.deliveries: list[tuple[RequestTaps, list[tuple[Site, int]], int]] = []
+        # (where the rows go, [(site, offset in its captured rows)] per layer, rows)
+        self.deliveries: list[tuple[list[torch.Tensor], list[tuple[Site, int]], int]] = []
         self.failed: dict[str, str] = {}  # rid -> why a plugin tap failed on its rows
 
     def site(self, layer: int, point: str) -> Site:
@@ -79,17 +79,25 @@ class TapPlan:
             s.steer_rows += rows
             s.steer_vecs.append((vec, seg.count))
         spec = rt.hidden
-        span = rt.wanted(seg.pos, seg.count) if spec is not None else None
+        # a beam row's states are its beam's own: add_beam_rows, not the request's positions
+        span = rt.wanted(seg.pos, seg.count) if spec is not None and seg.beam is None else None
         if span is None:
             return
         a, b = span
-        first = seg.row + a - seg.pos
+        self._capture(rt, rt.chunks, seg.row + a - seg.pos, b - a)
+
+    def add_beam_rows(self, rt: RequestTaps, row: int, count: int) -> None:
+        """A beam search's rows of this decode step, one per beam from `row`, for its hidden states:
+        delivered to rt.beam_step as [layers, count, hidden]."""
+        self._capture(rt, rt.beam_step, row, count)
+
+    def _capture(self, rt: RequestTaps, dest: list[torch.Tensor], first: int, count: int) -> None:
         places = []
-        for layer in spec.layers:
-            s = self.site(layer, spec.point)
+        for layer in rt.hidden.layers:
+            s = self.site(layer, rt.hidden.point)
             places.append((s, len(s.capture_rows)))
-            s.capture_rows += range(first, first + b - a)
-        self.deliveries.append((rt, places, b - a))
+            s.capture_rows += range(first, first + count)
+        self.deliveries.append((dest, places, count))
 
     def finalize(self, device) -> TapPlan | None:
         """Index tensors for each site; None when nothing is tapped at all."""
@@ -148,6 +156,6 @@ class TapPlan:
 
     def deliver(self) -> None:
         """After the forward pass: each request's captured rows, [layers, rows, hidden] float32."""
-        for rt, places, count in self.deliveries:
+        for dest, places, count in self.deliveries:
             parts = [s.captured[off : off + count] for s, off in places]
-            rt.chunks.append(torch.stack(parts).float().cpu())  # held off the device till it ends
+            dest.append(torch.stack(parts).float().cpu())  # held off the device till it ends

@@ -27,6 +27,7 @@ class RequestTaps:
         "next_pos",
         "end_pos",
         "chunks",
+        "beam_step",
     )
 
     def __init__(
@@ -77,6 +78,8 @@ class RequestTaps:
         self.next_pos = self.start
         # [len(layers), rows, hidden] float32, in position order
         self.chunks: list[torch.Tensor] = []
+        # a beam search's rows of its latest decode step, [layers, K, hidden], till its selection
+        self.beam_step: list[torch.Tensor] = []
 
     def prefix_limit(self) -> int | None:
         """The most fill tokens the prefix cache may lend: none to a request whose K/V are its own,

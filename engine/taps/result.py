@@ -9,7 +9,7 @@ from engine.taps.spec import HiddenStates
 
 def hidden_states_dict(hs: HiddenStates) -> dict[str, Any]:
     """{"layers", "point", "prompt" and/or "generated"}: torch is imported only by a request that
-    asked for hidden states."""
+    asked for hidden states. A beam search's "generated" is a list: one tensor per hypothesis."""
     import torch
 
     out: dict[str, Any] = {"layers": list(hs.layers), "point": hs.point}
@@ -20,4 +20,6 @@ def hidden_states_dict(hs: HiddenStates) -> dict[str, Any]:
         if data or rows:
             t = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
             out[name] = t.reshape(len(hs.layers), rows, hs.hidden_size)
+    if hs.beam_rows:
+        out["generated"] = list(out["generated"].split(hs.beam_rows, dim=1))
     return out

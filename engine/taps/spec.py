@@ -46,3 +46,5 @@ class HiddenStates(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_rows: int = 0
     generated: bytes = b""  # row k: the state at the position that predicted generated token k
     generated_rows: int = 0
+    # a beam search: `generated` holds its returned hypotheses' rows one after another, best first
+    beam_rows: list[int] = []  # each hypothesis's rows
