@@ -127,14 +127,21 @@ def layer_request(
 
 
 def size_problem(
-    spec: LayerRequest | None, prompt_len: int, max_new_tokens: int, hidden_size: int, bound: int
+    spec: LayerRequest | None,
+    prompt_len: int,
+    max_new_tokens: int,
+    hidden_size: int,
+    bound: int,
+    hypotheses: int = 1,
 ) -> str | None:
-    """Why the hidden states this request may return are over the bound, or None."""
+    """Why the hidden states this request may return are over the bound, or None; `hypotheses`: a
+    beam search's returned hypotheses, each with its own generated rows."""
     hidden = spec.hidden if spec is not None else None
     if hidden is None:
         return None
-    rows = {"last": 1, "prompt": prompt_len, "generated": max_new_tokens}.get(
-        hidden.tokens, prompt_len + max_new_tokens
+    generated = hypotheses * max_new_tokens
+    rows = {"last": 1, "prompt": prompt_len, "generated": generated}.get(
+        hidden.tokens, prompt_len + generated
     )
     size = len(hidden.layers) * rows * hidden_size * 4
     if size > bound:
