@@ -254,3 +254,24 @@ def test_the_server_serves_after_refusals(server, client, engine):
     done = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0)
     assert done.choices[0].text == engine.generate(PROMPT, GREEDY)["text"]
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_beam_search_choices_carry_their_own_hypothesis_states(server, client, engine):
+    """use_beam_search with return_hidden_states "all": choice j carries the prompt's rows and the
+    generated rows of hypothesis j, as Engine.beam_search returns them."""
+    ref = engine.beam_search(
+        PROMPT, beam_width=3, max_new_tokens=6, num_return_sequences=2, return_hidden_states=ALL
+    )
+    states = ref["meta_info"]["hidden_states"]
+    out = client.completions.create(
+        model="smol",
+        prompt=PROMPT,
+        max_tokens=6,
+        n=2,
+        extra_body={"use_beam_search": True, "beam_width": 3, "return_hidden_states": ALL},
+    )
+    assert [c.text for c in out.choices] == [h["text"] for h in ref["hypotheses"]]
+    for j, (choice, hyp) in enumerate(zip(out.choices, ref["hypotheses"])):
+        got = decode_hidden_states(choice.model_extra["hidden_states"])
+        assert got["generated"].shape == (3, len(hyp["output_ids"]), HIDDEN)
+        assert_same_states(got, {**states, "generated": states["generated"][j]})

@@ -63,7 +63,6 @@ def beam_choices(results: list[dict], n: int, chat: bool) -> tuple[list[dict], d
     for p, r in enumerate(results):
         meta = r["meta_info"]
         prompt += meta["prompt_tokens"]
-        states = choice_fields(meta)
         hyps = r["hypotheses"] or [
             {"text": "", "output_ids": [], "finish_reason": meta["finish_reason"]}
         ]
@@ -81,7 +80,8 @@ def beam_choices(results: list[dict], n: int, chat: bool) -> tuple[list[dict], d
                     **body,
                     "finish_reason": reason,
                     "logprobs": None,
-                    **states,  # the prompt's hidden states, on each of its hypotheses
+                    # the prompt's hidden states and this hypothesis's generated ones
+                    **choice_fields(meta, j),
                 }
             )
     return choices, {

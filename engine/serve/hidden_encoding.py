@@ -29,8 +29,13 @@ def encode_tensor(tensor: Any) -> dict[str, Any]:
 
 
 def encode_hidden_states(states: dict[str, Any]) -> dict[str, Any]:
-    """The engine's meta_info["hidden_states"] with each tensor encoded (other keys as they are)."""
-    return {k: encode_tensor(v) if k in TENSOR_KEYS else v for k, v in states.items()}
+    """The engine's meta_info["hidden_states"] with each tensor encoded (other keys as they are; a
+    beam search's "generated", a list of tensors, as a list)."""
+    return {k: _encode(v) if k in TENSOR_KEYS else v for k, v in states.items()}
+
+
+def _encode(value: Any) -> Any:
+    return [encode_tensor(t) for t in value] if isinstance(value, list) else encode_tensor(value)
 
 
 def encode_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -66,11 +71,21 @@ def decode_hidden_states(obj: dict[str, Any]) -> dict[str, Any]:
     """An answer's "hidden_states" object as the engine returns it in-process: "prompt" and
     "generated" (those present) as torch float32 tensors [layers, rows, hidden], "layers" and
     "point" as they are."""
-    return {k: decode_tensor(v) if k in TENSOR_KEYS else v for k, v in obj.items()}
+    return {k: _decode(v) if k in TENSOR_KEYS else v for k, v in obj.items()}
 
 
-def choice_fields(meta: dict[str, Any]) -> dict[str, Any]:
+def _decode(value: Any) -> Any:
+    return [decode_tensor(t) for t in value] if isinstance(value, list) else decode_tensor(value)
+
+
+def choice_fields(meta: dict[str, Any], hypothesis: int | None = None) -> dict[str, Any]:
     """What an OpenAI choice carries beside OpenAI's fields: {"hidden_states": ...} when the
-    result has them, else nothing."""
+    result has them, else nothing. A beam search's choice (`hypothesis`, its index among the
+    hypotheses) carries the prompt's rows and that hypothesis's own generated rows."""
     states = meta.get("hidden_states")
-    return {} if states is None else {"hidden_states": encode_hidden_states(states)}
+    if states is None:
+        return {}
+    generated = states.get("generated")
+    if hypothesis is not None and isinstance(generated, list):
+        states = {**states, "generated": generated[hypothesis]}
+    return {"hidden_states": encode_hidden_states(states)}
