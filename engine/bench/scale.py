@@ -30,7 +30,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--scale-prefix-words", type=int, default=256, help="scale workload: words per prefix"
     )
     p.add_argument(
-        "--scale-pool", type=int, default=1100, help="scale workload: KV tokens per replica"
+        "--scale-pool", type=int, default=1200, help="scale workload: KV tokens per replica"
     )
     p.add_argument(
         "--scale-concurrency", type=int, default=4, help="scale workload: requests at once"
