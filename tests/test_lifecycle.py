@@ -391,7 +391,7 @@ def test_an_engine_collected_in_a_thread_holding_its_lock_closes_without_deadloc
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024)
     eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0})
     children = [eng.pids["scheduler"], eng.pids["detokenizer"]]
-    lock = eng._resources.tokenizer_manager.states_lock
+    lock = eng._resources.tokenizer_manager.requests.lock
     eng.cycle = eng  # only the collector frees it
     del eng
     done = threading.Event()

@@ -480,9 +480,9 @@ def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
     )
     assert b["stage_samples"]["other"] == 0 and b["stage_samples"]["forward"] == 100
     # the user process: every thread that ran the engine's code counts (the callers, the receiver)
-    from engine.frontend.tokenizer_manager import TokenizerManager
+    from engine.frontend.receiver import Receiver
 
-    polls = _line(TokenizerManager._recv_loop, "poller.poll(")
+    polls = _line(Receiver.loop, "poller.poll(")
     user = Counter(
         {
             (
@@ -494,7 +494,7 @@ def test_only_the_threads_that_do_the_engines_work_count_and_idle_frames_wait():
             (
                 "thread (2): engine-recv",
                 "Thread._bootstrap (threading.py:1002)",
-                f"TokenizerManager._recv_loop (engine/frontend/tokenizer_manager.py:{polls})",
+                f"Receiver.loop (engine/frontend/receiver.py:{polls})",
             ): 50,
             (
                 otel,

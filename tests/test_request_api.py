@@ -238,7 +238,7 @@ def test_abort_reports_the_reason(engine):
     )
     t.start()
     # abort once a token is out (an unknown rid's abort is dropped)
-    states = engine._resources.tokenizer_manager.states
+    states = engine._resources.tokenizer_manager.requests.states
     deadline = time.monotonic() + 60
     while (
         not ((s := states.get("abort-me")) is not None and s.output_ids)
@@ -447,12 +447,12 @@ def test_a_streams_late_abort_never_reaches_a_request_reusing_its_rid(engine, mo
         stream=True,
     )
     deadline = time.monotonic() + 60
-    while "reused" in tm.states and time.monotonic() < deadline:  # finished, its chunks unread
+    while "reused" in tm.requests.states and time.monotonic() < deadline:  # finished, chunks unread
         time.sleep(0.01)
     with monkeypatch.context() as m:
-        m.setattr(tm, "_wake", lambda: None)  # the abort stays queued
+        m.setattr(tm.aborts, "_wake", lambda: None)  # the abort stays queued
         stream.close()
-        assert len(tm._deferred) == 1
+        assert len(tm.aborts._deferred) == 1
         out: dict = {}
         t = threading.Thread(
             target=lambda: out.update(
@@ -464,9 +464,9 @@ def test_a_streams_late_abort_never_reaches_a_request_reusing_its_rid(engine, mo
             )
         )
         t.start()
-        while "reused" not in tm.states and t.is_alive():
+        while "reused" not in tm.requests.states and t.is_alive():
             time.sleep(0.005)
-    tm._wake()  # the queued abort goes now, while the new request runs
+    tm.receiver.wake()  # the queued abort goes now, while the new request runs
     t.join(60)
     assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
     assert len(out["output_ids"]) == 24
@@ -488,9 +488,9 @@ def test_a_name_standing_for_n_copies_is_taken_while_they_run(engine):
 
         def ended(rid: str) -> None:
             deadline = time.monotonic() + 60
-            while rid in tm.states and time.monotonic() < deadline:
+            while rid in tm.requests.states and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert rid not in tm.states
+            assert rid not in tm.requests.states
 
         engine.abort("grp-0")
         ended("grp-0")
@@ -503,7 +503,7 @@ def test_a_name_standing_for_n_copies_is_taken_while_they_run(engine):
         engine.abort("grp-1")
         ended("grp-1")
         # its copies ended: the name is free, whoever runs as grp-0 now
-        assert "grp" not in tm.groups
+        assert "grp" not in tm.requests.groups
         engine.abort("grp")  # names nothing running
         last = [c for c in reuse][-1]
         assert last["meta_info"]["finish_reason"]["type"] == "length", last["meta_info"]
@@ -537,9 +537,11 @@ def test_ctrl_c_in_generate_aborts_its_requests(engine):
 
     def interrupt() -> None:
         deadline = time.monotonic() + 60
-        while not ("interrupted" in tm.states and waiting()) and time.monotonic() < deadline:
+        while (
+            not ("interrupted" in tm.requests.states and waiting()) and time.monotonic() < deadline
+        ):
             time.sleep(0.005)
-        seen["state"] = tm.states.get("interrupted")
+        seen["state"] = tm.requests.states.get("interrupted")
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     threading.Thread(target=interrupt, daemon=True).start()
@@ -651,12 +653,12 @@ def test_a_call_interrupted_before_its_requests_are_sent_leaves_nothing_register
         def __exit__(self, *exc):
             return False
 
-    real = tm.send_lock
-    monkeypatch.setattr(tm, "send_lock", Refusing())
+    real = tm.channel.lock
+    monkeypatch.setattr(tm.channel, "lock", Refusing())
     with pytest.raises(_Interrupted):
         engine.generate("Hi", {"max_new_tokens": 2}, rid="interrupted")
-    monkeypatch.setattr(tm, "send_lock", real)
-    assert "interrupted" not in tm.states
+    monkeypatch.setattr(tm.channel, "lock", real)
+    assert "interrupted" not in tm.requests.states
     assert (
         engine.generate("Hi", {"max_new_tokens": 2}, rid="interrupted")["meta_info"][
             "completion_tokens"
@@ -670,13 +672,13 @@ def test_an_abort_racing_its_requests_submission_still_stops_it(engine, monkeypa
     itself (registered outside the send lock: a thread preempted between the two), the scheduler
     matched nothing, and the request then ran to its end. Registering and sending are one step now."""
     tm = engine._resources.tokenizer_manager
-    real = tm._register
+    real = tm.requests.register
 
     def slow_register(states):
         real(states)
         time.sleep(0.3)  # the submitting thread preempted right after registering
 
-    monkeypatch.setattr(tm, "_register", slow_register)
+    monkeypatch.setattr(tm.requests, "register", slow_register)
     results: list = []
     submitter = threading.Thread(
         target=lambda: results.append(
@@ -689,7 +691,7 @@ def test_an_abort_racing_its_requests_submission_still_stops_it(engine, monkeypa
     )
     submitter.start()
     deadline = time.monotonic() + 30
-    while "racing" not in tm.states and time.monotonic() < deadline:
+    while "racing" not in tm.requests.states and time.monotonic() < deadline:
         time.sleep(0.005)
     engine.abort("racing")
     submitter.join(60)
@@ -708,7 +710,7 @@ def test_a_call_making_more_sequences_than_the_bound_is_refused_before_anything_
     def tokenize(*args, **kwargs):
         raise AssertionError("the call was tokenized before its size was checked")
 
-    monkeypatch.setattr(tm, "tokenize", tokenize)
+    monkeypatch.setattr(tm.submission, "_tokenize", tokenize)
     one = {"max_new_tokens": 1}
     with pytest.raises(
         ValueError,

@@ -33,28 +33,28 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     tm = tiny_engine._resources.tokenizer_manager
     queued: list[list[str]] = []
     sent: list[list[str]] = []
-    abort_soon, send_abort = tm.abort_soon, tm._send_abort
+    abort_soon, send_abort = tm.abort_soon, tm.aborts._send_abort
     monkeypatch.setattr(
         tm,
         "abort_soon",
         lambda states, *a: (queued.append([s.rid for s in states]), abort_soon(states, *a)),
     )
     monkeypatch.setattr(
-        tm,
+        tm.aborts,
         "_send_abort",
         lambda live, *a: (sent.append([s.rid for s in live]), send_abort(live, *a)),
     )
     stream = tiny_engine.generate(
         input_ids=[1, 5, 6], sampling_params=LONG, rid="gc-dropped", stream=True
     )
-    state = tm.states["gc-dropped"]
+    state = tm.requests.states["gc-dropped"]
     cycle: dict = {"stream": stream}
     cycle["self"] = cycle  # only the cycle collector can free it now
     del stream, cycle
     finished = threading.Event()
 
     def collect_under_lock() -> None:
-        with tm.states_lock:
+        with tm.requests.lock:
             gc.collect()
         finished.set()
 
@@ -72,7 +72,7 @@ def test_stream_finalised_by_gc_under_the_states_lock_does_not_deadlock(tiny_eng
     deadline = time.monotonic() + 10
     while not sent and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not tm._deferred  # and the receiver thread sent it, unless the request was done by then:
+    assert not tm.aborts._deferred  # and the receiver thread sent it, unless the request ended:
     # a collection of a large heap can outlast the 80 tokens
     assert (
         sent == [["gc-dropped"]] and state.finish_reason.type == "abort"

@@ -191,7 +191,7 @@ def test_min_new_tokens_is_clipped_with_max_new_tokens(tiny_engine):
     prompt = [1] + [500 + i for i in range(CONTEXT - 5)]  # room for 4 new tokens
     params = {"max_new_tokens": 50, "min_new_tokens": 40, "temperature": 0}
     tm = tiny_engine._resources.tokenizer_manager
-    clipped = tm.validate(prompt, tm.parse_params(params), 0)
+    clipped = tm.submission.validate(prompt, tm.submission.parse_params(params), 0)
     assert (clipped.max_new_tokens, clipped.min_new_tokens) == (4, 4)
     plain = tiny_engine.generate(input_ids=prompt, sampling_params=params)
     assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 4}

@@ -61,13 +61,13 @@ def _blocking_lines() -> set[str]:
     from engine.detokenizer.manager import DetokenizerManager
     from engine.scheduler import receive
     from engine.scheduler.scheduler import Scheduler
-    from engine.frontend.tokenizer_manager import TokenizerManager
+    from engine.frontend.receiver import Receiver
 
     out = set()
     for func, marker in (
         (DetokenizerManager.serve_forever, ".recv("),
         (receive.recv_requests, ".poll("),
-        (TokenizerManager._recv_loop, "poller.poll("),
+        (Receiver.loop, "poller.poll("),
         (Scheduler.serve_forever, "time.sleep("),
     ):
         lines, first = inspect.getsourcelines(func)

@@ -149,9 +149,9 @@ def idle_after(engine):
         tm = engine._tm()
         left = {
             rid: (st.finish_reason, len(st.output_ids), getattr(st, "stream", None))
-            for rid, st in list(tm.states.items())[:5]
+            for rid, st in list(tm.requests.states.items())[:5]
         }
-        print("LEFT", left, dict(list(tm.groups.items())[:3]))
+        print("LEFT", left, dict(list(tm.requests.groups.items())[:3]))
     assert not busy(stats), busy(stats)
 
 
