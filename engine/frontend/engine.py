@@ -361,8 +361,9 @@ class Engine:
         parameters that suit beams (logit_bias, repetition/frequency/presence_penalty,
         min_new_tokens, stop_token_ids, ignore_eos, custom_logit_processor, custom_params, ...) apply
         to every beam; the others (temperature > 0, top_p, n, seed, stop, stream, ...) raise
-        ValueError naming them, before anything is queued. return_hidden_states (the prompt's:
-        tokens "last" or "prompt"), steering (every beam) and layer_taps as in generate.
+        ValueError naming them, before anything is queued. return_hidden_states (with "generated"
+        or "all", meta_info["hidden_states"]["generated"] holds one tensor per hypothesis), steering
+        (every beam) and layer_taps as in generate.
         """
         tm = self._tm()
         submit = beam_submit_args(

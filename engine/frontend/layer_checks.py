@@ -26,11 +26,6 @@ class LayerChecks:
         hidden = layers.hidden if layers is not None else None
         if hidden is None:
             return layers
-        if beam is not None and hidden.tokens in ("generated", "all"):
-            raise ValueError(
-                "return_hidden_states.tokens must be 'last' or 'prompt' for beam search: its beams "
-                "reorder at every step (a plugin tap sees each beam's rows)"
-            )
         for i, (ids, p) in enumerate(zip(id_lists, params)):
             where = f"request {i}: " if is_batch else ""
             problem = size_problem(
@@ -39,6 +34,7 @@ class LayerChecks:
                 p.max_new_tokens,
                 self.taps.hidden_size,
                 self.max_hidden_state_bytes,
+                beam.num_return if beam is not None else 1,
             )
             if problem is not None:
                 raise ValueError(where + problem)
