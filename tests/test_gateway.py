@@ -37,9 +37,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 LONG = 1000  # tokens of a request that runs while the gateway drains its replica
-# KV tokens per replica: four of the workload's prompts (268 tokens each) and room for the ones
-# running beside them; at 1100 a replica of four groups evicted one now and then
-POOL = 1200
+POOL = 1200  # KV tokens per replica: four 268-token prompts and room for those running beside them
 
 
 def replica(model_dir: str, port: int = 0):
@@ -222,9 +220,8 @@ def test_cache_aware_routing_serves_far_more_prompt_tokens_from_cache(
     figures = {"hit_rate": shown, "requests_per_replica": spread, "seconds": seconds}
     record_property("figures", figures)
     print(f"cache-aware against round robin, 8 x {per_group}: {figures}")
-    # smg places each new group on the replica sent fewer requests since its last poll: 4 to 4 or
-    # 5 to 3. The 8 x 25 keeps +30 points with either split (+36 the least seen); the short
-    # form's first requests miss more of it (+32 the least seen at 4 to 4; docs/scale-out.md)
+    # the groups split 4 to 4 or 5 to 3; the short form's first requests are a larger share of it
+    # (figures: docs/scale-out.md, Measured here)
     least = 0.30 if per_group >= 25 else 0.20
     assert rates["cache_aware"] >= rates["round_robin"] + least, figures
 

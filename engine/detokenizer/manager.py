@@ -12,9 +12,9 @@ import zmq
 
 from engine import hooks
 from engine.detokenizer.incremental import IncrementalDetokenizer
-from engine.hooks import HookError
 from engine.detokenizer.stop_meta import stopped_meta
 from engine.detokenizer.stop_strings import StopMatcher
+from engine.hooks import HookError
 from engine.ipc.channels import pull_socket, push_socket
 from engine.ipc.inbox import Inbox
 from engine.ipc.messages import (
@@ -326,12 +326,15 @@ class DetokenizerManager:
 
     def _end_awaiting(self, out: BatchTokenOut) -> None:
         """The scheduler's last output of a request a stop string ended: no token, the stop as its
-        reason, and the counters and hidden states up to the match."""
+        reason (unless the scheduler failed it: that error stays), and the counters and hidden
+        states up to the match."""
         for i, rid in enumerate(out.rids):
             if out.finished[i] is not None and rid in self.awaiting:
                 reason, state = self.awaiting.pop(rid)
                 out.token_ids[i] = NO_TOKEN
-                out.finished[i] = reason
+                ended = out.finished[i]
+                if ended.type != "abort" or ended.message == STOP_STRING_MATCHED:
+                    out.finished[i] = reason
                 out.meta[i] = stopped_meta(
                     out.meta[i], state.prompt_tokens, state.cached_tokens, state.tokens
                 )
