@@ -2,7 +2,9 @@
 against its baseline side by side in one run and prints ratios (docs/performance.md).
 
     prompts.py        the seeded benchmark prompts
-    cli.py            throughput against transformers and the machine's matmul bound; the command
+    cli.py            the command: shared arguments, the workload table, the dispatch
+    checks.py         argument checks the workloads share
+    throughput.py     throughput against transformers and the machine's matmul bound
     shared_prefix.py  prefix cache on against off
     plugins.py        hook cost, and what skipdetok saves
     tracing.py        tracing off against on

@@ -29,10 +29,45 @@ from pathlib import Path
 
 import torch
 
+from engine.bench.checks import at_least_one, torch_dtype
 from engine.bench.prompts import build_prompts
 
 # the most top_logprobs_num a request may ask for (engine/frontend/request_checks.py)
 ENGINE_TOP_LOGPROBS = 100
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--beam-dtype", default="float32", help="beam workload: engine and transformers dtype"
+    )
+    p.add_argument(
+        "--beam-shapes",
+        default="8x32x4,200x3x1",
+        help="beam workload: comma-separated beam width x new tokens x prompts",
+    )
+    p.add_argument(
+        "--beam-prompt-len", type=int, default=32, help="beam workload: tokens in every prompt"
+    )
+    p.add_argument(
+        "--beam-rounds",
+        type=int,
+        default=2,
+        help="beam workload: timed runs per path (the best is kept)",
+    )
+    p.add_argument(
+        "--beam-eos",
+        action="store_true",
+        help="beam workload: EOS ends hypotheses (default: ignored)",
+    )
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "beam_prompt_len", "beam_rounds")
+    torch_dtype(p, "--beam-dtype", args.beam_dtype)
+    try:
+        parse_shapes(args.beam_shapes)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 @dataclass

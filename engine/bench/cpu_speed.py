@@ -44,6 +44,57 @@ IMPORTS = {
 }
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cpu-quantizations",
+        default="none,int8,gguf,gguf-q8",
+        help="cpu workload: engine quantization modes, one engine each; mode@dtype for a dtype other than auto "
+        "(none@float32,none@bfloat16)",
+    )
+    p.add_argument(
+        "--cpu-prompt-len", type=int, default=128, help="cpu workload: single-stream prompt tokens"
+    )
+    p.add_argument(
+        "--cpu-new-tokens",
+        type=int,
+        default=256,
+        help="cpu workload: single-stream new tokens (EOS ignored)",
+    )
+    p.add_argument(
+        "--cpu-hf-batch-sizes",
+        default="64,16",
+        help="cpu workload: transformers batch sizes to try on the batch workload (the best is kept)",
+    )
+    p.add_argument("--cpu-skip-hf", action="store_true", help="cpu workload: skip transformers")
+    p.add_argument(
+        "--cpu-engine-again",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cpu workload: the first engine mode again after the baselines (A, B, A: how far this "
+        "machine's speed moved between the runs each ratio compares)",
+    )
+    p.add_argument("--cpu-skip-llama", action="store_true", help="cpu workload: skip llama.cpp")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Also the quality workload's modes: --cpu-quantizations. Imports here: children load this file."""
+    from engine.bench.checks import at_least_one, batch_sizes
+
+    at_least_one(p, args, "cpu_prompt_len", "cpu_new_tokens")
+    batch_sizes(p, "--cpu-hf-batch-sizes", args.cpu_hf_batch_sizes)
+    modes = [q.strip() for q in args.cpu_quantizations.split(",") if q.strip()]
+    if not modes:
+        p.error("--cpu-quantizations must name at least one mode")
+    from engine.config import DTYPES, QUANTIZATIONS
+
+    for q in modes:
+        mode, _, dtype = q.partition("@")
+        if mode not in QUANTIZATIONS or (dtype and dtype not in DTYPES):
+            p.error(
+                f"--cpu-quantizations: {q!r} is not a mode of {QUANTIZATIONS}, optionally @ a dtype of {DTYPES}"
+            )
+
+
 def _field_mb(path: str, name: str) -> float | None:
     try:
         line = next(ln for ln in Path(path).read_text().splitlines() if ln.startswith(name + ":"))

@@ -20,6 +20,21 @@ from engine.bench.prompts import build_corpus
 PROMPT_TOKENS = 48  # each held-out prompt's window of text
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype-quality-prompts",
+        type=int,
+        default=32,
+        help="dtype-quality workload: held-out prompts",
+    )
+    p.add_argument(
+        "--dtype-quality-new-tokens",
+        type=int,
+        default=64,
+        help="dtype-quality workload: greedy tokens per prompt (at most; EOS ends one)",
+    )
+
+
 def held_out_prompts(tokenizer, count: int, skip: int) -> list[list[int]]:
     """count prompts from the held-out text past its first `skip` tokens (the perplexity windows): even ones
     the window as it is, odd ones a chat turn asking about it."""

@@ -27,6 +27,8 @@ import json
 import time
 from pathlib import Path
 
+from engine.bench.checks import at_least_one, torch_dtype
+
 SCHEMA: dict = {
     "type": "object",
     "properties": {
@@ -117,6 +119,27 @@ SUBJECTS: tuple[str, ...] = (
     "a saxophone",
     "a snow leopard",
 )
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grammar-dtype", default="float32", help="grammar workload: engine dtype")
+    p.add_argument(
+        "--grammar-prompts",
+        type=int,
+        default=64,
+        help="grammar workload: requests, all in one generate call",
+    )
+    p.add_argument(
+        "--grammar-rounds",
+        type=int,
+        default=2,
+        help="grammar workload: timed runs per mode, constrained and unconstrained (the best is kept)",
+    )
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "grammar_prompts", "grammar_rounds")
+    torch_dtype(p, "--grammar-dtype", args.grammar_dtype)
 
 
 def build_messages(n: int) -> list[list[dict]]:

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 
+from engine.bench.checks import at_least_one
 from engine.bench.prompts import build_prompts
 
 BASELINE = "none"
@@ -38,6 +39,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=3,
         help="layers workload: alternating rounds, one timed run of every configuration each",
     )
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "layers_rounds")
 
 
 def steering_vector(hidden: int, seed: int) -> list[float]:

@@ -17,6 +17,15 @@ ROWS = (1, 4, 16, 64)
 HIDDEN, VOCAB = 576, 49152  # SmolLM2-135M's lm_head
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--head-rounds",
+        type=int,
+        default=5,
+        help="logits-head workload: alternating rounds per row count",
+    )
+
+
 def run_logits_head(args: argparse.Namespace) -> dict:
     import torch
     from torch import nn

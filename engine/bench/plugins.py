@@ -16,10 +16,29 @@ import argparse
 import statistics
 import time
 
+from engine.bench.checks import at_least_one
 from engine.bench.prompts import build_prompts
 
 # forward before/after, process_logits, sample_after, step_end, detokenize, detokenize_after, ...
 HOOK_SITES_PER_STEP = 11
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """--plugin-rounds is the tracing workload's too."""
+    p.add_argument("--plugin-dtype", default="auto", help="plugins workload: engine dtype")
+    p.add_argument(
+        "--plugin-rounds",
+        type=int,
+        default=3,
+        help="plugins and tracing workloads: rounds per configuration",
+    )
+    p.add_argument(
+        "--plugin-new-tokens", type=int, default=64, help="plugins workload: new tokens per request"
+    )
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "plugin_rounds", "plugin_new_tokens")
 
 
 def throughput(eng, prompts: list[list[int]], new_tokens: int) -> float:

@@ -37,6 +37,28 @@ HELD_OUT_MODULES = (
 )
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The windows are the dtype-quality workload's too; the modes are --cpu-quantizations."""
+    p.add_argument(
+        "--quality-new-tokens",
+        type=int,
+        default=64,
+        help="quality workload: greedy tokens per parity prompt",
+    )
+    p.add_argument(
+        "--quality-windows",
+        type=int,
+        default=8,
+        help="quality workload: held-out windows for perplexity",
+    )
+    p.add_argument(
+        "--quality-window-len",
+        type=int,
+        default=512,
+        help="quality workload: tokens per held-out window",
+    )
+
+
 def parity_inputs(tokenizer) -> list[list[int]]:
     """The parity prompts as the parity tests give them: even ones plain, odd ones through the chat template."""
     ids = []

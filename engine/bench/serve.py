@@ -18,7 +18,19 @@ import subprocess
 import sys
 import time
 
+from engine.bench.checks import at_least_one
 from engine.bench.prompts import build_prompts
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--serve-concurrency", type=int, default=64, help="serve workload: concurrent streams"
+    )
+    p.add_argument("--serve-dtype", default="auto", help="serve workload: engine dtype")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "serve_concurrency")
 
 
 def _percentile(values: list[float], q: float) -> float:

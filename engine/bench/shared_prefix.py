@@ -12,7 +12,25 @@ import argparse
 import statistics
 import time
 
+from engine.bench.checks import at_least_one
 from engine.bench.prompts import build_prompts
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefix-len", type=int, default=1000, help="shared-prefix workload: shared prompt tokens"
+    )
+    p.add_argument(
+        "--prefix-requests", type=int, default=64, help="shared-prefix workload: requests"
+    )
+    p.add_argument(
+        "--prefix-new-tokens", type=int, default=64, help="shared-prefix workload: new tokens each"
+    )
+    p.add_argument("--prefix-dtype", default="auto", help="shared-prefix workload: engine dtype")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "prefix_len", "prefix_requests", "prefix_new_tokens")
 
 
 def build_shared_prefix_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:
@@ -55,8 +73,11 @@ def run_one(cache: bool, dtype: str, prompts: list[list[int]], new_tokens: int) 
     }
 
 
-def run_shared_prefix(args: argparse.Namespace, tokenizer) -> dict:
-    prompts = build_shared_prefix_prompts(tokenizer, args)
+def run_shared_prefix(args: argparse.Namespace) -> dict:
+    from engine.model.resolve import resolve_model_dir
+    from engine.tokenizer import load_hf_tokenizer
+
+    prompts = build_shared_prefix_prompts(load_hf_tokenizer(resolve_model_dir(None)), args)
     result: dict = {
         "workload": {
             "requests": len(prompts),

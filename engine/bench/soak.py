@@ -9,12 +9,40 @@ small object per request would show as a steady climb.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
 import time
 
+from engine.bench.checks import at_least_one
 from engine.bench.crowd import busy, make_crowd, problems, run_crowd, wait_idle
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--soak-rounds", type=int, default=20, help="soak workload: rounds of one crowd each"
+    )
+    p.add_argument(
+        "--soak-requests",
+        type=int,
+        default=200,
+        help="soak workload: concurrent requests per round",
+    )
+    p.add_argument(
+        "--soak-warmup", type=int, default=3, help="soak workload: rounds left out of the slopes"
+    )
+    p.add_argument("--soak-dtype", default="auto", help="soak workload: engine dtype")
+    p.add_argument(
+        "--soak-max-total-tokens",
+        type=int,
+        default=32768,
+        help="soak workload: KV pool tokens (small enough for the warm-up rounds to touch all of it)",
+    )
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    at_least_one(p, args, "soak_rounds", "soak_requests")
 
 
 def _rss_mb(pid: int) -> float:
