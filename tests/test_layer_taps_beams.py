@@ -5,8 +5,15 @@ tokens (its beams reordered at every step)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+
+from engine.beam_search.hidden import BeamStates
+from engine.beam_search.selection import BeamSelection
+from engine.taps.checks import hidden_spec, size_problem
+from engine.taps.spec import LayerRequest
 
 from conftest import PROMPTS
 from helpers import engine_idle
@@ -134,3 +141,88 @@ def test_a_hypothesis_that_finished_early_keeps_its_rows(engine, hf_model, token
     assert len(lengths) > 1, out["hypotheses"]  # some finished early, some ran on
     assert out["hypotheses"] == engine.beam_search(**kwargs, stop_token_ids=[stop])["hypotheses"]
     _check_hypotheses(out, hf_model, ids, "all")
+
+
+class _ReorderEveryStep:
+    """The reference: every slot's whole history, gathered by its source at every selection."""
+
+    def __init__(self, width: int, max_new: int, first: torch.Tensor) -> None:
+        self.k = width
+        self.rows = torch.zeros(2 * width, first.shape[0], max_new, first.shape[1])
+        self.rows[width:, :, 0] = first
+
+    def select(self, sel: BeamSelection, step: torch.Tensor | None) -> None:
+        t = sel.steps - 1
+        if step is not None:
+            self.rows[self.k :, :, t] = step.transpose(0, 1)
+        self.rows[:, :, : t + 1] = self.rows[:, :, : t + 1][sel.row_sources()]
+
+
+def _search(seed: int, width: int, max_new: int, layers: int = 2, hidden: int = 3):
+    """A beam search over random log-probabilities and random rows, both bookkeepings fed alike;
+    a stop token ends some hypotheses early."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 6
+    taps = SimpleNamespace(chunks=[torch.randn(layers, 4, hidden, generator=gen)], beam_step=[])
+    sel = BeamSelection(width, max_new, (0,), length_penalty=1.0)
+    logprobs = torch.log_softmax(torch.randn(1, vocab, generator=gen), dim=-1)
+    sel.step(logprobs)
+    ours, ref = BeamStates(sel, taps), _ReorderEveryStep(width, max_new, taps.chunks[-1][:, -1])
+    ours.select(sel, None)
+    ref.select(sel, None)
+    while not sel.done:
+        step = torch.randn(layers, width, hidden, generator=gen)
+        sel.step(torch.log_softmax(torch.randn(width, vocab, generator=gen), dim=-1))
+        taps.beam_step.append(step)
+        assert ours.take_step(sel, taps) is None and not taps.beam_step
+        ref.select(sel, step)
+    return sel, ours, ref
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_beam_states_gather_what_reordering_every_step_gives(seed):
+    """Rows gathered at the end along each hypothesis's sources equal, bit for bit, the histories
+    reordered at every selection, for early-finished hypotheses and fewer returned than beams."""
+    width, max_new = 4, 9
+    sel, ours, ref = _search(seed, width, max_new)
+    hyps = sel.results(width - 1)
+    assert hyps
+    got = ours.generated(hyps)
+    want = torch.cat([ref.rows[h.slot, :, : len(h.output_ids)] for h in hyps], dim=1)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert not ours.rows and not ours.sources  # let go at the end
+
+
+def test_some_random_searches_finish_hypotheses_early():
+    lengths = set()
+    for seed in range(12):
+        sel, _, _ = _search(seed, 4, 9)
+        lengths |= {len(h.output_ids) for h in sel.results(3)}
+    assert len(lengths) > 2, lengths
+
+
+def test_beam_states_hold_only_the_rows_computed():
+    """K rows per step, none for the steps a search never reached, nothing per finished slot."""
+    sel, ours, _ = _search(1, 4, 400)
+    held = {r.untyped_storage().data_ptr(): r.untyped_storage().nbytes() for r in ours.rows[1:]}
+    assert sum(held.values()) == 4 * 2 * 3 * 4 * (sel.steps - 1)
+
+
+def test_a_step_without_exactly_one_capture_fails_that_search():
+    sel, ours, _ = _search(2, 3, 400)
+    sel.step(torch.log_softmax(torch.randn(3, 6), dim=-1))
+    taps = SimpleNamespace(beam_step=[])
+    assert "expected one capture" in ours.take_step(sel, taps)
+    taps.beam_step += [torch.zeros(2, 3, 3), torch.zeros(2, 3, 3)]
+    assert "got 2" in ours.take_step(sel, taps) and not taps.beam_step
+    taps.beam_step.append(torch.zeros(2, 5, 3))
+    assert "rows of 3 beams" in ours.take_step(sel, taps)
+
+
+def test_the_size_bound_counts_the_beams_held_and_the_hypotheses_returned():
+    spec = LayerRequest(hidden_spec({"layers": [0, 1], "tokens": "generated"}, 4))
+    row = 2 * 8 * 4  # two layers of 8 floats
+    assert size_problem(spec, 5, 10, 8, (4 + 2) * 10 * row, hypotheses=2, width=4) is None
+    problem = size_problem(spec, 5, 10, 8, (4 + 2) * 10 * row - 1, hypotheses=2, width=4)
+    assert "beam_width 4 x max_new_tokens 10" in problem and "max_hidden_state_bytes" in problem
+    assert size_problem(spec, 5, 10, 8, 10 * row) is None  # not a beam search: its own rows

@@ -276,8 +276,8 @@ class BeamBatch:
             start, end = g.req.prompt_len, kv_lens[off]
             if end > start:
                 table[g.slots, start:end] = table[g.slots[parents], start:end]
-            if g.hidden is not None:  # this step's rows, delivered by the layer taps
-                g.hidden.select(g.selection, g.req.taps.beam_step.pop())
+            if g.hidden is not None and g.failed is None:  # this step's rows, from the layer taps
+                g.failed = g.hidden.take_step(g.selection, g.req.taps)
             src.append(parents + off)
             off += g.width
         index = torch.cat(src)

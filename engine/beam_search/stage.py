@@ -259,7 +259,8 @@ def _meta(
     taps = g.req.taps
     hidden = None
     if g.hidden is not None:
-        hidden = beam_result(taps, g.hidden.generated(hyps or []))
+        hyps = hyps or []
+        hidden = beam_result(taps, g.hidden.generated(hyps), hyps)
     elif taps is not None and taps.hidden is not None:
         hidden = taps.result(0)
     return RequestMeta(g.req.prompt_len, completion_tokens, g.req.cached_tokens, hidden)

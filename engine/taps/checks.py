@@ -133,20 +133,28 @@ def size_problem(
     hidden_size: int,
     bound: int,
     hypotheses: int = 1,
+    width: int = 0,
 ) -> str | None:
-    """Why the hidden states this request may return are over the bound, or None; `hypotheses`: a
-    beam search's returned hypotheses, each with its own generated rows."""
+    """Why the hidden states this request may take are over the bound, or None. A beam search
+    (`width` beams, `hypotheses` returned) holds each step's rows of its `width` beams while it runs,
+    and at its end the returned hypotheses' rows besides: both count."""
     hidden = spec.hidden if spec is not None else None
     if hidden is None:
         return None
-    generated = hypotheses * max_new_tokens
+    generated = (width + hypotheses if width else hypotheses) * max_new_tokens
     rows = {"last": 1, "prompt": prompt_len, "generated": generated}.get(
         hidden.tokens, prompt_len + generated
     )
     size = len(hidden.layers) * rows * hidden_size * 4
-    if size > bound:
-        return (
-            f"return_hidden_states may return {size} bytes ({len(hidden.layers)} layers x {rows} "
-            f"rows x {hidden_size} x 4), more than max_hidden_state_bytes={bound}"
+    if size <= bound:
+        return None
+    held = ""
+    if width and hidden.tokens in ("generated", "all"):
+        held = (
+            f"; a beam search holds beam_width {width} x max_new_tokens {max_new_tokens} rows "
+            f"while it runs, then num_return_sequences {hypotheses} x {max_new_tokens} returned"
         )
-    return None
+    return (
+        f"return_hidden_states may take {size} bytes ({len(hidden.layers)} layers x {rows} "
+        f"rows x {hidden_size} x 4{held}), more than max_hidden_state_bytes={bound}"
+    )
