@@ -226,3 +226,17 @@ def test_the_size_bound_counts_the_beams_held_and_the_hypotheses_returned():
     problem = size_problem(spec, 5, 10, 8, (4 + 2) * 10 * row - 1, hypotheses=2, width=4)
     assert "beam_width 4 x max_new_tokens 10" in problem and "max_hidden_state_bytes" in problem
     assert size_problem(spec, 5, 10, 8, 10 * row) is None  # not a beam search: its own rows
+
+
+def test_beam_search_refuses_hidden_states_its_beams_would_hold_over_the_bound(engine):
+    """30 layers x (8 beams + 8 returned) x 100 tokens x 576 floats is over 64 MiB: refused before
+    anything is queued; the 8 returned alone (53 MiB) would not be."""
+    everything = {"layers": list(range(30)), "tokens": "generated"}
+    with pytest.raises(ValueError, match="return_hidden_states"):
+        engine.beam_search(
+            "Hi",
+            beam_width=8,
+            num_return_sequences=8,
+            max_new_tokens=100,
+            return_hidden_states=everything,
+        )

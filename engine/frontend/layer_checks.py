@@ -35,6 +35,7 @@ class LayerChecks:
                 self.taps.hidden_size,
                 self.max_hidden_state_bytes,
                 beam.num_return if beam is not None else 1,
+                beam.width if beam is not None else 0,
             )
             if problem is not None:
                 raise ValueError(where + problem)
