@@ -412,3 +412,26 @@ def test_chunked_prefill_and_retraction(tight, hf_model, long_prompts):
             else:
                 check_states(hf_model, ids, out, hidden["layers"], hidden["tokens"], greedy=True)
     assert engine_idle(tight.get_stats())
+
+
+def test_beam_search_over_a_chunked_prompt(tight, hf_model, long_prompts):
+    """A beam search whose prompt is prefilled in chunks of 16: its prompt rows, gathered across the
+    chunks, and each hypothesis's own generated rows are transformers'."""
+    ids = long_prompts[-1]
+    before = tight.get_stats()
+    out = tight.beam_search(
+        input_ids=ids,
+        beam_width=2,
+        num_return_sequences=2,
+        max_new_tokens=6,
+        return_hidden_states={"layers": [0, 29], "tokens": "all"},
+    )
+    assert tight.get_stats()["chunked_prefill_steps"] > before["chunked_prefill_steps"]
+    hs, p = out["meta_info"]["hidden_states"], len(ids)
+    assert len(hs["generated"]) == len(out["hypotheses"]) == 2
+    for hyp, rows in zip(out["hypotheses"], hs["generated"]):
+        n = len(hyp["output_ids"])
+        states, _ = hf_pass(hf_model, ids + hyp["output_ids"], [0, 29], "resid_post")
+        assert rows.shape == (2, n, 576)
+        assert row_error(rows, states[:, p - 1 : p - 1 + n]) <= TOL
+        assert row_error(hs["prompt"], states[:, :p]) <= TOL
