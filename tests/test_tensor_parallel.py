@@ -260,6 +260,21 @@ def test_hidden_states_and_steering_under_two_ranks(engine, tp2, chat_ids):
         a, b = one["meta_info"]["hidden_states"][part], two["meta_info"]["hidden_states"][part]
         scale = a.abs().amax(dim=-1).clamp(min=1.0)
         assert float(((a - b).abs().amax(dim=-1) / scale).max()) <= 1e-5
+    # a beam search: each hypothesis's own rows, gathered on every rank alike
+    search = dict(beam_width=2, num_return_sequences=2, max_new_tokens=6)
+    hidden_fields = {"return_hidden_states": {"layers": [-1], "tokens": "generated"}}
+    one = engine.beam_search(input_ids=chat_ids[1], **search, **hidden_fields)
+    two = tp2.beam_search(input_ids=chat_ids[1], **search, **hidden_fields)
+    assert [h["output_ids"] for h in two["hypotheses"]] == [
+        h["output_ids"] for h in one["hypotheses"]
+    ]
+    for a, b in zip(
+        one["meta_info"]["hidden_states"]["generated"],
+        two["meta_info"]["hidden_states"]["generated"],
+    ):
+        assert a.shape == b.shape
+        scale = a.abs().amax(dim=-1).clamp(min=1.0)
+        assert float(((a - b).abs().amax(dim=-1) / scale).max()) <= 1e-5
 
 
 def _pids(eng) -> list[int]:
