@@ -17,22 +17,20 @@ from typing import Callable
 
 import torch
 
-from engine.distributed.shard import Shard, shard_blocks, shard_floats
 from engine.linear import panel_cache
 from engine.linear.build import FROM_FILE, NO_FLOATS, Sources, make
 from engine.linear.choose import Choice, Layer, Where, choose, may_use
-from engine.linear.f32_blocks import checked_blocks, exact_blocks, file_blocks
-from engine.linear.gguf import BLOCK_BYTES
 from engine.linear.here import native_library, where_here
-from engine.linear.parallel import Collectives, wrap_model
+from engine.linear.parallel import Collectives
 from engine.linear.swap import release_freed_memory, replace_linears
 from engine.model.config import ModelConfig, model_config_from_hf
-from engine.model.llama import LlamaForCausalLM, weight_plan
+from engine.model.layout import WholeModel, model_layout
+from engine.model.llama import LlamaForCausalLM
 from engine.model.mapped_weight import MappedWeight, mappable
 from engine.model.rope import rotary_tables
 from engine.model.safetensors_io import TensorEntry, index_file
 from engine.model.weight_views import WeightViews
-from engine.quantization import cache, linear_shapes, load_stored
+from engine.quantization import cache, load_stored
 
 
 def safetensors_files(model_dir: str) -> list[Path]:
@@ -122,56 +120,36 @@ def load_model(
     With a tensor-parallel group: this rank's shard of the model (model.cfg its heads and rows; the
     returned config the whole model's), its row-parallel layers and lm_head summing or gathering."""
     cfg = model_config_from_hf(hf_config, model_dir)
-    shard = None if group is None else Shard.plan(cfg, group.rank, group.size)
+    layout = model_layout(cfg, group)
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
-    with torch.device("meta"):
-        if shard is None:
-            model = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
-        else:
-            whole = LlamaForCausalLM(cfg, cos.to("meta"), sin.to("meta"))
-            model = LlamaForCausalLM(
-                shard.local_config(cfg), cos.to("meta"), sin.to("meta"), len(shard.vocab)
-            )
+    model = layout.meta_model(cos, sin)
     entries = index_weights(model_dir)
-    plan = weight_plan(cfg, set(entries))
-    shapes = linear_shapes(model)
-    whole_shapes = shapes if shard is None else linear_shapes(whole)
+    plan = layout.weight_plan(set(entries))
+    shapes, tied = layout.shapes, layout.tied
     lib = native_library(quantization, dtype, device)
-    tied = cfg.tie_word_embeddings and shard is None  # a rank's lm_head is its own slice
-    if shard is not None and cfg.tie_word_embeddings:
-        plan["lm_head.weight"] = plan["embed_tokens.weight"]
-    where = where_here(
-        quantization, dtype, device, tied, lib, kernel_overrides or {}, tp=shard is not None
-    )
+    where = where_here(quantization, dtype, device, tied, lib, kernel_overrides or {}, tp=layout.tp)
     views = WeightViews()
     try:
         src = Sources(lib=lib, tied=tied)
         src.stored = load_stored(  # quantized weights at hand: those layers' floats stay unread
             model_dir,
             quantization,
-            whole_shapes,
+            layout.whole_shapes,
             cfg,
             lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32),
         )
-        if shard is not None and src.stored is not None:  # the gguf modes' blocks (int8 refused)
-            src.stored = shard_blocks(src.stored, shard, cfg, BLOCK_BYTES)
+        src.stored = layout.cut_blocks(src.stored)  # the gguf modes' blocks (int8 refused under tp)
         where, mapped = _map_embedding(where, plan, entries, dtype, device)
-        where = _find_weights(
-            where, src, model_dir, cfg, (shapes, whole_shapes, shard), plan, entries, views, dtype
-        )
+        where = _find_weights(where, src, model_dir, layout, plan, entries, views, dtype)
         choices = {
             n: choose(where, Layer(n, *shapes[n], model.get_submodule(n).bias is not None))
             for n in shapes
         }
         now, later = _split_plan(plan, choices, mapped is not None, src.stored is not None)
-        unread = set()
-        if shard is not None:  # read whole, then cut: no layer packs from a view of the file
-            unread = {k for k in later if choices[k.removesuffix(".weight")].impl in NO_FLOATS}
-            now, later = {**now, **{k: v for k, v in later.items() if k not in unread}}, {}
+        now, later, unread = layout.read_plan(now, later, choices)
         total = len(now) + len(later)
         state = read_planned(now, entries, dtype, progress and (lambda i, n: progress(i, total)))
-        if shard is not None:
-            state = shard_floats(state, shard, cfg)
+        state = layout.cut_floats(state)
         if mapped is not None:
             state["embed_tokens.weight"] = mapped.tensor
         if device != "cpu":
@@ -185,8 +163,7 @@ def load_model(
         model.eval()
         src.file_weight = _file_weights(later, entries, views, dtype, progress, total, len(now))
         _replace_linears(model, choices, src)
-        if shard is not None:
-            wrap_model(model, shard.vocab_widths, group)
+        layout.finish(model)
     finally:
         views.close()
     _keep_new_weights(model, model_dir, quantization, where, src)
@@ -216,11 +193,20 @@ def _map_embedding(
     return where.found(embedding_mapped=True), mapped
 
 
-def _find_weights(where, src, model_dir, cfg, layout, plan, entries, views, dtype) -> Where:
+def _find_weights(
+    where: Where,
+    src: Sources,
+    model_dir: str,
+    layout: WholeModel,
+    plan: dict,
+    entries: dict,
+    views: WeightViews,
+    dtype: torch.dtype,
+) -> Where:
     """Weights that spare reading or packing the float ones: the GGUF blocks the float32 weights are
-    exactly (f32_blocks.py; under tp this rank's shard of them), else f32_linear panels kept by an
-    earlier start (panel_cache.py). layout: (this load's layer shapes, the whole model's, the shard)."""
-    shapes, whole_shapes, shard = layout
+    exactly (the layout's, f32_blocks.py), else f32_linear panels kept by an earlier start
+    (panel_cache.py)."""
+    shapes = layout.shapes
     if where.mode in ("gguf", "gguf-q8"):
         src.blocks = src.stored
         return where
@@ -230,10 +216,7 @@ def _find_weights(where, src, model_dir, cfg, layout, plan, entries, views, dtyp
             parts = plan.get(f"{name}.weight") or plan["embed_tokens.weight"]  # tied lm_head
             return views.stacked([entries[p] for p in parts], dtype)
 
-        if shard is None:
-            src.blocks = exact_blocks(model_dir, cfg, shapes, reference, src.lib)
-        else:
-            src.blocks = _shard_exact_blocks(model_dir, cfg, layout, reference, src.lib)
+        src.blocks = layout.exact_blocks(model_dir, reference, src.lib)
         if src.blocks is not None:
             return where.found(
                 exact_blocks=True, unblocked=frozenset(set(shapes) - set(src.blocks))
@@ -242,20 +225,6 @@ def _find_weights(where, src, model_dir, cfg, layout, plan, entries, views, dtyp
         src.panels = panel_cache.mapped_panels(model_dir, shapes)
         return where.found(cached_panels=frozenset(src.panels or ()))
     return where
-
-
-def _shard_exact_blocks(model_dir, cfg, layout, reference, lib) -> dict | None:
-    """This rank's shard of the exact blocks, checked against its shard of the float weights."""
-    shapes, whole_shapes, shard = layout
-    blocks = file_blocks(model_dir, cfg, whole_shapes, reference, lib)
-    if blocks is None:
-        return None
-    blocks = shard_blocks(blocks, shard, cfg, BLOCK_BYTES, strict=False)
-
-    def local(name: str) -> torch.Tensor:  # the rank's shard of a converted weight
-        return shard_floats({f"{name}.weight": reference(name)}, shard, cfg)[f"{name}.weight"]
-
-    return checked_blocks(blocks, shapes, local, lib)
 
 
 def _split_plan(
