@@ -23,6 +23,25 @@ def engine():
     eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def eng():
+    """A module's own float32 engine on one thread: beside the transformers references and other
+    engines, torch's threads would spend longer waiting on each other than computing."""
+    from engine import Engine
+
+    with Engine(dtype="float32", max_total_tokens=8192, num_threads=1, preload_tokenizer=True) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def one_thread_references():
+    """torch on one thread in this process for a module's transformers references."""
+    from hf_reference import one_thread
+
+    with one_thread():
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_dir(engine) -> str:
     return engine.model_dir

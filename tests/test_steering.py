@@ -11,24 +11,12 @@ import re
 import pytest
 import torch
 
-from engine import Engine
 from conftest import PROMPTS, hf_greedy_checked
 from helpers import engine_idle
-from hf_reference import one_thread, hf_states, hf_steered_greedy, row_error, steered
+from hf_reference import hf_states, hf_steered_greedy, row_error, steered
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _references_on_one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def eng():
-    """This module's float32 engine, on one thread: beside the references and other engines, torch's
-    threads would spend longer waiting on each other than computing."""
-    with Engine(dtype="float32", max_total_tokens=8192, num_threads=1, preload_tokenizer=True) as e:
-        yield e
+pytestmark = pytest.mark.usefixtures("one_thread_references")
 
 
 NEW = 12
