@@ -26,6 +26,9 @@ from engine.model.config import ModelConfig
 from engine.linear.f32_panels import KernelLinear
 
 PANEL = 16  # output rows a panel (f32_block_linear.c's NB)
+Blocks = dict[
+    str, tuple[int, torch.Tensor]
+]  # layer name -> (ggml type, uint8 blocks [rows, bytes])
 # the rows of a large layer (the lm_head's 49,152) checked at load; the tests check all
 CHECKED_HEAD_ROWS = 4096
 
@@ -102,7 +105,7 @@ def file_blocks(
     shapes: dict[str, tuple[int, int]],
     reference: Callable[[str], torch.Tensor],
     lib,
-) -> dict[str, tuple[int, torch.Tensor]] | None:
+) -> Blocks | None:
     """name -> (ggml type, blocks) for every linear layer of the whole model, from the GGUF it was
     converted from, where every layer's type is one the kernel reads; else None. Not yet checked."""
     if not runs_here(lib):
@@ -125,11 +128,11 @@ def file_blocks(
 
 
 def checked_blocks(
-    blocks: dict[str, tuple[int, torch.Tensor]],
+    blocks: Blocks,
     shapes: dict[str, tuple[int, int]],
     reference: Callable[[str], torch.Tensor],
     lib,
-) -> dict[str, tuple[int, torch.Tensor]] | None:
+) -> Blocks | None:
     """The blocks (the whole model's, or a rank's shard of them) the kernel takes, where the checked
     layers dequantize bitwise to their float weights (reference(name): the same whole or shard); else
     None. A layer the kernel does not take (rows not in whole panels of 16, a shard that cut its blocks
@@ -158,7 +161,7 @@ def exact_blocks(
     shapes: dict[str, tuple[int, int]],
     reference: Callable[[str], torch.Tensor],
     lib,
-) -> dict[str, tuple[int, torch.Tensor]] | None:
+) -> Blocks | None:
     """name -> (ggml type, blocks) for the linear layers whose exact float32 weights are the blocks'
     values (see the top) and whose shape the kernel takes; None where the model's are not, and the
     layers keep their float panels. reference(name): the layer's converted float32 weight (a view

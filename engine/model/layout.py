@@ -14,13 +14,13 @@ from engine.distributed.shard import Shard, shard_blocks, shard_floats
 from engine.linear.build import NO_FLOATS
 from engine.linear.choose import Choice
 from engine.linear import f32_blocks
+from engine.linear.f32_blocks import Blocks
 from engine.linear.gguf import BLOCK_BYTES
 from engine.linear.parallel import Collectives, wrap_model
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.quantization import linear_shapes
 
-Blocks = dict[str, tuple[int, torch.Tensor]]
 Reference = Callable[[str], torch.Tensor]
 
 

@@ -30,9 +30,7 @@ class TapRegistry:
     @property
     def active(self) -> bool:
         """Whether a step may need a tap plan at all: until then steps skip the tap stage."""
-        if self.requested:
-            return True
-        return hooks.has("engine_layer_taps") and bool(self.every_request())
+        return self.requested or bool(self.every_request())
 
     def taps(self) -> dict[str, LayerTap]:
         key = tuple(hooks.implementers("engine_layer_taps"))
@@ -41,6 +39,9 @@ class TapRegistry:
         return self._taps
 
     def every_request(self) -> list[LayerTap]:
+        """The taps on every request's rows (asked each step: nothing to list without a plugin)."""
+        if not hooks.has("engine_layer_taps"):
+            return []
         return [t for t in self.taps().values() if t.every_request]
 
     def _gather(self) -> dict[str, LayerTap]:
