@@ -77,6 +77,9 @@ class EngineConfig:
     node_rank: int = 0  # this machine's place among them
     # host:port of rank 0's rendezvous; None on one machine: a free loopback port
     dist_init_addr: str | None = None
+    # N > 1: sum the row-parallel layers over the column shards of N ranks, in rank order, so that
+    # tp_size 1 and N give bitwise the same outputs (docs/tensor-parallel.md); 0: off
+    reduce_like_tp: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -182,10 +185,20 @@ class EngineConfig:
             raise ValueError(f"dist_init_addr must be 'host:port', got {addr!r}")
         if self.nnodes > 1 and addr is None:
             raise ValueError("nnodes > 1 needs dist_init_addr (rank 0's host:port)")
-        if self.tp_size > 1 and self.quantization in ("int8", "gguf-q8"):
+        like = self.reduce_like_tp
+        if not isinstance(like, int) or isinstance(like, bool) or like < 0:
+            raise ValueError(f"reduce_like_tp must be 0 or a number of ranks, got {like!r}")
+        if like and self.tp_size > 1 and like != self.tp_size:
             raise ValueError(
-                f"quantization={self.quantization!r} is not offered under tensor parallelism "
-                "(docs/tensor-parallel.md); use 'none' or 'gguf'"
+                f"reduce_like_tp={like} under tp_size={self.tp_size}: only 0 or tp_size "
+                "(a tp_size=1 engine sums like N ranks)"
+            )
+        if like > 1 and self.device == "cuda":
+            raise ValueError("reduce_like_tp runs on the CPU only; use device='cpu'")
+        if (self.tp_size > 1 or like > 1) and self.quantization == "int8":
+            raise ValueError(
+                "quantization='int8' is not offered under tensor parallelism or reduce_like_tp "
+                "(its per-row scales are made from whole rows; docs/tensor-parallel.md)"
             )
         if self.tp_size > 1 and self.device == "cuda":
             raise ValueError("tensor parallelism runs on the CPU (gloo) only; use device='cpu'")

@@ -54,6 +54,20 @@ class TPGroup:
         self._run("all_reduce", dist.all_reduce, t)
         return t
 
+    def ordered_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks in rank order, ((t0 + t1) + t2) ..., on every rank: the order a
+        whole model summing like these ranks takes (engine/linear/shard_sums.py). Two ranks' sum is
+        the all-reduce's (a + b is b + a); more gather every rank's t."""
+        if self.size <= 2:
+            return self.all_reduce_(t)
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._run("all_gather", dist.all_gather, parts, t)
+        total = parts[0]
+        for part in parts[1:]:
+            total.add_(part)
+        return total
+
     def gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """[rows, widths[rank]] from each rank -> [rows, sum(widths)], rank by rank (gloo gathers equal
         shapes: narrower shards are padded and cut)."""

@@ -102,6 +102,13 @@ class Shard:
         return self.rank == 0
 
 
+def column_cuts(layer: str, cfg: ModelConfig, size: int) -> list[range] | None:
+    """Every rank's input columns of a row-parallel layer under `size` ranks, in rank order; None for
+    another layer."""
+    cuts = [Shard.plan(cfg, rank, size).columns(layer, cfg) for rank in range(size)]
+    return None if cuts[0] is None else cuts
+
+
 def _take_rows(t: torch.Tensor, rows: list[range]) -> torch.Tensor:
     return torch.cat([t[r.start : r.stop] for r in rows]).contiguous()
 

@@ -36,7 +36,9 @@ class Where:
     unblocked: frozenset[str] = frozenset()
     cached_panels: frozenset[str] = frozenset()  # layers whose f32_linear panels the cache holds
     embedding_mapped: bool = False  # the embedding stays mapped from the file (mapped_weight.py)
-    tp: bool = False  # tensor parallel: each layer is a rank's shard (engine/distributed/shard.py)
+    # tensor parallel (each layer a rank's shard, engine/distributed/shard.py), or a whole model
+    # summed like ranks (reduce_like_tp): the rows ranks take
+    tp: bool = False
     overrides: dict[str, str] = field(default_factory=dict)
 
     def on(self, row: str) -> bool:
@@ -174,7 +176,8 @@ DECODE_ROWS: tuple[Row, ...] = (
         "tensor-parallel",
         "plain",
         lambda w: w.tp,
-        "tensor parallel: the plain forward sums the ranks' outputs between layers; fused steps cannot",
+        "tensor parallel (or reduce_like_tp): the plain forward sums the shards' outputs between "
+        "layers; fused steps cannot",
     ),
     Row(
         "decode-layers-c",

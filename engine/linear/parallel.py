@@ -23,19 +23,25 @@ class Collectives(Protocol):
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor: ...
 
+    def ordered_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
     def gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor: ...
 
 
 class RowParallelLinear(nn.Module):
-    """A layer whose input columns are split over the ranks: its shard's product, summed over all."""
+    """A layer whose input columns are split over the ranks: its shard's product, summed over all
+    (ordered: in rank order, as reduce_like_tp asks)."""
 
-    def __init__(self, inner: LinearLayer, out_features: int, group: Collectives) -> None:
+    def __init__(
+        self, inner: LinearLayer, out_features: int, group: Collectives, ordered: bool = False
+    ) -> None:
         super().__init__()
         self.inner, self.group = inner, group
         self.in_features, self.out_features = inner.in_features, out_features
+        self._sum = group.ordered_sum if ordered else group.all_reduce_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce_(self.inner(x))
+        return self._sum(self.inner(x))
 
 
 class VocabParallelHead(nn.Module):
@@ -50,10 +56,12 @@ class VocabParallelHead(nn.Module):
         return self.group.gather_columns(self.inner(x), self.widths)
 
 
-def wrap_model(model: nn.Module, widths: tuple[int, ...], group: Collectives) -> None:
+def wrap_model(
+    model: nn.Module, widths: tuple[int, ...], group: Collectives, ordered: bool = False
+) -> None:
     """The row-parallel layers (o_proj, down_proj) and the lm_head of a sharded model wrapped in place."""
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.o_proj = RowParallelLinear(attn.o_proj, attn.o_proj.out_features, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, mlp.down_proj.out_features, group)
+        attn.o_proj = RowParallelLinear(attn.o_proj, attn.o_proj.out_features, group, ordered)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, mlp.down_proj.out_features, group, ordered)
     model.lm_head = VocabParallelHead(model.lm_head, widths, group)

@@ -17,6 +17,7 @@ from engine.linear import f32_blocks
 from engine.linear.f32_blocks import Blocks
 from engine.linear.gguf import BLOCK_BYTES
 from engine.linear.parallel import Collectives, wrap_model
+from engine.linear.shard_sums import sum_like_ranks
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM, weight_plan
 from engine.quantization import linear_shapes
@@ -26,12 +27,15 @@ Reference = Callable[[str], torch.Tensor]
 
 class WholeModel:
     """The whole model in one process. shapes: this load's layer shapes; whole_shapes: the whole
-    model's (the stored weights' and the files' shapes); tied: the lm_head is the embedding."""
+    model's (the stored weights' and the files' shapes); tied: the lm_head is the embedding;
+    reduce_like: sum the row-parallel layers as that many ranks do (engine/linear/shard_sums.py)."""
 
     tp = False
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, reduce_like: int = 0) -> None:
+        self.cfg, self.reduce_like = cfg, reduce_like
+        # computed as ranks compute: the table's rows for shards (no whole-weight rows, plain decode)
+        self.like_tp = reduce_like > 1
         self.tied = cfg.tie_word_embeddings
         self.shapes: dict[str, tuple[int, int]] = {}
         self.whole_shapes: dict[str, tuple[int, int]] = {}
@@ -67,6 +71,8 @@ class WholeModel:
 
     def finish(self, model: LlamaForCausalLM) -> None:
         """The loaded model made ready to run."""
+        if self.like_tp:
+            sum_like_ranks(model, self.cfg, self.reduce_like)
 
 
 class RankShard(WholeModel):
@@ -75,8 +81,9 @@ class RankShard(WholeModel):
 
     tp = True
 
-    def __init__(self, cfg: ModelConfig, group: Collectives) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, group: Collectives, reduce_like: int = 0) -> None:
+        super().__init__(cfg, reduce_like)
+        self.like_tp = True
         self.shard = Shard.plan(cfg, group.rank, group.size)
         self.group = group
         self.tied = False
@@ -130,9 +137,12 @@ class RankShard(WholeModel):
 
     def finish(self, model: LlamaForCausalLM) -> None:
         """Row-parallel layers summed and the lm_head's logits gathered across the ranks."""
-        wrap_model(model, self.shard.vocab_widths, self.group)
+        ordered = self.reduce_like == self.group.size
+        wrap_model(model, self.shard.vocab_widths, self.group, ordered)
 
 
-def model_layout(cfg: ModelConfig, group: Collectives | None) -> WholeModel:
+def model_layout(cfg: ModelConfig, group: Collectives | None, reduce_like: int = 0) -> WholeModel:
     """The whole model without a tensor-parallel group, else this rank's shard."""
-    return WholeModel(cfg) if group is None else RankShard(cfg, group)
+    if group is None:
+        return WholeModel(cfg, reduce_like)
+    return RankShard(cfg, group, reduce_like)

@@ -114,20 +114,24 @@ def load_model(
     quantization: str = "none",
     kernel_overrides: dict[str, str] | None = None,
     group: Collectives | None = None,
+    reduce_like_tp: int = 0,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with every weight loaded and each linear layer on the implementation the choice table
     (engine/linear/choose.py) picks; the choices are kept on the model (linear_choices, decode_choice).
     With a tensor-parallel group: this rank's shard of the model (model.cfg its heads and rows; the
-    returned config the whole model's), its row-parallel layers and lm_head summing or gathering."""
+    returned config the whole model's), its row-parallel layers and lm_head summing or gathering.
+    reduce_like_tp > 1: the row-parallel layers summed as that many ranks sum them."""
     cfg = model_config_from_hf(hf_config, model_dir)
-    layout = model_layout(cfg, group)
+    layout = model_layout(cfg, group, reduce_like_tp)
     cos, sin = rotary_tables(hf_config, cfg.head_dim, max_positions, dtype, device)
     model = layout.meta_model(cos, sin)
     entries = index_weights(model_dir)
     plan = layout.weight_plan(set(entries))
     shapes, tied = layout.shapes, layout.tied
     lib = native_library(quantization, dtype, device)
-    where = where_here(quantization, dtype, device, tied, lib, kernel_overrides or {}, tp=layout.tp)
+    where = where_here(
+        quantization, dtype, device, tied, lib, kernel_overrides or {}, tp=layout.like_tp
+    )
     views = WeightViews()
     try:
         src = Sources(lib=lib, tied=tied)

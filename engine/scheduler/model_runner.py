@@ -52,6 +52,7 @@ class ModelRunner:
             config.quantization,
             config.kernel_overrides,
             group,
+            config.reduce_like_tp,
         )
         self.group = group
         mc = self.model.cfg  # this rank's heads under tensor parallelism, else the model's
