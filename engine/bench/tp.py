@@ -14,8 +14,14 @@ from engine.bench.machine import machine_line
 from engine.bench.prompts import PARITY_PROMPTS
 
 
-def measure(tp: int, quantization: str, new_tokens: int, overrides: dict | None = None) -> dict:
-    """Batch and single-request decode throughput of one engine with tp_size=tp."""
+def measure(
+    tp: int,
+    quantization: str,
+    new_tokens: int,
+    overrides: dict | None = None,
+    reduce_like: int = 0,
+) -> dict:
+    """Batch and single-request decode throughput of one engine with tp_size=tp (and reduce_like_tp)."""
     from engine import Engine
 
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
@@ -25,6 +31,7 @@ def measure(tp: int, quantization: str, new_tokens: int, overrides: dict | None 
         max_total_tokens=8192,
         tp_size=tp,
         kernel_overrides=overrides or {},
+        reduce_like_tp=reduce_like,
     ) as eng:
         eng.generate(prompts[0], {"max_new_tokens": 4, "temperature": 0})  # warm
         eng.flush_cache()
@@ -47,10 +54,12 @@ def measure(tp: int, quantization: str, new_tokens: int, overrides: dict | None 
 
 def tp_rows(quantization: str = "none", new_tokens: int = 64) -> dict:
     """TP=1 as the table chooses, TP=1 on the plain forward (the decode path TP=2 must take: the
-    collectives' own cost is the difference to it), and TP=2."""
+    collectives' own cost is the difference to it), TP=1 summing like two ranks (reduce_like_tp=2:
+    bitwise TP=2's outputs), and TP=2."""
     return {
         "TP=1": measure(1, quantization, new_tokens),
         "TP=1 plain": measure(1, quantization, new_tokens, {"fused-decode": "off"}),
+        "TP=1 like 2": measure(1, quantization, new_tokens, reduce_like=2),
         "TP=2": measure(2, quantization, new_tokens),
     }
 
