@@ -371,6 +371,7 @@ def test_one_scheduler_summing_like_two_ranks_is_bitwise_tp2(tp2, chat_ids):
 
     with Engine(dtype="float32", max_total_tokens=8192, reduce_like_tp=2) as eng:
         assert eng.server_info["decode_path"].startswith("tensor-parallel")
+        assert eng.server_info["reduce_like_tp"] == 2
         assert _greedy(eng, chat_ids) == _greedy(tp2, chat_ids)
 
 

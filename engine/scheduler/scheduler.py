@@ -109,6 +109,8 @@ class Scheduler:
         }
         if group is not None:
             self.info["tp_size"] = group.size
+        if config.reduce_like_tp > 1:  # summed like that many ranks (engine/linear/shard_sums.py)
+            self.info["reduce_like_tp"] = config.reduce_like_tp
 
     # ------------------------------------------------------------------ loop
 
