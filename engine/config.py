@@ -195,11 +195,6 @@ class EngineConfig:
             )
         if like > 1 and self.device == "cuda":
             raise ValueError("reduce_like_tp runs on the CPU only; use device='cpu'")
-        if (self.tp_size > 1 or like > 1) and self.quantization == "int8":
-            raise ValueError(
-                "quantization='int8' is not offered under tensor parallelism or reduce_like_tp "
-                "(its per-row scales are made from whole rows; docs/tensor-parallel.md)"
-            )
         if self.tp_size > 1 and self.device == "cuda":
             raise ValueError("tensor parallelism runs on the CPU (gloo) only; use device='cpu'")
 

@@ -175,8 +175,6 @@ def test_the_table_under_tensor_parallelism():
         ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
         ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "multiple"),
         ({"nnodes": 2, "node_rank": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "node_rank"),
-        ({"tp_size": 2, "quantization": "int8"}, "int8"),
-        ({"reduce_like_tp": 2, "quantization": "int8"}, "int8"),
         ({"reduce_like_tp": -1}, "reduce_like_tp"),
         ({"reduce_like_tp": True}, "reduce_like_tp"),
         ({"reduce_like_tp": 3, "tp_size": 2}, "only 0 or tp_size"),
@@ -398,6 +396,38 @@ def test_block_modes_under_two_ranks_are_bitwise_one_summing_alike(mode, chat_id
                 )
                 assert abs(q8 / exact - 1) <= 0.02, (exact, q8)
     assert got[2] == got[1]
+
+
+def test_int8_under_two_ranks_quantizes_whole_rows(chat_ids, model_dir, tmp_path, monkeypatch):
+    """Each rank cuts int8 weights quantized from whole rows (its own quantization where the cache
+    lacks them, then the cache it wrote), so a row-parallel layer keeps its whole row's scale: TP=1's
+    tokens, logprobs within 1e-4, and bitwise TP=1 summing like two ranks."""
+    import shutil
+
+    from engine import Engine
+    from engine.kernels.cpu import build
+    from engine.quantization.cache import cache_file
+
+    built = build.cached_library()  # the session's kernels: only the int8 weights are made here
+    if built.exists() and build.unsafe_reason(built) is None:
+        (tmp_path / "kernels").mkdir(mode=0o700)
+        shutil.copy2(built, tmp_path / "kernels" / built.name)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    got = {}
+    for name, kw in (
+        ("ranks, quantizing", {"tp_size": 2}),
+        ("ranks, from the cache", {"tp_size": 2}),
+        ("one like two", {"reduce_like_tp": 2}),
+        ("one", {}),
+    ):
+        with Engine(model_path=model_dir, quantization="int8", max_total_tokens=8192, **kw) as eng:
+            got[name] = _greedy(eng, chat_ids)
+        assert cache_file(model_dir, "int8").exists()
+    assert got["ranks, from the cache"] == got["ranks, quantizing"]
+    assert got["one like two"] == got["ranks, quantizing"]
+    for (ids1, lp1), (ids2, lp2) in zip(got["one"], got["ranks, quantizing"]):
+        assert ids2 == ids1
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= 1e-4
 
 
 def test_three_ranks_sum_in_rank_order(chat_ids):

@@ -159,3 +159,28 @@ def shard_blocks(
             b = b[:, cols.start // BLOCK * per : cols.stop // BLOCK * per].contiguous()
         out[layer] = (kind, b)
     return out
+
+
+def shard_int8(
+    stored: dict[str, torch.Tensor], shard: Shard, cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """This rank's part of the whole model's int8 weights (name.qweight, name.scale: the cache's,
+    engine/linear/int8.py). Rows as the floats'; a row-parallel layer's columns cut from rows
+    quantized whole, so each keeps its whole row's scale, as one scheduler's do."""
+    from engine.linear.int8 import in_panels, panels, rows_of
+
+    out = {}
+    for key, t in stored.items():
+        layer, _, kind = key.rpartition(".")
+        rows, cols = shard.rows(layer, cfg), shard.columns(layer, cfg)
+        if kind == "scale":
+            out[key] = _take_rows(t, rows) if rows is not None else t
+            continue
+        n = stored[f"{layer}.scale"].shape[0]
+        q = rows_of(t, n, t.numel() // n)
+        if rows is not None:
+            q = _take_rows(q, rows)
+        elif cols is not None:
+            q = q[:, cols.start : cols.stop].contiguous()
+        out[key] = panels(q) if in_panels(q.shape[0]) else q.contiguous()
+    return out

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from engine.distributed.shard import Shard, shard_blocks, shard_floats
+from engine.distributed.shard import Shard, shard_blocks, shard_floats, shard_int8
 from engine.linear.build import NO_FLOATS
 from engine.linear.choose import Choice
 from engine.linear import f32_blocks
@@ -51,8 +51,8 @@ class WholeModel:
         """Each weight the model holds -> the file tensors it is read from."""
         return weight_plan(self.cfg, names)
 
-    def cut_blocks(self, stored: Blocks | None) -> Blocks | None:
-        """The stored GGUF blocks this load keeps."""
+    def cut_stored(self, stored: dict | None, mode: str) -> dict | None:
+        """The stored quantized weights this load keeps (GGUF blocks; int8 weights and scales)."""
         return stored
 
     def exact_blocks(self, model_dir: str, reference: Reference, lib) -> Blocks | None:
@@ -106,9 +106,11 @@ class RankShard(WholeModel):
             plan["lm_head.weight"] = plan["embed_tokens.weight"]
         return plan
 
-    def cut_blocks(self, stored: Blocks | None) -> Blocks | None:
+    def cut_stored(self, stored: dict | None, mode: str) -> dict | None:
         if stored is None:
             return None
+        if mode == "int8":
+            return shard_int8(stored, self.shard, self.cfg)
         return shard_blocks(stored, self.shard, self.cfg, BLOCK_BYTES)
 
     def exact_blocks(self, model_dir: str, reference: Reference, lib) -> Blocks | None:

@@ -141,8 +141,9 @@ def load_model(
             layout.whole_shapes,
             cfg,
             lambda names: read_planned({n: plan[n] for n in names}, entries, torch.float32),
+            whole_rows=layout.tp,
         )
-        src.stored = layout.cut_blocks(src.stored)  # the gguf modes' blocks (int8 refused under tp)
+        src.stored = layout.cut_stored(src.stored, quantization)
         where, mapped = _map_embedding(where, plan, entries, dtype, device)
         where = _find_weights(where, src, model_dir, layout, plan, entries, views, dtype)
         choices = {

@@ -60,11 +60,14 @@ def load_stored(
     shapes: dict[str, tuple[int, int]],
     cfg=None,
     read_float: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
+    whole_rows: bool = False,
 ) -> dict | None:
     """The quantized weights that need no float ones: int8's from its cache (cache.py), only if every
     linear layer's are there with the right types and shapes; gguf's from the GGUF file (always, or a
     ValueError saying why not; read_float reads the few float weights it checks them against). With
-    them the loader need not read those layers' float weights at all."""
+    them the loader need not read those layers' float weights at all. whole_rows (a tensor-parallel
+    rank, which cuts them afterwards): int8's quantized here from the whole rows where the cache
+    lacks them, and cached."""
     if mode == "none":
         return None
     if mode in GGUF_MODES:
@@ -74,9 +77,19 @@ def load_stored(
             model_dir, cfg, shapes, read_float(["layers.0.self_attn.qkv_proj.weight"])
         )
     from engine.quantization import cache
+
+    path = cache.cache_file(model_dir, mode)
+    stored = _fitting(cache.load_cached(path), shapes)
+    if stored is None and whole_rows:
+        stored = _quantize_int8(shapes, read_float)
+        cache.save_cached(path, stored, model_dir, mode)
+    return stored
+
+
+def _fitting(stored: dict | None, shapes: dict[str, tuple[int, int]]) -> dict | None:
+    """The cached int8 weights where every layer's are there with the right types and shapes."""
     from engine.linear.int8 import stored_shape
 
-    stored = cache.load_cached(cache.cache_file(model_dir, mode))
     if stored is None:
         return None
     for name, (n, k) in shapes.items():
@@ -85,4 +98,16 @@ def load_stored(
             return None
         if tuple(q.shape) != stored_shape(n, k) or tuple(scale.shape) != (n,):
             return None
+    return stored
+
+
+def _quantize_int8(shapes: dict[str, tuple[int, int]], read_float) -> dict[str, torch.Tensor]:
+    """Every layer's int8 weights and scales as Int8Linear makes them, one float weight at a time."""
+    from engine.linear.int8 import in_panels, panels, quantize_rows
+
+    stored = {}
+    for name, (n, _) in shapes.items():
+        q, scale = quantize_rows(read_float([f"{name}.weight"])[f"{name}.weight"])
+        stored[f"{name}.qweight"] = panels(q) if in_panels(n) else q
+        stored[f"{name}.scale"] = scale
     return stored
