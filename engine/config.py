@@ -78,7 +78,7 @@ class EngineConfig:
     # host:port of rank 0's rendezvous; None on one machine: a free loopback port
     dist_init_addr: str | None = None
     # N > 1: sum the row-parallel layers over the column shards of N ranks, in rank order, so that
-    # tp_size 1 and N give bitwise the same outputs (docs/tensor-parallel.md); 0: off
+    # tp_size 1 and N give bitwise the same outputs (docs/tensor-parallel.md); 0 or 1: off
     reduce_like_tp: int = 0
 
     def validate(self) -> None:
@@ -188,15 +188,22 @@ class EngineConfig:
         like = self.reduce_like_tp
         if not isinstance(like, int) or isinstance(like, bool) or like < 0:
             raise ValueError(f"reduce_like_tp must be 0 or a number of ranks, got {like!r}")
-        if like and self.tp_size > 1 and like != self.tp_size:
+        if like > 1 and self.tp_size > 1 and like != self.tp_size:
             raise ValueError(
-                f"reduce_like_tp={like} under tp_size={self.tp_size}: only 0 or tp_size "
+                f"reduce_like_tp={like} under tp_size={self.tp_size}: only 0, 1 or tp_size "
                 "(a tp_size=1 engine sums like N ranks)"
             )
-        if like > 1 and self.device == "cuda":
-            raise ValueError("reduce_like_tp runs on the CPU only; use device='cpu'")
-        if self.tp_size > 1 and self.device == "cuda":
+        self.check_parallel_device(self.device)
+
+    def check_parallel_device(self, device: str) -> None:
+        """Tensor parallelism and reduce_like_tp run on the CPU (gloo) only: the resolved device, again
+        in the scheduler (device='auto' may resolve to CUDA)."""
+        if device != "cuda":
+            return
+        if self.tp_size > 1:
             raise ValueError("tensor parallelism runs on the CPU (gloo) only; use device='cpu'")
+        if self.reduce_like_tp > 1:
+            raise ValueError("reduce_like_tp runs on the CPU only; use device='cpu'")
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(dataclasses.asdict(self))

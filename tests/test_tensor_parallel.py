@@ -143,6 +143,49 @@ def test_row_parallel_columns_of_every_rank_in_order():
         ShardSumLinear(torch.nn.Linear(4, 4), [range(0, 2), range(2, 4)])
 
 
+@pytest.mark.skipif(load_native() is None, reason="no C compiler: no quantized kernels")
+@pytest.mark.parametrize("n", [576, 584])  # panels; not a multiple of 16: the row-major kernels
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("mode", ["gguf", "gguf-q8", "int8"])
+def test_summing_like_ranks_is_the_ranks_sum_bitwise(mode, rows, n):
+    """A row-parallel layer summed like three ranks is bitwise the sum, in rank order, of each rank's
+    shard computed alone: down_proj of an intermediate size of 80 blocks (SmolLM2-360M's 2,560),
+    cut in pairs of blocks (28 + 26 + 26; 27 + 27 + 26 parted in the gguf kernel, which takes blocks
+    two at a time), at the row counts of each kernel path."""
+    from engine.linear.gguf import GGUFLinear
+    from engine.linear.int8 import Int8Linear, in_panels, panels, quantize_rows
+    from test_gguf_quantization import random_blocks
+
+    lib, gen = load_native(), torch.Generator().manual_seed(7)
+    cfg = _config(intermediate_size=2560)
+    cuts = column_cuts("layers.0.mlp.down_proj", cfg, 3)
+    assert [len(c) for c in cuts] == [896, 832, 832]
+    k = 2560
+    if mode == "int8":
+        q, scale = quantize_rows(torch.randn(n, k, generator=gen))
+        store = (lambda t: panels(t)) if in_panels(n) else (lambda t: t)
+
+        def layer(c: range) -> Int8Linear:
+            part = q[:, c.start : c.stop].contiguous()
+            meta = torch.empty(n, len(c), device="meta")
+            return Int8Linear(meta, None, lib, 1, (store(part), scale))
+
+    else:
+        blocks = random_blocks(3, n, k, gen)  # Q4_1, 20 bytes a block
+
+        def layer(c: range) -> GGUFLinear:
+            part = blocks[:, c.start // 32 * 20 : c.stop // 32 * 20].contiguous()
+            return GGUFLinear(3, part, (n, len(c)), None, lib, 1, mode == "gguf-q8")
+
+    x = torch.randn(rows, k, generator=gen)
+    want = None
+    for c in cuts:
+        part = layer(c)(x[:, c.start : c.stop].contiguous())
+        want = part if want is None else want + part
+    got = ShardSumLinear(layer(range(k)), cuts)(x)
+    assert torch.equal(got, want)
+
+
 def test_the_table_under_tensor_parallelism():
     """Under tp the exact mode computes from each rank's block shard; rows that take a whole file's
     weights (the embedding as the head) step aside; decode steps take the plain forward."""
@@ -177,7 +220,7 @@ def test_the_table_under_tensor_parallelism():
         ({"nnodes": 2, "node_rank": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "node_rank"),
         ({"reduce_like_tp": -1}, "reduce_like_tp"),
         ({"reduce_like_tp": True}, "reduce_like_tp"),
-        ({"reduce_like_tp": 3, "tp_size": 2}, "only 0 or tp_size"),
+        ({"reduce_like_tp": 3, "tp_size": 2}, "only 0, 1 or tp_size"),
         ({"reduce_like_tp": 2, "device": "cuda"}, "CPU only"),
         ({"dist_init_addr": "nowhere"}, "host:port"),
     ],
@@ -413,7 +456,8 @@ def test_int8_under_two_ranks_quantizes_whole_rows(chat_ids, model_dir, tmp_path
         (tmp_path / "kernels").mkdir(mode=0o700)
         shutil.copy2(built, tmp_path / "kernels" / built.name)
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    got = {}
+    assert not cache_file(model_dir, "int8").exists()
+    got, stamp = {}, None
     for name, kw in (
         ("ranks, quantizing", {"tp_size": 2}),
         ("ranks, from the cache", {"tp_size": 2}),
@@ -422,12 +466,22 @@ def test_int8_under_two_ranks_quantizes_whole_rows(chat_ids, model_dir, tmp_path
     ):
         with Engine(model_path=model_dir, quantization="int8", max_total_tokens=8192, **kw) as eng:
             got[name] = _greedy(eng, chat_ids)
-        assert cache_file(model_dir, "int8").exists()
+        path = cache_file(model_dir, "int8")
+        stamp = stamp if name != "ranks, quantizing" else path.stat().st_mtime_ns
+        assert path.stat().st_mtime_ns == stamp  # written by the first, then only read
     assert got["ranks, from the cache"] == got["ranks, quantizing"]
     assert got["one like two"] == got["ranks, quantizing"]
     for (ids1, lp1), (ids2, lp2) in zip(got["one"], got["ranks, quantizing"]):
         assert ids2 == ids1
         assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= 1e-4
+
+
+def test_summing_like_more_ranks_than_kv_heads_is_refused_at_start():
+    from engine import Engine
+    from engine.errors import EngineStartError
+
+    with pytest.raises(EngineStartError, match="4 ranks .*3 KV heads"):
+        Engine(dtype="float32", max_total_tokens=1024, reduce_like_tp=4)
 
 
 def test_three_ranks_sum_in_rank_order(chat_ids):

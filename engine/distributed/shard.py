@@ -17,13 +17,16 @@ import torch
 from engine.model.config import ModelConfig
 
 BLOCK = 32  # weights per GGUF block: row-parallel columns are cut only between blocks
+# down_proj's columns are cut between pairs of blocks where they divide so: the gguf kernel takes
+# blocks two at a time, so a part of whole pairs sums as the whole layer's columns do (reduce_like_tp)
+INTER_UNITS = (2 * BLOCK, BLOCK)
 
 
-def _split(total: int, size: int, rank: int, unit: int = 1) -> range:
-    """rank's part of range(total) cut into `size` parts as even as `unit` allows, larger parts first."""
-    units = total // unit if total % unit == 0 else total
-    unit = unit if total % unit == 0 else 1
-    base, extra = divmod(units, size)
+def _split(total: int, size: int, rank: int, units: tuple[int, ...] = (1,)) -> range:
+    """rank's part of range(total) cut into `size` parts as even as the first of `units` dividing total
+    allows (else 1), larger parts first."""
+    unit = next((u for u in units if total % u == 0), 1)
+    base, extra = divmod(total // unit, size)
     start = rank * base + min(rank, extra)
     return range(start * unit, (start + base + (rank < extra)) * unit)
 
@@ -45,18 +48,18 @@ class Shard:
     def plan(cls, cfg: ModelConfig, rank: int, size: int) -> Shard:
         if cfg.num_kv_heads < size:
             raise ValueError(
-                f"tp_size={size} is more than the model's {cfg.num_kv_heads} KV heads "
-                "(replicated KV heads are not built)"
+                f"{size} ranks (tp_size or reduce_like_tp) are more than the model's "
+                f"{cfg.num_kv_heads} KV heads (replicated KV heads are not built)"
             )
         group = cfg.num_heads // cfg.num_kv_heads
         kv = _split(cfg.num_kv_heads, size, rank)
-        vocab = [_split(cfg.vocab_size, size, r, BLOCK) for r in range(size)]
+        vocab = [_split(cfg.vocab_size, size, r, (BLOCK,)) for r in range(size)]
         return cls(
             rank=rank,
             size=size,
             kv_heads=kv,
             heads=range(kv.start * group, kv.stop * group),
-            inter=_split(cfg.intermediate_size, size, rank, BLOCK),
+            inter=_split(cfg.intermediate_size, size, rank, INTER_UNITS),
             vocab=vocab[rank],
             vocab_widths=tuple(len(v) for v in vocab),
         )

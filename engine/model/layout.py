@@ -36,6 +36,12 @@ class WholeModel:
         self.cfg, self.reduce_like = cfg, reduce_like
         # computed as ranks compute: the table's rows for shards (no whole-weight rows, plain decode)
         self.like_tp = reduce_like > 1
+        if self.like_tp:  # refused before any weight is read
+            Shard.plan(cfg, 0, reduce_like)  # no more ranks than KV heads
+            if cfg.o_bias or cfg.mlp_bias:
+                raise ValueError(
+                    "reduce_like_tp: a model whose o_proj or down_proj has a bias is not built"
+                )
         self.tied = cfg.tie_word_embeddings
         self.shapes: dict[str, tuple[int, int]] = {}
         self.whole_shapes: dict[str, tuple[int, int]] = {}

@@ -34,6 +34,7 @@ class ModelRunner:
             resolve_dtype_for(config.quantization, config.dtype), self.device
         )
         check_quantization(config.quantization, self.device, self.dtype)
+        config.check_parallel_device(str(self.device))
         hf_config = load_hf_config(model_dir)
         max_pos = hf_config.max_position_embeddings
         if config.context_length is not None and config.context_length > max_pos:
