@@ -476,6 +476,23 @@ def test_int8_under_two_ranks_quantizes_whole_rows(chat_ids, model_dir, tmp_path
         assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= 1e-4
 
 
+def test_bfloat16_under_two_ranks_agrees_with_transformers_bf16(tokenizer, model_dir):
+    """bfloat16 rounds every activation, so TP=2's other order of sums parts its greedy text from
+    TP=1's (as batching does): held to the bound TP=1's bfloat16 is, against transformers'."""
+    from engine import Engine
+    from test_bf16_exact import (
+        NEW_TOKENS as BF16_TOKENS,
+        _prompts,
+        assert_agrees_with_transformers_bf16,
+    )
+
+    ids = [tokenizer.encode(p) for p in _prompts()]
+    params = {"max_new_tokens": BF16_TOKENS, "temperature": 0, "ignore_eos": True}
+    with Engine(dtype="bfloat16", max_total_tokens=8192, tp_size=2) as eng:
+        outs = [o["output_ids"] for o in eng.generate(input_ids=ids, sampling_params=params)]
+    assert_agrees_with_transformers_bf16(ids, outs, model_dir)
+
+
 def test_summing_like_more_ranks_than_kv_heads_is_refused_at_start():
     from engine import Engine
     from engine.errors import EngineStartError
