@@ -167,6 +167,17 @@ def test_dump_lists_the_three_roles(engine):
     assert "serve_forever" in proc.stdout
 
 
+def test_two_engines_of_one_process_are_found_apart(engine, tiny_engine):
+    """One user process, two engines: each scheduler with its own detokenizer (their titles name the
+    engine's socket directory). Merged by parent, the second engine's pids replaced the first's, and
+    `engine dump --pid` printed another engine's scheduler."""
+    from engine.profiling.discover import engine_processes
+
+    found = engine_processes(os.getpid())
+    for eng in (engine, tiny_engine):
+        assert eng.pids in found, (eng.pids, found)
+
+
 def test_failures_are_one_line_and_non_zero(tmp_path, micro_model):
     def run(args, env_extra=None):
         env = {**os.environ, **(env_extra or {})}

@@ -73,7 +73,8 @@ def run_child(
     title: str | None = None,
 ) -> None:
     """Entry body for a spawned child: build the role's object, report ready or failed, then serve.
-    title: the process title, engine::<role> unless given (a tensor-parallel rank's)."""
+    title: the process title, engine::<role> unless given (a tensor-parallel rank's), followed by the
+    name of the engine's socket directory."""
     # Ctrl-C, and the SIGTERM of `timeout`, systemd's stop or `kill -- -PGID`, reach the whole process
     # group; the parent decides when children stop (over the pipe), and they go when it dies (the lifeline).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -84,7 +85,9 @@ def run_child(
     with contextlib.suppress(ImportError):
         import setproctitle
 
-        setproctitle.setproctitle(title or f"engine::{role}")
+        # the engine's socket directory names it: one user process may hold several engines
+        tag = f" {os.path.basename(runtime_dir)}" if runtime_dir else ""
+        setproctitle.setproctitle((title or f"engine::{role}") + tag)
     threading.Thread(
         target=_watch_parent, args=(conn, parent_pid, runtime_dir), name="parent-watch", daemon=True
     ).start()
