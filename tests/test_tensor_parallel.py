@@ -337,6 +337,34 @@ def test_hidden_states_and_steering_under_two_ranks(engine, tp2, chat_ids):
         assert float(((a - b).abs().amax(dim=-1) / scale).max()) <= 1e-5
 
 
+def test_engine_dump_finds_every_rank(tp2):
+    """`engine dump` (and `engine profile`, by the same discovery) records rank 1's scheduler too,
+    by its title engine::tp-rank1."""
+    import subprocess
+    import sys
+
+    from engine.profiling.discover import engine_processes
+
+    mine = [e for e in engine_processes(os.getpid()) if e["scheduler"] == tp2.pids["scheduler"]]
+    assert mine == [
+        {
+            "user": os.getpid(),
+            "scheduler": tp2.pids["scheduler"],
+            "scheduler-rank1": tp2.pids["scheduler rank 1"],
+            "detokenizer": tp2.pids["detokenizer"],
+        }
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.profiling.cli", "dump", "--pid", str(os.getpid())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"==== scheduler-rank1 (pid {tp2.pids['scheduler rank 1']}) ====" in proc.stdout
+    assert proc.stdout.count("serve_forever") >= 2  # both ranks' loops
+
+
 def _pids(eng) -> list[int]:
     return [pid for role, pid in eng.pids.items() if role != "user"]
 

@@ -492,6 +492,57 @@ def test_one_trace_per_request_with_spans_from_all_three_processes(traced, batch
     assert len(traces) == len(results)
 
 
+def test_every_ranks_scheduler_spans_are_in_the_requests_trace(traced, receiver, tmp_path):
+    """Under tp_size=2 both ranks' schedulers export a request's spans into its one trace, each
+    process marked by its rank (engine.tp.rank). The children export to a receiver of their own
+    (the module's keeps one engine's processes); the root comes from this process's exporter."""
+    from engine import Engine
+
+    with OTLPReceiver(out_path=str(tmp_path / "ranks.jsonl")) as ranks_rx:
+        env = {
+            "ENGINE_TRACING": "1",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": ranks_rx.grpc_endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_SERVICE_NAME": "engine-test",
+        }
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            eng = Engine(dtype="float32", max_total_tokens=4096, tp_size=2)
+        with eng:
+            out = eng.generate(PROMPTS[0], {"max_new_tokens": 3, "temperature": 0})
+            rid = out["meta_info"]["id"]
+
+            def mine(spans: list[SpanRecord], name: str) -> list[SpanRecord]:
+                return [
+                    s
+                    for s in spans
+                    if s.attributes.get("engine.request_id") == rid and s.name == name
+                ]
+
+            def arrived(spans: list[SpanRecord]) -> bool:
+                return all(len(mine(spans, n)) == 2 for n in ("queue", "prefill", "decode"))
+
+            assert receiver.wait_for(
+                lambda spans: any(
+                    "gen_ai.operation.name" in s.attributes
+                    and s.attributes.get("engine.request_id") == rid
+                    for s in spans
+                ),
+                SPAN_WAIT,
+            ), "the root span did not arrive"
+            assert ranks_rx.wait_for(arrived, SPAN_WAIT), "the ranks' spans did not arrive"
+            root = _root(receiver.spans(), rid)
+            spans = ranks_rx.spans()
+            for name in ("queue", "prefill", "decode"):
+                by_rank = {s.resource.get("engine.tp.rank"): s for s in mine(spans, name)}
+                assert set(by_rank) == {"0", "1"}, name
+                assert by_rank["0"].pid == eng.pids["scheduler"]
+                assert by_rank["1"].pid == eng.pids["scheduler rank 1"]
+                for s in by_rank.values():
+                    assert (s.trace_id, s.parent_span_id) == (root.trace_id, root.span_id)
+
+
 def test_spans_are_in_true_order_and_nested_in_time(batch):
     results, spans = batch
     for r in results:
