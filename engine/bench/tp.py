@@ -2,7 +2,7 @@
 after the other on the same cores. On a machine of few cores this measures what the collectives
 cost (each rank gets cores / tp threads), not a speed-up.
 
-    python -m engine.bench.tp [--quantization none|gguf] [--new-tokens 64]
+    python -m engine.bench.tp [--quantization none|gguf|gguf-q8|int8] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def print_rows(rows: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine.bench.tp", description=__doc__)
-    p.add_argument("--quantization", default="none", choices=("none", "gguf", "gguf-q8"))
+    p.add_argument("--quantization", default="none", choices=("none", "gguf", "gguf-q8", "int8"))
     p.add_argument("--new-tokens", type=int, default=64)
     args = p.parse_args(argv)
     print(machine_line(), flush=True)
