@@ -178,6 +178,18 @@ def test_two_engines_of_one_process_are_found_apart(engine, tiny_engine):
         assert eng.pids in found, (eng.pids, found)
 
 
+def test_titles_name_the_role_the_engine_and_rank_0s_count_of_ranks():
+    from engine.profiling.discover import parse_title
+
+    assert parse_title("engine::scheduler engine-ab12") == ("scheduler", "engine-ab12", 1)
+    assert parse_title("engine::detokenizer engine-ab12") == ("detokenizer", "engine-ab12", 1)
+    assert parse_title("engine::scheduler ranks=2 engine-ab12") == ("scheduler", "engine-ab12", 2)
+    assert parse_title("engine::tp-rank1 engine-ab12") == ("scheduler-rank1", "engine-ab12", 1)
+    assert parse_title("engine::tp-rank3") == ("scheduler-rank3", "", 1)  # another machine's rank
+    assert parse_title("engine::schedulerX engine-ab12") is None
+    assert parse_title("python run.py") is None and parse_title("") is None
+
+
 def test_failures_are_one_line_and_non_zero(tmp_path, micro_model):
     def run(args, env_extra=None):
         env = {**os.environ, **(env_extra or {})}

@@ -361,8 +361,10 @@ def test_engine_dump_finds_every_rank(tp2):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"==== scheduler-rank1 (pid {tp2.pids['scheduler rank 1']}) ====" in proc.stdout
-    assert proc.stdout.count("serve_forever") >= 2  # both ranks' loops
+    header = f"==== scheduler-rank1 (pid {tp2.pids['scheduler rank 1']}) ===="
+    assert header in proc.stdout
+    rank1 = proc.stdout.split(header, 1)[1].split("\n==== ", 1)[0]
+    assert "serve_forever" in rank1  # rank 1's own loop
 
 
 def _pids(eng) -> list[int]:
@@ -515,6 +517,7 @@ def test_bfloat16_under_two_ranks_agrees_with_transformers_bf16(tokenizer, model
     ids = [tokenizer.encode(p) for p in _prompts()]
     params = {"max_new_tokens": BF16_TOKENS, "temperature": 0, "ignore_eos": True}
     with Engine(dtype="bfloat16", max_total_tokens=8192, tp_size=2) as eng:
+        assert eng.server_info["dtype"] == "bfloat16"
         outs = [o["output_ids"] for o in eng.generate(input_ids=ids, sampling_params=params)]
     assert_agrees_with_transformers_bf16(ids, outs, model_dir)
 

@@ -1,6 +1,7 @@
 """Find an engine's processes: the scheduler and detokenizer by title (engine::<role> <socket dir>),
 the user process as their parent; under tensor parallelism the other ranks' schedulers
-(engine::tp-rank<N>). The title's socket directory tells apart the engines of one user process."""
+(engine::tp-rank<N>; rank 0's title says how many: ranks=<N>). The title's socket directory tells
+apart the engines of one user process."""
 
 from __future__ import annotations
 
@@ -9,23 +10,32 @@ import psutil
 ROLES = ("scheduler", "detokenizer")
 
 
-def _role(proc: psutil.Process) -> tuple[str, str] | None:
-    """(role, the engine's socket directory or "") from the process title, or None."""
-    try:
-        cmd = proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+def parse_title(title: str) -> tuple[str, str, int] | None:
+    """(role, the engine's socket directory or "", the ranks rank 0 runs on this machine) from an
+    engine child's title, e.g. "engine::scheduler ranks=2 engine-ab12"; None for another process."""
+    words = title.split()
+    if not words:
         return None
-    words = " ".join(cmd).split()
-    first, tag = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
+    tag = next((w for w in words[1:] if w.startswith("engine-")), "")
+    ranks = next((int(w[6:]) for w in words[1:] if w.startswith("ranks=") and w[6:].isdigit()), 1)
+    first = words[0]
     if first in {f"engine::{role}" for role in ROLES}:
-        return first.removeprefix("engine::"), tag
+        return first.removeprefix("engine::"), tag, ranks
     if first.startswith("engine::tp-rank"):  # a tensor-parallel rank other than 0: scheduler-rank1
-        return "scheduler-rank" + first.removeprefix("engine::tp-rank"), tag
+        return "scheduler-rank" + first.removeprefix("engine::tp-rank"), tag, 1
     return None
 
 
+def _parsed(proc: psutil.Process) -> tuple[str, str, int] | None:
+    try:
+        return parse_title(" ".join(proc.cmdline()))
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
 def engine_processes(root: int | None = None) -> list[dict[str, int]]:
-    """Engines found among root's descendants (or on the whole machine): [{role: pid}], one dict each."""
+    """Engines found among root's descendants (or on the whole machine): [{role: pid}], one dict each,
+    once its scheduler, detokenizer and this machine's other ranks all have their titles."""
     if root is None:
         candidates = psutil.process_iter()
     else:
@@ -34,14 +44,22 @@ def engine_processes(root: int | None = None) -> list[dict[str, int]]:
         except psutil.NoSuchProcess:
             return []
     engines: dict[tuple[int, str], dict[str, int]] = {}
+    ranks: dict[tuple[int, str], int] = {}
     for proc in candidates:
-        found = _role(proc)
+        found = _parsed(proc)
         if found is None:
             continue
-        role, tag = found
+        role, tag, count = found
         try:
             parent = proc.ppid()
         except psutil.NoSuchProcess:
             continue
         engines.setdefault((parent, tag), {"user": parent})[role] = proc.pid
-    return [e for e in engines.values() if all(r in e for r in ROLES)]
+        if role == "scheduler":
+            ranks[(parent, tag)] = count
+    return [
+        e
+        for key, e in engines.items()
+        if all(r in e for r in ROLES)
+        and all(f"scheduler-rank{r}" in e for r in range(1, ranks.get(key, 1)))
+    ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 
+import msgspec
+
 from engine.processes.child import run_child
 
 
@@ -34,6 +36,11 @@ def run_scheduler_rank(
         config = EngineConfig.from_json(config_json)
         return Scheduler(config, model_dir, endpoints, progress, rank, dist_init_addr)
 
-    # rank 0 is engine::scheduler, the others engine::tp-rank<N>: `engine profile` tells them apart
+    # rank 0 is engine::scheduler, the others engine::tp-rank<N>: `engine profile` tells them apart;
+    # rank 0 says how many ranks this machine runs, so discovery waits for all of them
+    fields = msgspec.json.decode(config_json)
+    per_node = fields["tp_size"] // fields["nnodes"]
     title = f"engine::tp-rank{rank}" if rank else None
+    if not rank and per_node > 1:
+        title = f"engine::scheduler ranks={per_node}"
     run_child("scheduler", conn, parent_pid, build, endpoints.get("runtime_dir"), title)
