@@ -572,6 +572,17 @@ def test_two_machines_on_loopback(engine, chat_ids):
             got = eng.generate(input_ids=chat_ids[:3], sampling_params=params)
             want = engine.generate(input_ids=chat_ids[:3], sampling_params=params)
             assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+            # `engine dump` on the node's machine finds its rank (no user process of its own there)
+            dumped = subprocess.run(
+                [sys.executable, "-m", "engine.profiling.cli", "dump", "--pid", str(node.pid)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert dumped.returncode == 0, dumped.stderr
+            assert f"==== node (pid {node.pid}) ====" in dumped.stdout
+            rank1 = dumped.stdout.split("==== scheduler-rank1 (pid ", 1)[1]
+            assert "serve_forever" in rank1
             node.send_signal(signal.SIGTERM)
             assert node.wait(15) == 0
             with pytest.raises(EngineDeadError):

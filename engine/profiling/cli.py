@@ -20,13 +20,16 @@ from engine.profiling.discover import engine_processes
 from engine.profiling.pyspy import ProfileError, dump, explain, find_pyspy, record_args
 from engine.profiling.stacks import parse_collapsed, write_flamegraph, write_speedscope
 
-ROLES = ("user", "scheduler", "detokenizer")
-
 
 def _roles(pids: dict[str, int]) -> list[str]:
-    """user, scheduler, the other tensor-parallel ranks' schedulers (scheduler-rank1, ...), detokenizer."""
-    ranks = sorted((r for r in pids if r not in ROLES), key=lambda r: int(r.rpartition("rank")[2]))
-    return [*ROLES[:2], *ranks, *ROLES[2:]]
+    """user (or a remote machine's node), scheduler, the other tensor-parallel ranks' schedulers
+    (scheduler-rank1, ...), detokenizer: those pids has."""
+    first = [r for r in ("user", "node", "scheduler") if r in pids]
+    ranks = sorted(
+        (r for r in pids if r.startswith("scheduler-rank")),
+        key=lambda r: int(r[len("scheduler-rank") :]),
+    )
+    return [*first, *ranks, *(["detokenizer"] if "detokenizer" in pids else [])]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -210,9 +213,9 @@ def _print(report: dict) -> None:
 
 def dump_all(args: argparse.Namespace) -> int:
     pyspy = find_pyspy()
-    engines = engine_processes()
+    engines = engine_processes(node_ranks=True)
     if args.pid is not None:
-        chosen = [e for e in engines if e["user"] == args.pid]
+        chosen = [e for e in engines if e.get("user", e.get("node")) == args.pid]
         if not chosen:
             raise ProfileError(_not_a_user_pid(args.pid, engines))
         engines = chosen
@@ -232,12 +235,12 @@ def _not_a_user_pid(pid: int, engines: list[dict[str, int]]) -> str:
     given instead, and which pids would do."""
     for e in engines:
         for role in ("scheduler", "detokenizer"):
-            if e[role] == pid:
+            if e.get(role) == pid:
                 return (
                     f"pid {pid} is the {role} of the engine whose user process is {e['user']}: "
                     f"--pid takes the user process's pid (engine dump --pid {e['user']})"
                 )
-    users = ", ".join(str(e["user"]) for e in engines)
+    users = ", ".join(str(e["user"]) for e in engines if "user" in e)
     running = f"running engines' user processes: {users}" if users else "no engine is running"
     return (
         f"pid {pid} is not the user process of a running engine (--pid takes the pid that created "

@@ -33,9 +33,11 @@ def _parsed(proc: psutil.Process) -> tuple[str, str, int] | None:
         return None
 
 
-def engine_processes(root: int | None = None) -> list[dict[str, int]]:
+def engine_processes(root: int | None = None, node_ranks: bool = False) -> list[dict[str, int]]:
     """Engines found among root's descendants (or on the whole machine): [{role: pid}], one dict each,
-    once its scheduler, detokenizer and this machine's other ranks all have their titles."""
+    once its scheduler, detokenizer and this machine's other ranks all have their titles. node_ranks:
+    also the ranks `python -m engine.distributed.node` runs here for an engine whose rank 0 is on
+    another machine, as {"node": its pid, "scheduler-rank<N>": ...}."""
     if root is None:
         candidates = psutil.process_iter()
     else:
@@ -57,9 +59,16 @@ def engine_processes(root: int | None = None) -> list[dict[str, int]]:
         engines.setdefault((parent, tag), {"user": parent})[role] = proc.pid
         if role == "scheduler":
             ranks[(parent, tag)] = count
-    return [
+    found = [
         e
         for key, e in engines.items()
         if all(r in e for r in ROLES)
         and all(f"scheduler-rank{r}" in e for r in range(1, ranks.get(key, 1)))
     ]
+    if node_ranks:  # a node's ranks: no scheduler, detokenizer or socket directory of their own
+        found += [
+            {"node": e.pop("user"), **e}
+            for (_, tag), e in engines.items()
+            if not tag and not any(r in e for r in ROLES)
+        ]
+    return found
