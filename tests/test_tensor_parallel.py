@@ -365,6 +365,23 @@ def test_engine_dump_finds_every_rank(tp2):
     assert header in proc.stdout
     rank1 = proc.stdout.split(header, 1)[1].split("\n==== ", 1)[0]
     assert "serve_forever" in rank1  # rank 1's own loop
+    wrong = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.profiling.cli",
+            "dump",
+            "--pid",
+            str(mine[0]["scheduler-rank1"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert wrong.returncode == 2
+    assert (
+        f"is the scheduler-rank1 of the engine whose user process is {os.getpid()}" in wrong.stderr
+    )
 
 
 def _pids(eng) -> list[int]:

@@ -234,11 +234,12 @@ def _not_a_user_pid(pid: int, engines: list[dict[str, int]]) -> str:
     """--pid names an engine by its user process (the one that created Engine()): say what pid was
     given instead, and which pids would do."""
     for e in engines:
-        for role in ("scheduler", "detokenizer"):
-            if e.get(role) == pid:
+        owner = "user" if "user" in e else "node"
+        for role, rpid in e.items():
+            if rpid == pid and role != owner:
                 return (
-                    f"pid {pid} is the {role} of the engine whose user process is {e['user']}: "
-                    f"--pid takes the user process's pid (engine dump --pid {e['user']})"
+                    f"pid {pid} is the {role} of the engine whose {owner} process is {e[owner]}: "
+                    f"--pid takes the {owner} process's pid (engine dump --pid {e[owner]})"
                 )
     users = ", ".join(str(e["user"]) for e in engines if "user" in e)
     running = f"running engines' user processes: {users}" if users else "no engine is running"
