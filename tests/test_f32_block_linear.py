@@ -127,6 +127,11 @@ class _Rank:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
 
+    def _never(self, *args):
+        raise AssertionError("no collective runs in these layer tests")
+
+    all_reduce_ = ordered_sum = gather_columns = _never
+
 
 def _rank_linears(model_dir: str, rank: int, blocks: bool) -> dict[str, torch.nn.Module]:
     """A rank's shard of every linear layer (inside its tensor-parallel wrapper), as loaded."""

@@ -249,9 +249,11 @@ def tp2():
     eng.shutdown()
 
 
-def _run(eng, ids) -> list[tuple[list[int], list[float]]]:
-    eng.flush_cache()  # every run prefills whole prompts
-    outs = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+def _run(eng, ids, tokens: int = NEW_TOKENS) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs, every prompt prefilled whole (the cache flushed first)."""
+    eng.flush_cache()
+    params = {**GREEDY, "max_new_tokens": tokens}
+    outs = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
     return [
         (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
         for o in outs
@@ -442,16 +444,6 @@ def test_a_killed_rank_0_ends_the_engine():
         eng.shutdown()
 
 
-def _greedy(eng, ids, tokens: int = 16) -> list[tuple[list[int], list[float]]]:
-    eng.flush_cache()
-    params = {"max_new_tokens": tokens, "temperature": 0}
-    outs = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
-    return [
-        (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
-        for o in outs
-    ]
-
-
 def test_one_scheduler_summing_like_two_ranks_is_bitwise_tp2(tp2, chat_ids):
     """reduce_like_tp=2: the row-parallel layers summed over the two ranks' columns, in rank order.
     The exact mode's TP=2 is then bitwise a single scheduler's, not within 1e-4."""
@@ -460,7 +452,7 @@ def test_one_scheduler_summing_like_two_ranks_is_bitwise_tp2(tp2, chat_ids):
     with Engine(dtype="float32", max_total_tokens=8192, reduce_like_tp=2) as eng:
         assert eng.server_info["decode_path"].startswith("tensor-parallel")
         assert eng.server_info["reduce_like_tp"] == 2
-        assert _greedy(eng, chat_ids) == _greedy(tp2, chat_ids)
+        assert _run(eng, chat_ids, 16) == _run(tp2, chat_ids, 16)
 
 
 @pytest.mark.parametrize("mode", ["gguf", "gguf-q8"])
@@ -477,7 +469,7 @@ def test_block_modes_under_two_ranks_are_bitwise_one_summing_alike(mode, chat_id
         with Engine(
             quantization=mode, max_total_tokens=8192, tp_size=tp, reduce_like_tp=like
         ) as eng:
-            got[tp] = _greedy(eng, chat_ids)
+            got[tp] = _run(eng, chat_ids, 16)
             if tp == 2 and mode == "gguf-q8":  # its bound (tests/test_gguf_q8.py) under TP=2
                 windows = held_out_windows(engine.tokenizer, 2, 256)
                 (exact, _), (q8, _) = (
@@ -511,7 +503,7 @@ def test_int8_under_two_ranks_quantizes_whole_rows(chat_ids, model_dir, tmp_path
         ("one", {}),
     ):
         with Engine(model_path=model_dir, quantization="int8", max_total_tokens=8192, **kw) as eng:
-            got[name] = _greedy(eng, chat_ids)
+            got[name] = _run(eng, chat_ids, 16)
         path = cache_file(model_dir, "int8")
         stamp = stamp if name != "ranks, quantizing" else path.stat().st_mtime_ns
         assert path.stat().st_mtime_ns == stamp  # written by the first, then only read
@@ -557,7 +549,7 @@ def test_three_ranks_sum_in_rank_order(chat_ids):
         with Engine(
             quantization="gguf", max_total_tokens=4096, tp_size=tp, reduce_like_tp=like
         ) as eng:
-            got[tp] = _greedy(eng, chat_ids[:4], 8)
+            got[tp] = _run(eng, chat_ids[:4], 8)
     assert got[3] == got[1]
 
 

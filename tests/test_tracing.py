@@ -367,24 +367,30 @@ def receiver(tmp_path_factory):
         yield rx
 
 
-@pytest.fixture(scope="module")
-def traced(receiver):
-    """An engine whose three processes export over OTLP/gRPC to the receiver."""
+def _traced_engine(endpoint: str, **options):
+    """An engine whose processes export over OTLP/gRPC to endpoint: the children take the
+    variables at spawn; then they go."""
     from engine import Engine
-    from engine.hooks.loader import loaded_plugins, unload_plugins
 
-    assert "tracing" not in loaded_plugins()
     env = {
         "ENGINE_TRACING": "1",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_SERVICE_NAME": "engine-test",
     }
-    # the children take the variables at spawn; then they go
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
-        eng = Engine(dtype="float32", max_total_tokens=4096)
+        return Engine(dtype="float32", max_total_tokens=4096, **options)
+
+
+@pytest.fixture(scope="module")
+def traced(receiver):
+    """An engine whose three processes export over OTLP/gRPC to the receiver."""
+    from engine.hooks.loader import loaded_plugins, unload_plugins
+
+    assert "tracing" not in loaded_plugins()
+    eng = _traced_engine(receiver.grpc_endpoint)
     yield eng
     eng.shutdown()
     from engine.hooks.loader import _loaded
@@ -496,20 +502,8 @@ def test_every_ranks_scheduler_spans_are_in_the_requests_trace(traced, receiver,
     """Under tp_size=2 both ranks' schedulers export a request's spans into its one trace, each
     process marked by its rank (engine.tp.rank). The children export to a receiver of their own
     (the module's keeps one engine's processes); the root comes from this process's exporter."""
-    from engine import Engine
-
     with OTLPReceiver(out_path=str(tmp_path / "ranks.jsonl")) as ranks_rx:
-        env = {
-            "ENGINE_TRACING": "1",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": ranks_rx.grpc_endpoint,
-            "OTEL_BSP_SCHEDULE_DELAY": "100",
-            "OTEL_SERVICE_NAME": "engine-test",
-        }
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            eng = Engine(dtype="float32", max_total_tokens=4096, tp_size=2)
-        with eng:
+        with _traced_engine(ranks_rx.grpc_endpoint, tp_size=2) as eng:
             out = eng.generate(PROMPTS[0], {"max_new_tokens": 3, "temperature": 0})
             rid = out["meta_info"]["id"]
 

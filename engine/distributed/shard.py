@@ -170,7 +170,7 @@ def shard_int8(
     """This rank's part of the whole model's int8 weights (name.qweight, name.scale: the cache's,
     engine/linear/int8.py). Rows as the floats'; a row-parallel layer's columns cut from rows
     quantized whole, so each keeps its whole row's scale, as one scheduler's do."""
-    from engine.linear.int8 import in_panels, panels, rows_of
+    from engine.linear.int8 import as_stored, rows_of
 
     out = {}
     for key, t in stored.items():
@@ -185,5 +185,5 @@ def shard_int8(
             q = _take_rows(q, rows)
         elif cols is not None:
             q = q[:, cols.start : cols.stop].contiguous()
-        out[key] = panels(q) if in_panels(q.shape[0]) else q.contiguous()
+        out[key] = as_stored(q)
     return out

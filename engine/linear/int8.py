@@ -57,6 +57,17 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def as_stored(q: torch.Tensor) -> torch.Tensor:
+    """Row-major int8 [N, K] in the layout the layer and the cache hold (stored_shape)."""
+    return panels(q) if in_panels(q.shape[0]) else q.contiguous()
+
+
+def quantize_stored(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows, its int8 weights as stored."""
+    q, scale = quantize_rows(weight)
+    return as_stored(q), scale
+
+
 class Int8Linear(QuantizedLinear):
     """A frozen linear layer holding only int8 weights and their per-row scales."""
 
@@ -95,8 +106,7 @@ class Int8Linear(QuantizedLinear):
         if ok:
             qweight, scale = known
         else:
-            qweight, scale = quantize_rows(weight)
-            qweight = panels(qweight) if self.in_panels else qweight
+            qweight, scale = quantize_stored(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.register_buffer(

@@ -36,12 +36,12 @@ class RowParallelLinear(nn.Module):
         self, inner: LinearLayer, out_features: int, group: Collectives, ordered: bool = False
     ) -> None:
         super().__init__()
-        self.inner, self.group, self.ordered = inner, group, ordered
+        self.inner, self.group = inner, group
         self.in_features, self.out_features = inner.in_features, out_features
+        self._sum = group.ordered_sum if ordered else group.all_reduce_  # chosen once, not per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = self.inner(x)
-        return self.group.ordered_sum(part) if self.ordered else self.group.all_reduce_(part)
+        return self._sum(self.inner(x))
 
 
 class VocabParallelHead(nn.Module):

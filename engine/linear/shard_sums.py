@@ -29,9 +29,9 @@ class ShardSumLinear(nn.Module):
         total = None
         part_x = torch.zeros_like(x)
         for cut in self.cuts:
-            part_x.zero_()
             part_x[..., cut.start : cut.stop] = x[..., cut.start : cut.stop]
             part = self.inner(part_x)
+            part_x[..., cut.start : cut.stop] = 0
             total = part if total is None else total.add_(part)
         return total
 

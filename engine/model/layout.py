@@ -36,7 +36,9 @@ class WholeModel:
         self.cfg, self.reduce_like = cfg, reduce_like
         # computed as ranks compute: the table's rows for shards (no whole-weight rows, plain decode)
         self.like_tp = reduce_like > 1
-        if self.like_tp:  # refused before any weight is read
+        if (
+            self.like_tp and not self.tp
+        ):  # one scheduler summing like ranks: refused before the load
             Shard.plan(cfg, 0, reduce_like)  # no more ranks than KV heads
             if cfg.o_bias or cfg.mlp_bias:
                 raise ValueError(

@@ -103,11 +103,10 @@ def _fitting(stored: dict | None, shapes: dict[str, tuple[int, int]]) -> dict | 
 
 def _quantize_int8(shapes: dict[str, tuple[int, int]], read_float) -> dict[str, torch.Tensor]:
     """Every layer's int8 weights and scales as Int8Linear makes them, one float weight at a time."""
-    from engine.linear.int8 import in_panels, panels, quantize_rows
+    from engine.linear.int8 import quantize_stored
 
     stored = {}
-    for name, (n, _) in shapes.items():
-        q, scale = quantize_rows(read_float([f"{name}.weight"])[f"{name}.weight"])
-        stored[f"{name}.qweight"] = panels(q) if in_panels(n) else q
-        stored[f"{name}.scale"] = scale
+    for name in shapes:
+        weight = read_float([f"{name}.weight"])[f"{name}.weight"]
+        stored[f"{name}.qweight"], stored[f"{name}.scale"] = quantize_stored(weight)
     return stored
